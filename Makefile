@@ -1,0 +1,33 @@
+# Two entry points for a fresh Debian 12 machine, as root: `make demo` and `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+APT_PACKAGES := catatonit iproute2 util-linux python3-venv nodejs npm
+NODE_STAMP := tests/node/node_modules/.installed
+
+.PHONY: install demo test schemas clean-venv bench
+
+install: $(STAMP) $(NODE_STAMP)
+
+$(STAMP): pyproject.toml infra/install-deps.sh
+	bash infra/install-deps.sh $(APT_PACKAGES)
+	test -x $(PY) || /usr/bin/python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+$(NODE_STAMP): tests/node/package.json | $(STAMP)
+	cd tests/node && npm install --no-audit --no-fund --silent
+	touch $@
+
+demo: install
+	$(PY) -m sandfleet.demo
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider
+
+schemas: install
+	$(PY) -m schemas.export schemas/json
+
+bench: install
+	$(PY) -m loadtest.create_rate

@@ -1,0 +1,54 @@
+"""Composition root of the node agent: reclaim leftovers, then serve confine/release."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from agents.node import cgroups
+from agents.node.confinement import NodeConfinement
+from sandfleet import runner
+from sandfleet.bus import Endpoint
+from sandfleet.config import ServiceConfig
+from sandfleet.store import SandboxStore
+from schemas import node as node_schema
+from schemas.node import ConfinedList, Confinement, ConfineRequest, Empty, ReleaseReply, ReleaseRequest
+
+log = logging.getLogger("sandfleet.agent")
+
+
+async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
+    async with runner.service_bus("agent", config) as bus:
+        node = NodeConfinement(layout=cgroups.CgroupLayout.detect(), node_id=config.node_id)
+        store = await SandboxStore.open(bus)
+        reclaimed = await node.reconcile(store)
+
+        async def confine(req: ConfineRequest) -> Confinement:
+            return node.confine(req)
+
+        async def release(req: ReleaseRequest) -> ReleaseReply:
+            return ReleaseReply(released=await asyncio.to_thread(node.release, req.sandbox_id))
+
+        async def confined(_: Empty) -> ConfinedList:
+            return ConfinedList(sandbox_ids=sorted(node.held()))
+
+        n = config.node_id
+        await bus.serve(
+            "agent",
+            [
+                Endpoint("confine", node_schema.subject(n, node_schema.CONFINE), ConfineRequest, confine),
+                Endpoint("release", node_schema.subject(n, node_schema.RELEASE), ReleaseRequest, release),
+                Endpoint("confined", node_schema.subject(n, node_schema.AGENT_LIST), Empty, confined),
+            ],
+            queue_group=f"agent-{n}",
+        )
+        log.info("agent serving node %s (reclaimed %d orphaned sandboxes)", n, len(reclaimed))
+        await stop.wait()
+        # SIGTERM means the node is going down (a crash restart never sends it): the launcher
+        # has destroyed its sandboxes by now; take back anything still held.
+        await asyncio.to_thread(node.release_everything)
+        await node.reconcile(store)
+
+
+if __name__ == "__main__":
+    runner.run("agent", main)

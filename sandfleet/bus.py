@@ -1,0 +1,207 @@
+"""The one bus adapter: typed request/reply, publish, JetStream publish, and service endpoints.
+
+Every message is JSON from a msgspec Struct. Outgoing messages carry W3C trace context in
+headers; every handled request runs inside a span whose parent is the caller's. Handler
+errors become NATS micro error headers plus an `ErrorBody`, and transport failures become
+the `sandfleet.errors` tree, so neither side ever sees a foreign exception or a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.micro import add_service
+from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
+from nats.micro.service import EndpointConfig, Service, ServiceConfig
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from sandfleet import errors, telemetry
+from schemas.errors import ErrorBody, ErrorCode
+
+log = logging.getLogger("sandfleet.bus")
+T = TypeVar("T")
+
+_encoder = msgspec.json.Encoder()
+_decoders: dict[Any, msgspec.json.Decoder] = {}
+_error_decoder = msgspec.json.Decoder(ErrorBody)
+
+
+def encode(msg: Any) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, kind: type[T]) -> T:
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    return decoder.decode(data or b"{}")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One subject a service answers: requests are decoded into `request`, then `handler` runs."""
+
+    name: str
+    subject: str
+    request: type
+    handler: Callable[[Any], Awaitable[msgspec.Struct]]
+    max_bytes: int = 64 * 1024
+    queue_group: str | None = None
+
+
+class Bus:
+    def __init__(self, nc: nats.NATS, name: str) -> None:
+        self.nc = nc
+        self.name = name
+        self.js: JetStreamContext = nc.jetstream()
+        self._tasks: set[asyncio.Task] = set()
+        self._services: list[Service] = []
+        self._tracer = telemetry.tracer(name)
+
+    @classmethod
+    async def connect(cls, url: str, name: str, **options: Any) -> Bus:
+        try:
+            nc = await nats.connect(
+                url, name=name, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.5, **options
+            )
+        except (OSError, nats.errors.Error) as exc:
+            raise errors.NoResponders(f"cannot reach NATS at {url}: {exc}") from None
+        return cls(nc, name)
+
+    async def close(self) -> None:
+        for service in self._services:
+            await service.stop()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    # -- client side --------------------------------------------------------------------
+
+    async def request(self, subject: str, msg: Any, reply: type[T], timeout: float = 5.0) -> T:
+        with self._tracer.start_as_current_span(f"send {subject}", kind=SpanKind.CLIENT) as span:
+            span.set_attribute(telemetry.SUBJECT, subject)
+            payload = msg if isinstance(msg, bytes) else encode(msg)
+            try:
+                resp = await self.nc.request(subject, payload, timeout=timeout, headers=telemetry.inject())
+            except nats.errors.NoRespondersError:
+                raise errors.NoResponders(f"no service answers {subject}", subject=subject) from None
+            except nats.errors.TimeoutError:
+                raise errors.Timeout(f"no reply on {subject} within {timeout:g}s", subject=subject) from None
+            except nats.errors.MaxPayloadError:
+                raise errors.InvalidRequest(
+                    f"request of {len(payload)} bytes exceeds the bus's maximum payload", subject=subject
+                ) from None
+            failure = reply_error(resp, subject)
+            if failure is not None:
+                span.set_status(Status(StatusCode.ERROR, failure.message))
+                raise failure
+            try:
+                return decode(resp.data, reply)
+            except msgspec.MsgspecError as exc:
+                raise errors.InternalError(f"undecodable reply on {subject}: {exc}", subject=subject) from None
+
+    async def publish(self, subject: str, msg: Any) -> None:
+        await self.nc.publish(subject, encode(msg), headers=telemetry.inject())
+
+    async def publish_durable(self, subject: str, msg: Any, msg_id: str) -> None:
+        """JetStream publish, de-duplicated by `msg_id` so a retried publish is stored once."""
+        headers = telemetry.inject({"Nats-Msg-Id": msg_id})
+        await self.js.publish(subject, encode(msg), headers=headers)
+
+    # -- service side -------------------------------------------------------------------
+
+    async def serve(
+        self, name: str, endpoints: list[Endpoint], *, version: str = "0.1.0", queue_group: str | None = None
+    ) -> Service:
+        """Start a nats.micro service (PING/INFO/STATS for health) with these endpoints.
+
+        Each request is handled in its own task, so one slow exec never holds up the next.
+        """
+        service = await add_service(
+            self.nc, ServiceConfig(name=name, version=version, description=name, queue_group=queue_group)
+        )
+        for ep in endpoints:
+            await service.add_endpoint(
+                EndpointConfig(
+                    name=ep.name,
+                    subject=ep.subject,
+                    handler=self._dispatcher(ep),
+                    queue_group=ep.queue_group or queue_group or name,
+                )
+            )
+        self._services.append(service)
+        return service
+
+    def _dispatcher(self, ep: Endpoint) -> Callable[[Request], Awaitable[None]]:
+        async def dispatch(req: Request) -> None:
+            task = asyncio.create_task(self._handle(ep, req))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        return dispatch
+
+    async def _handle(self, ep: Endpoint, req: Request) -> None:
+        parent = telemetry.extract(req.headers)
+        with self._tracer.start_as_current_span(
+            ep.subject, context=parent, kind=SpanKind.SERVER, attributes={telemetry.SUBJECT: req.subject}
+        ) as span:
+            try:
+                if len(req.data) > ep.max_bytes:
+                    raise errors.ServiceError(
+                        ErrorCode.INVALID_REQUEST, f"payload of {len(req.data)} bytes exceeds {ep.max_bytes}"
+                    )
+                try:
+                    msg = decode(req.data, ep.request)
+                except msgspec.ValidationError as exc:
+                    raise errors.ServiceError(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}") from None
+                except msgspec.DecodeError as exc:
+                    raise errors.ServiceError(ErrorCode.INVALID_REQUEST, f"malformed JSON: {exc}") from None
+                result = await ep.handler(msg)
+                await req.respond(encode(result))
+            except errors.ServiceError as exc:
+                span.set_status(Status(StatusCode.ERROR, exc.message))
+                await _respond_error(req, exc)
+            except asyncio.CancelledError:
+                await _respond_error(req, errors.ServiceError(ErrorCode.INTERNAL, "service is shutting down"))
+                raise
+            except Exception as exc:  # a bug in a handler must not reach the caller as a traceback
+                log.exception("handler for %s failed", ep.subject)
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+                await _respond_error(
+                    req, errors.ServiceError(ErrorCode.INTERNAL, f"{ep.name} failed: {type(exc).__name__}")
+                )
+
+
+async def _respond_error(req: Request, exc: errors.ServiceError) -> None:
+    try:
+        await req.respond_error(str(exc.status), exc.message, data=encode(exc.body()))
+    except nats.errors.Error:
+        log.warning("could not send error reply for %s", req.subject)
+
+
+def reply_error(resp: Msg, subject: str) -> errors.ServiceFailure | None:
+    headers = resp.headers or {}
+    if ERROR_CODE_HEADER not in headers:
+        return None
+    try:
+        body = _error_decoder.decode(resp.data)
+    except msgspec.MsgspecError:
+        body = ErrorBody(code=ErrorCode.INTERNAL, message=headers.get(ERROR_HEADER, "unknown error"))
+    return errors.from_body(body, subject)
+
+
+def current_span() -> trace.Span:
+    return trace.get_current_span()

@@ -1,0 +1,137 @@
+"""Sandbox commands answered by placement, the sandbox record kept in KV, and the life cycle.
+
+Subjects here are the ones a trainer speaks to; everything a user sends is validated by
+the Struct constraints (msgspec), so a service never sees an out-of-range limit.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+CREATE = "sandbox.v1.create"
+CREATE_MANY = "sandbox.v1.create_many"
+GET = "sandbox.v1.get"
+LIST = "sandbox.v1.list"
+
+QUEUE_GROUP = "placement"
+KV_BUCKET = "sandboxes"
+
+Isolation = Literal["process", "container", "microvm", "vm"]
+
+LabelKey = Annotated[str, Meta(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-/]*$")]
+LabelValue = Annotated[str, Meta(max_length=256)]
+SandboxId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9\-]*$")]
+NodeId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_\-]*$")]
+
+MAX_BATCH = 32_000
+
+
+class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a trainer asks for; the body of `sandbox.v1.create`."""
+
+    isolation: Isolation = "process"
+    cpu: Annotated[float, Meta(gt=0, le=64)] = 1.0
+    memory_mb: Annotated[int, Meta(ge=16, le=262_144)] = 512
+    pids: Annotated[int, Meta(ge=8, le=32_768)] = 512
+    timeout_s: Annotated[int, Meta(ge=1, le=7 * 24 * 3600)] = 600
+    labels: Annotated[dict[LabelKey, LabelValue], Meta(max_length=32)] = {}
+    layers: Annotated[list[Annotated[str, Meta(min_length=1, max_length=128)]], Meta(max_length=16)] = []
+    allow: Annotated[list[Annotated[str, Meta(min_length=1, max_length=253)]], Meta(max_length=256)] = []
+
+
+class CreateRequest(SandboxSpec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class CreateReply(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    node: str
+    state: str = "running"
+
+
+class CreateManyRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    count: Annotated[int, Meta(ge=1, le=MAX_BATCH)]
+    spec: SandboxSpec = SandboxSpec()
+
+
+class CreateManyReply(msgspec.Struct, frozen=True, kw_only=True):
+    sandboxes: list[CreateReply]
+    failed: int = 0
+    errors: list[str] = []
+
+
+class GetRequest(msgspec.Struct, frozen=True, kw_only=True):
+    id: SandboxId
+
+
+class ListRequest(msgspec.Struct, frozen=True, kw_only=True):
+    node: NodeId | None = None
+    include_ended: bool = False
+
+
+class State(str, enum.Enum):
+    REQUESTED = "requested"
+    SCHEDULED = "scheduled"
+    STARTING = "starting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class Reason(str, enum.Enum):
+    """Why a sandbox reached `stopped` or `failed`; closed so consumers can switch on it."""
+
+    NONE = "none"
+    REQUESTED = "requested"  # the user destroyed it
+    EXPIRED = "expired"  # timeout_s passed
+    LAUNCH_FAILED = "launch_failed"
+    PROCESS_EXITED = "process_exited"  # its init died on its own (out of memory, killed)
+    LOST_ON_RESTART = "lost_on_restart"  # a restarted service found it gone
+    NODE_SHUTDOWN = "node_shutdown"
+    NODE_LOST = "node_lost"
+
+
+ENDED = frozenset({State.STOPPED, State.FAILED})
+
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.REQUESTED: frozenset({State.SCHEDULED, State.FAILED}),
+    State.SCHEDULED: frozenset({State.STARTING, State.STOPPING, State.FAILED}),
+    State.STARTING: frozenset({State.RUNNING, State.STOPPING, State.FAILED}),
+    State.RUNNING: frozenset({State.PAUSED, State.STOPPING, State.FAILED}),
+    State.PAUSED: frozenset({State.RUNNING, State.STOPPING, State.FAILED}),
+    State.STOPPING: frozenset({State.STOPPED, State.FAILED}),
+    State.STOPPED: frozenset(),
+    State.FAILED: frozenset(),
+}
+
+
+def can_transition(current: State, new: State) -> bool:
+    return new in TRANSITIONS[current]
+
+
+class SandboxRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """The KV value under `sandboxes/<id>`; every update is checked against its revision."""
+
+    id: str
+    node: str
+    spec: SandboxSpec
+    state: State
+    reason: Reason = Reason.NONE
+    detail: str = ""
+    created_at: float
+    updated_at: float
+    started_at: float = 0.0
+    deadline: float = 0.0
+    init_pid: int = 0
+    init_start_time: int = 0  # /proc/<pid>/stat field 22, so a recycled pid is never adopted
+    seq: int = 0  # how many lifecycle events this sandbox has published
+
+
+class SandboxList(msgspec.Struct, frozen=True, kw_only=True):
+    sandboxes: list[SandboxRecord]
