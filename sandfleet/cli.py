@@ -223,18 +223,11 @@ def _rm(args: argparse.Namespace) -> int:
 
 def _events(args: argparse.Namespace) -> int:
     async def body(fleet: client.Fleet) -> int:
-        stream = fleet.events(args.id, replay=True)
-        if not args.follow:
-            info = await fleet.bus.js.stream_info("EVENTS")
-            remaining = info.state.messages
-            if remaining == 0:
-                return 0
-        async for ev in stream:
+        if args.follow:  # one consumer from the start of the stream: no gap between history and live
+            async for ev in fleet.events(args.id, replay=True):
+                print(msgspec.json.encode(ev).decode(), flush=True)
+        for ev in await fleet.history(args.id):
             print(msgspec.json.encode(ev).decode(), flush=True)
-            if not args.follow:
-                remaining -= 1
-                if remaining <= 0:
-                    break
         return 0
 
     return _with_fleet(args, body)

@@ -150,6 +150,26 @@ class Fleet:
             except nats.errors.Error:
                 pass
 
+    async def history(self, sandbox_id: str | None = None, *, idle_s: float = 1.0) -> list[AnySandboxEvent]:
+        """Every stored lifecycle event (of one sandbox, or all), oldest first."""
+        subject = events.sandbox_filter(sandbox_id) if sandbox_id else events.ALL_SANDBOX
+        sub = await self.bus.js.subscribe(
+            subject, ordered_consumer=True, deliver_policy=nats.js.api.DeliverPolicy.ALL
+        )
+        found: list[AnySandboxEvent] = []
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=idle_s)
+                except nats.errors.TimeoutError:
+                    break
+                found.append(decode(msg.data, AnySandboxEvent))
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        return found
+
     async def nodes(self) -> list[node.NodeInfo]:
         kv = await self.bus.js.key_value(node.KV_BUCKET)
         try:

@@ -99,8 +99,7 @@ class Supervisor:
         env = {**os.environ, **self.env, "SANDFLEET_NATS_URL": self.url, "SANDFLEET_DATA_DIR": str(self.data_dir)}
         self.children = [Child("nats", [nats_server_binary(), "-c", str(conf)], logs / "nats.log")]
         self.children += [Child(n, [sys.executable, "-m", m], logs / f"{n}.log") for n, m in SERVICES]
-        state = self.data_dir / "supervisor.json"
-        state.write_text(json.dumps({"pid": os.getpid(), "url": self.url, "port": self.port}))
+        self._state = self.data_dir / "supervisor.json"
         try:
             self._start(self.children[0], env)
             _wait_for_port(self.port, 10.0)
@@ -111,7 +110,7 @@ class Supervisor:
                 time.sleep(0.1)
             self._stop_all()
         finally:
-            state.unlink(missing_ok=True)
+            self._state.unlink(missing_ok=True)
         return 0
 
     def _on_stop(self, *_: object) -> None:
@@ -123,6 +122,19 @@ class Supervisor:
         child.pid = proc.pid
         child.started_at = time.monotonic()
         proc.returncode = 0  # we reap with waitpid(-1) ourselves; keep Popen from trying
+        self._write_state()
+
+    def _write_state(self) -> None:
+        """`sandfleet down` and `status` read this: where the bus is and which pid is which."""
+        state = {
+            "pid": os.getpid(),
+            "url": self.url,
+            "port": self.port,
+            "services": {c.name: c.pid for c in self.children},
+        }
+        tmp = self._state.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self._state)
 
     def _reap(self, env: dict[str, str]) -> None:
         while True:

@@ -1,0 +1,58 @@
+"""`make schemas`: one JSON Schema per wire message, for clients in other languages."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import msgspec
+
+from schemas import errors, events, node, sandbox
+
+MESSAGES: dict[str, object] = {
+    "sandbox.CreateRequest": sandbox.CreateRequest,
+    "sandbox.CreateReply": sandbox.CreateReply,
+    "sandbox.CreateManyRequest": sandbox.CreateManyRequest,
+    "sandbox.CreateManyReply": sandbox.CreateManyReply,
+    "sandbox.GetRequest": sandbox.GetRequest,
+    "sandbox.ListRequest": sandbox.ListRequest,
+    "sandbox.SandboxRecord": sandbox.SandboxRecord,
+    "sandbox.SandboxList": sandbox.SandboxList,
+    "events.SandboxEvent": events.AnySandboxEvent,
+    "node.NodeInfo": node.NodeInfo,
+    "node.LaunchRequest": node.LaunchRequest,
+    "node.LaunchReply": node.LaunchReply,
+    "node.ExecRequest": node.ExecRequest,
+    "node.ExecReply": node.ExecReply,
+    "node.WriteFileRequest": node.WriteFileRequest,
+    "node.WriteFileReply": node.WriteFileReply,
+    "node.ReadFileRequest": node.ReadFileRequest,
+    "node.ReadFileReply": node.ReadFileReply,
+    "node.DestroyRequest": node.DestroyRequest,
+    "node.DestroyReply": node.DestroyReply,
+    "node.ConfineRequest": node.ConfineRequest,
+    "node.Confinement": node.Confinement,
+    "node.ReleaseRequest": node.ReleaseRequest,
+    "node.ReleaseReply": node.ReleaseReply,
+    "errors.ErrorBody": errors.ErrorBody,
+}
+
+
+def render() -> dict[str, str]:
+    return {
+        f"{name}.json": json.dumps(msgspec.json.schema(kind), indent=2, sort_keys=True) + "\n"
+        for name, kind in MESSAGES.items()
+    }
+
+
+def main(out: str) -> None:
+    target = Path(out)
+    target.mkdir(parents=True, exist_ok=True)
+    for name, text in render().items():
+        (target / name).write_text(text)
+    print(f"wrote {len(MESSAGES)} schemas to {target}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "schemas/json")

@@ -1,0 +1,104 @@
+"""Shared fixtures: one real platform (`sandfleet up --detach`) for the session, and a leak check.
+
+The platform runs the real nats-server and every service as its own process on this
+machine's kernel; its spans go to an OTLP receiver in this process. After the session, the
+machine must hold no mount, cgroup, network namespace or process the tests made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import sandfleet
+from sandfleet.supervisor import free_port
+from tests.leaks import Snapshot
+from tests.otlp_receiver import OtlpReceiver
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "sandfleet.cli"]
+NODE_ID = "testnode"
+
+
+@dataclass(frozen=True)
+class Platform:
+    url: str
+    data_dir: Path
+    node_id: str
+    env: dict
+
+    def state(self) -> dict:
+        return json.loads((self.data_dir / "supervisor.json").read_text())
+
+    def service_pid(self, name: str) -> int:
+        return self.state()["services"][name]
+
+    def cli(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*CLI, *args], env={**self.env, "SANDFLEET_NATS_URL": self.url}, capture_output=True,
+            timeout=timeout, check=check, cwd=ROOT,
+        )
+
+
+def platform_env(otlp: OtlpReceiver | None, node_id: str) -> dict:
+    env = {**os.environ, "SANDFLEET_NODE_ID": node_id, "PYTHONPATH": str(ROOT)}
+    if otlp is not None:
+        env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    return env
+
+
+def start_platform(data_dir: Path, node_id: str, otlp: OtlpReceiver | None = None) -> Platform:
+    env = platform_env(otlp, node_id)
+    port = free_port()
+    out = subprocess.run(
+        [*CLI, "up", "--detach", "--port", str(port), "--data-dir", str(data_dir), "--node-id", node_id],
+        env=env, capture_output=True, text=True, timeout=90, cwd=ROOT,
+    )
+    if out.returncode != 0:
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((data_dir / "logs").glob("*.log")))
+        raise RuntimeError(f"sandfleet up failed: {out.stderr}\n{logs}")
+    return Platform(url=out.stdout.strip(), data_dir=data_dir, node_id=node_id, env=env)
+
+
+def stop_platform(p: Platform) -> None:
+    subprocess.run([*CLI, "down", "--data-dir", str(p.data_dir)], env=p.env, timeout=150, check=True, cwd=ROOT)
+
+
+@pytest.fixture(scope="session")
+def leak_check():
+    before = Snapshot.take()
+    yield before
+    deadline = time.monotonic() + 15
+    while True:
+        left = Snapshot.take().added_since(before)
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not left, f"the test session left resources behind: {left}"
+
+
+@pytest.fixture(scope="session")
+def otlp():
+    receiver = OtlpReceiver().start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def platform(leak_check, otlp, tmp_path_factory):
+    p = start_platform(tmp_path_factory.mktemp("platform"), NODE_ID, otlp)
+    yield p
+    stop_platform(p)
+
+
+@pytest.fixture(scope="session")
+async def fleet(platform):
+    async with sandfleet.connect(platform.url) as f:
+        yield f

@@ -1,0 +1,67 @@
+"""What a sandbox or a test can leave on the machine, read straight from the kernel."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def _mounts() -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [line.split(" - ")[0].split()[4] + " " + line.split(" - ")[1].split()[0] for line in f]
+
+
+def _cgroups() -> list[str]:
+    found = []
+    for root, dirs, _ in os.walk("/sys/fs/cgroup"):
+        depth = root.count("/") - 3
+        for d in dirs:
+            if "sandfleet" in d:
+                found.append(os.path.join(root, d))
+        if depth >= 2:
+            dirs.clear()
+    return found
+
+
+def _processes(names: set[str]) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        state = stat[stat.rindex(")") + 2]
+        if comm in names or state == "Z":
+            found.append(f"{pid}:{comm}:{state}")
+    return found
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    mounts: frozenset[str]
+    cgroups: frozenset[str]
+    netns: frozenset[str]
+    processes: frozenset[str]
+
+    @classmethod
+    def take(cls) -> Snapshot:
+        netns = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
+        return cls(
+            mounts=frozenset(m for m in _mounts() if " overlay" in m or " erofs" in m or " fuse" in m or "sandfleet" in m),
+            cgroups=frozenset(_cgroups()),
+            netns=frozenset(n for n in netns if n.startswith("sf-")),
+            processes=frozenset(_processes({"catatonit", "nats-server", "crun"})),
+        )
+
+    def added_since(self, before: Snapshot) -> dict[str, list[str]]:
+        left = {
+            "mounts": sorted(self.mounts - before.mounts),
+            "cgroups": sorted(self.cgroups - before.cgroups),
+            "netns": sorted(self.netns - before.netns),
+            "processes": sorted(self.processes - before.processes),
+        }
+        return {k: v for k, v in left.items() if v}

@@ -1,0 +1,103 @@
+"""Bad input gets a typed error reply (NATS micro headers + error body) and the service keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import nats
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from schemas import node, sandbox
+from schemas.errors import ErrorBody, ErrorCode
+
+KNOWN = set(sandbox.CreateRequest.__struct_fields__)
+
+
+@pytest.fixture(scope="module")
+async def nc(platform):
+    conn = await nats.connect(platform.url)
+    yield conn
+    await conn.drain()
+
+
+async def _error(nc, subject: str, payload: bytes) -> tuple[dict, ErrorBody]:
+    msg = await nc.request(subject, payload, timeout=10)
+    assert msg.headers and "Nats-Service-Error-Code" in msg.headers, msg.data[:200]
+    return msg.headers, msgspec.json.decode(msg.data, type=ErrorBody)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"{not json",
+        b"[]",
+        b'"create"',
+        b'{"isolation": 7}',
+        b'{"isolation": "teleport"}',
+        b'{"cpu": -1}',
+        b'{"memory_mb": 10000000}',
+        b'{"timeout_s": 0}',
+        b'{"labels": {"k": 5}}',
+        b'{"labels": ' + json.dumps({f"k{i}": "v" for i in range(100)}).encode() + b"}",
+    ],
+)
+async def test_malformed_create_gets_invalid_request(nc, payload):
+    headers, body = await _error(nc, sandbox.CREATE, payload)
+    assert headers["Nats-Service-Error-Code"] == "400"
+    assert body.code is ErrorCode.INVALID_REQUEST
+    assert "Traceback" not in body.message
+
+
+async def test_oversized_payload_gets_invalid_request(nc):
+    headers, body = await _error(nc, sandbox.CREATE, b'{"labels": {"a": "' + b"x" * 200_000 + b'"}}')
+    assert body.code is ErrorCode.INVALID_REQUEST and "exceeds" in body.message
+
+
+async def test_exec_on_unknown_sandbox_is_not_found(nc, platform):
+    req = msgspec.json.encode(node.ExecRequest(sandbox_id="sb-nope", argv=["true"]))
+    headers, body = await _error(nc, node.subject(platform.node_id, node.EXEC), req)
+    assert headers["Nats-Service-Error-Code"] == "404" and body.code is ErrorCode.NOT_FOUND
+
+
+async def test_exec_with_empty_argv_is_invalid(nc, platform):
+    _, body = await _error(nc, node.subject(platform.node_id, node.EXEC), b'{"sandbox_id":"sb-x","argv":[]}')
+    assert body.code is ErrorCode.INVALID_REQUEST
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=10,
+)
+# Every generated create is invalid: it has a field the schema does not know, or is not an object.
+bad_creates = st.one_of(
+    st.binary(max_size=200).map(lambda b: b"\x00" + b),
+    st.dictionaries(st.sampled_from(sorted(KNOWN)), json_values, max_size=3).flatmap(
+        lambda d: st.text(min_size=1, max_size=12)
+        .filter(lambda k: k not in KNOWN)
+        .map(lambda k: json.dumps({**d, k: 1}).encode())
+    ),
+    st.lists(json_values, max_size=3).map(lambda v: json.dumps(v).encode()),
+)
+
+
+async def test_thousands_of_generated_bad_requests_then_a_valid_create_works(nc, fleet):
+    payloads: list[bytes] = []
+
+    @settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(bad_creates)
+    def gather(p):
+        payloads.append(p)
+
+    gather()
+    assert len(payloads) >= 1000
+    for p in payloads:
+        msg = await nc.request(sandbox.CREATE, p, timeout=10)
+        body = msgspec.json.decode(msg.data, type=ErrorBody)
+        assert msg.headers["Nats-Service-Error-Code"] == "400", (p, body)
+    sb = await fleet.create(memory_mb=64)
+    assert (await sb.exec(["echo", "ok"])).stdout == b"ok\n"
+    await sb.destroy()

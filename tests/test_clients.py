@@ -1,0 +1,36 @@
+"""The platform from outside Python's SDK: the `sandfleet` CLI, and a Node.js client with only `nats` from npm."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+from tests.kernel import require
+
+NODE_DIR = Path(__file__).parent / "node"
+
+
+def test_node_client_creates_execs_and_sees_events(platform):
+    require(shutil.which("node") is not None and (NODE_DIR / "node_modules" / "nats").exists(), "node + nats npm")
+    out = subprocess.run(
+        ["node", str(NODE_DIR / "client.mjs"), platform.url], capture_output=True, text=True, timeout=60, check=True
+    )
+    result = json.loads(out.stdout)
+    assert result["exit_code"] == 0 and result["stdout"] == "hello from node\n"
+    assert result["events"][-1] == "sandbox.stopped" and "sandbox.stopping" in result["events"]
+
+
+def test_cli_create_exec_ps_rm_events_status(platform):
+    created = json.loads(platform.cli("create", "--memory-mb", "64", "--label", "task=cli", "--json").stdout)
+    sid = created["id"]
+    out = platform.cli("exec", sid, "--", "sh", "-c", "echo from-cli; exit 4", check=False)
+    assert out.returncode == 4 and out.stdout == b"from-cli\n"
+    assert sid in platform.cli("ps").stdout.decode()
+    assert platform.cli("status").stdout.decode().count(" up") == 3
+    assert b"stopped" in platform.cli("rm", sid).stdout
+    events = [json.loads(line) for line in platform.cli("events", "--id", sid).stdout.splitlines()]
+    assert [e["type"] for e in events][-1] == "sandbox.stopped"
+    missing = platform.cli("rm", sid, check=False)
+    assert missing.returncode == 1 and b"NotFound" in missing.stderr

@@ -1,0 +1,54 @@
+"""`kill -9` of a service while sandboxes run: after its restart each sandbox is usable or failed with a reason."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+
+from schemas.sandbox import Reason, State
+
+
+async def _restarted(fleet, platform, service: str, old_pid: int, timeout: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid = platform.service_pid(service)
+        if pid and pid != old_pid and await fleet.ping(service):
+            return pid
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{service} was not restarted within {timeout}s")
+
+
+async def test_launcher_killed_keeps_live_sandboxes_and_fails_the_dead_one(fleet, platform):
+    keep = await fleet.create(memory_mb=64)
+    lose = await fleet.create(memory_mb=64)
+    await keep.write_file("/workspace/state", b"before")
+    lose_init = (await fleet.get(lose.id)).init_pid
+    old = platform.service_pid("launcher")
+    os.kill(old, signal.SIGKILL)
+    os.kill(lose_init, signal.SIGKILL)  # dies while nobody watches
+    await _restarted(fleet, platform, "launcher", old)
+
+    r = await keep.exec(["cat", "/workspace/state"])
+    assert r.stdout == b"before"
+    record = await fleet.get(lose.id)
+    assert record.state is State.FAILED and record.reason is Reason.LOST_ON_RESTART
+    await keep.destroy()
+
+
+async def test_agent_killed_keeps_sandboxes_usable_and_reclaims_orphans(fleet, platform):
+    sb = await fleet.create(memory_mb=64)
+    # Leave an orphaned namespace as a crashed launch would; the restarted agent must reclaim it.
+    subprocess.run(["ip", "netns", "add", "sf-orphan-test"], check=True)
+    old = platform.service_pid("agent")
+    os.kill(old, signal.SIGKILL)
+    await _restarted(fleet, platform, "agent", old)
+
+    assert (await sb.exec(["echo", "alive"])).stdout == b"alive\n"
+    assert not os.path.exists("/run/netns/sf-orphan-test")
+    fresh = await fleet.create(memory_mb=64)
+    assert (await fresh.exec(["true"])).exit_code == 0
+    await asyncio.gather(sb.destroy(), fresh.destroy())
+    assert not os.path.exists(f"/run/netns/sf-{sb.id}")

@@ -1,0 +1,115 @@
+"""Pure logic, no bus and no kernel: state machine, placement policy, schema limits, error mapping."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from sandfleet import errors
+from schemas import events
+from schemas.errors import ErrorBody, ErrorCode
+from schemas.node import NodeInfo
+from schemas.sandbox import TRANSITIONS, CreateRequest, State, can_transition
+from services.placement.policy import NoCapacity, NodeView, NoEligibleNode
+
+
+def test_ended_states_allow_no_transition():
+    assert not TRANSITIONS[State.STOPPED] and not TRANSITIONS[State.FAILED]
+
+
+def test_every_state_can_reach_an_end():
+    for state in State:
+        seen, frontier = set(), {state}
+        while frontier:
+            seen |= frontier
+            frontier = {n for s in frontier for n in TRANSITIONS[s]} - seen
+        assert seen & {State.STOPPED, State.FAILED}, state
+
+
+def test_running_cannot_go_back_to_starting():
+    assert not can_transition(State.RUNNING, State.STARTING)
+    assert can_transition(State.RUNNING, State.STOPPING)
+
+
+def test_return_from_pause_is_a_resumed_event():
+    assert events.event_type(State.PAUSED, State.RUNNING) is events.Resumed
+    assert events.event_type(State.STARTING, State.RUNNING) is events.Started
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"isolation":"gpu"}',
+        b'{"cpu":-1}',
+        b'{"memory_mb":0}',
+        b'{"memory_mb":99999999}',
+        b'{"timeout_s":"10"}',
+        b'{"labels":{"":"x"}}',
+        b'{"surprise":1}',
+    ],
+)
+def test_create_request_rejects_bad_values(body):
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(body, type=CreateRequest)
+
+
+def test_create_request_defaults_from_empty_object():
+    req = msgspec.json.decode(b"{}", type=CreateRequest)
+    assert req.isolation == "process" and req.memory_mb == 512
+
+
+def _node(node_id, capacity=10, running=0, isolation=("process",), at=100.0):
+    return NodeInfo(id=node_id, isolation=list(isolation), capacity=capacity, running=running, cpus=2, memory_mb=1024, at=at)
+
+
+def test_placement_spreads_a_batch_by_free_slots():
+    view = NodeView()
+    view.heartbeat(_node("a", capacity=30))
+    view.heartbeat(_node("b", capacity=10))
+    plan = view.place("process", 20, now=101.0)
+    assert plan == {"a": 15, "b": 5}
+
+
+def test_placement_counts_what_it_sent_since_the_last_heartbeat():
+    view = NodeView()
+    view.heartbeat(_node("a", capacity=3))
+    view.place("process", 3, now=101.0)
+    with pytest.raises(NoCapacity):
+        view.place("process", 1, now=101.0)
+    view.heartbeat(_node("a", capacity=3, running=1, at=102.0))
+    assert view.place("process", 2, now=102.0) == {"a": 2}
+
+
+def test_placement_says_when_no_node_offers_the_isolation_level():
+    view = NodeView()
+    view.heartbeat(_node("a"))
+    with pytest.raises(NoEligibleNode, match="microvm"):
+        view.place("microvm", 1, now=101.0)
+
+
+def test_placement_ignores_stale_nodes():
+    view = NodeView()
+    view.heartbeat(_node("a", at=0.0))
+    with pytest.raises(NoCapacity):
+        view.place("process", 1, now=100.0)
+
+
+def test_error_bodies_map_to_the_documented_exceptions():
+    for code, kind in [
+        (ErrorCode.INVALID_REQUEST, errors.InvalidRequest),
+        (ErrorCode.NOT_FOUND, errors.NotFound),
+        (ErrorCode.CAPACITY, errors.Capacity),
+        (ErrorCode.UNSUPPORTED, errors.Unsupported),
+    ]:
+        exc = errors.from_body(ErrorBody(code=code, message="m"))
+        assert isinstance(exc, kind) and isinstance(exc, errors.SandfleetError)
+
+
+def test_committed_json_schemas_match_the_structs():
+    from pathlib import Path
+
+    from schemas.export import render
+
+    folder = Path(__file__).resolve().parent.parent / "schemas" / "json"
+    for name, text in render().items():
+        assert (folder / name).read_text() == text, f"{name} is stale: run `make schemas`"
