@@ -70,13 +70,21 @@ class Bus:
         self._tracer = telemetry.tracer(name)
 
     @classmethod
-    async def connect(cls, url: str, name: str, **options: Any) -> Bus:
+    async def connect(cls, url: str, name: str, deadline_s: float = 5.0, **options: Any) -> Bus:
+        """Connect, or raise NoResponders within `deadline_s` (nats-py alone retries forever)."""
+        async def quiet(exc: Exception) -> None:  # nats-py prints a traceback for every hiccup otherwise
+            log.debug("nats: %s", exc)
+
         try:
-            nc = await nats.connect(
-                url, name=name, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.5, **options
+            nc = await asyncio.wait_for(
+                nats.connect(
+                    url, name=name, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                    error_cb=quiet, **options
+                ),
+                deadline_s,
             )
-        except (OSError, nats.errors.Error) as exc:
-            raise errors.NoResponders(f"cannot reach NATS at {url}: {exc}") from None
+        except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+            raise errors.NoResponders(f"cannot reach NATS at {url}: {str(exc) or 'timed out'}") from None
         return cls(nc, name)
 
     async def close(self) -> None:

@@ -1,0 +1,227 @@
+"""The cgroups of each sandbox: limits, membership, kill and removal, on either layout.
+
+Hybrid hosts (cgroup v1 controllers plus a controller-less v2 hierarchy, as on this
+machine) give every sandbox one v1 directory per controller it limits (memory, cpu, pids)
+and one v2 directory, which is where BPF programs attach and where freeze, kill and PSI
+live. Unified (v2-only) hosts give it one v2 directory that does everything. Directories
+are <hierarchy>/sandfleet/<node id>/<sandbox id>, so a restarted agent finds its sandboxes
+by listing them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass, field
+
+ROOT = "/sys/fs/cgroup"
+PARENT = "sandfleet"
+V1_CONTROLLERS = ("memory", "cpu", "pids")
+CPU_PERIOD_US = 100_000
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class CgroupError(RuntimeError):
+    """A cgroup operation failed in a way the caller cannot fix by retrying."""
+
+
+@dataclass
+class CgroupLayout:
+    """Where the hierarchies are mounted; `v1` maps controller -> mount point (hybrid only)."""
+
+    mode: str  # "hybrid" or "unified"
+    v2: str
+    v1: dict[str, str] = field(default_factory=dict)
+    _prepared: set[str] = field(default_factory=set, repr=False)
+
+    @classmethod
+    def detect(cls) -> CgroupLayout:
+        with open("/proc/self/mountinfo") as f:
+            return cls.from_mountinfo(f.read())
+
+    @classmethod
+    def from_mountinfo(cls, text: str) -> CgroupLayout:
+        v2: str | None = None
+        v1: dict[str, str] = {}
+        for line in text.splitlines():
+            left, _, right = line.partition(" - ")
+            fields, tail = left.split(), right.split()
+            if len(fields) < 5 or len(tail) < 3:
+                continue
+            mount_point, fstype, options = fields[4], tail[0], tail[2].split(",")
+            if fstype == "cgroup2" and (v2 is None or mount_point == ROOT):
+                v2 = mount_point
+            elif fstype == "cgroup":
+                for ctrl in V1_CONTROLLERS:
+                    if ctrl in options:
+                        v1.setdefault(ctrl, mount_point)
+        if v2 is None:
+            raise CgroupError("no cgroup v2 hierarchy is mounted (v2 is needed for BPF, freeze and kill)")
+        if v2 == ROOT or not v1:
+            return cls(mode="unified", v2=v2)
+        missing = [c for c in V1_CONTROLLERS if c not in v1]
+        if missing:
+            raise CgroupError(f"hybrid cgroup layout without the v1 controllers {missing}")
+        return cls(mode="hybrid", v2=v2, v1=v1)
+
+    def node_dirs(self, node_id: str) -> list[str]:
+        """The per-node parent directory in every hierarchy, v2 last."""
+        if not _NAME.match(node_id):
+            raise ValueError(f"invalid node id {node_id!r}")
+        roots = sorted(set(self.v1.values())) + [self.v2]
+        return [f"{root}/{PARENT}/{node_id}" for root in roots]
+
+    def prepare_node(self, node_id: str) -> None:
+        """Create the per-node parents and, on v2-only hosts, delegate the controllers to them."""
+        if node_id in self._prepared:
+            return
+        for d in self.node_dirs(node_id):
+            os.makedirs(d, exist_ok=True)
+        if self.mode == "unified":
+            with open(f"{self.v2}/cgroup.controllers") as f:
+                available = set(f.read().split())
+            missing = [c for c in V1_CONTROLLERS if c not in available]
+            if missing:
+                raise CgroupError(f"cgroup v2 controllers {missing} are not available at {self.v2}")
+            enable = " ".join("+" + c for c in V1_CONTROLLERS)
+            for d in (self.v2, f"{self.v2}/{PARENT}", f"{self.v2}/{PARENT}/{node_id}"):
+                _write(f"{d}/cgroup.subtree_control", enable)
+        self._prepared.add(node_id)
+
+
+def _write(path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _read_pids(procs_file: str) -> list[int]:
+    try:
+        with open(procs_file) as f:
+            return [int(line) for line in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+class SandboxCgroups:
+    """The cgroup directories of one sandbox on one node."""
+
+    def __init__(self, layout: CgroupLayout, node_id: str, sandbox_id: str) -> None:
+        if not _NAME.match(sandbox_id):
+            raise ValueError(f"invalid sandbox id {sandbox_id!r}")
+        self.layout, self.node_id, self.sandbox_id = layout, node_id, sandbox_id
+        self.dirs = [f"{d}/{sandbox_id}" for d in layout.node_dirs(node_id)]  # v2 last
+        self._v1 = {ctrl: f"{root}/{PARENT}/{node_id}/{sandbox_id}" for ctrl, root in layout.v1.items()}
+
+    @property
+    def v2_dir(self) -> str:
+        return self.dirs[-1]
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [f"{d}/cgroup.procs" for d in self.dirs]
+
+    def create(self, cpu: float, memory_mb: int, pids: int) -> None:
+        """Make the directories and write the limits; calling it again rewrites the limits."""
+        if cpu <= 0 or memory_mb <= 0 or pids <= 0:
+            raise ValueError("cpu, memory_mb and pids must be positive")
+        self.layout.prepare_node(self.node_id)
+        for d in self.dirs:
+            try:
+                os.mkdir(d, 0o755)
+            except FileExistsError:
+                pass
+        memory = memory_mb << 20
+        quota = max(1000, int(cpu * CPU_PERIOD_US))
+        if self.layout.mode == "unified":
+            _write(f"{self.v2_dir}/memory.max", str(memory))
+            _write(f"{self.v2_dir}/cpu.max", f"{quota} {CPU_PERIOD_US}")
+            _write(f"{self.v2_dir}/pids.max", str(pids))
+            return
+        _write(f"{self._v1['memory']}/memory.limit_in_bytes", str(memory))
+        _write(f"{self._v1['cpu']}/cpu.cfs_period_us", str(CPU_PERIOD_US))
+        _write(f"{self._v1['cpu']}/cpu.cfs_quota_us", str(quota))
+        _write(f"{self._v1['pids']}/pids.max", str(pids))
+
+    def pids(self) -> list[int]:
+        """Every process in any of the sandbox's cgroups."""
+        found: set[int] = set()
+        for f in self.procs_files:
+            found.update(_read_pids(f))
+        return sorted(found)
+
+    def kill(self) -> None:
+        """SIGKILL every process in the sandbox's cgroups. Idempotent."""
+        try:
+            _write(f"{self.v2_dir}/cgroup.kill", "1")
+        except FileNotFoundError:
+            if os.path.isdir(self.v2_dir):  # a kernel before 5.14: signal each member
+                for pid in self.pids():
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            return
+        # v1 members that are not in the v2 directory (a half-started process) die too.
+        for pid in set(self.pids()) - set(_read_pids(f"{self.v2_dir}/cgroup.procs")):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def remove(self, timeout_s: float = 2.0) -> None:
+        """Kill everything, wait until the cgroups are empty and delete them. Idempotent."""
+        if not any(os.path.isdir(d) for d in self.dirs):
+            return
+        self.kill()
+        deadline, pause = time.monotonic() + timeout_s, 0.0005
+        left = list(self.dirs)
+        while left:
+            for d in list(left):
+                try:
+                    os.rmdir(d)
+                    left.remove(d)
+                except FileNotFoundError:
+                    left.remove(d)
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY:
+                        raise
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                raise CgroupError(f"cgroups of {self.sandbox_id} still busy after {timeout_s} s: {left}")
+            self.kill()
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+
+def list_sandboxes(layout: CgroupLayout, node_id: str) -> list[str]:
+    """Ids of the sandboxes that have a cgroup directory of this node in any hierarchy."""
+    found: set[str] = set()
+    for d in layout.node_dirs(node_id):
+        try:
+            with os.scandir(d) as entries:
+                found.update(e.name for e in entries if e.is_dir(follow_symlinks=False))
+        except FileNotFoundError:
+            pass
+    return sorted(found)
+
+
+def remove_node_root(layout: CgroupLayout, node_id: str) -> None:
+    """Delete the node's empty parents (and the sandfleet parent once no node uses it)."""
+    for d in layout.node_dirs(node_id):
+        for empty in (d, os.path.dirname(d)):
+            try:
+                os.rmdir(empty)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                if exc.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+                    raise
+                break
+    layout._prepared.discard(node_id)

@@ -1,0 +1,148 @@
+"""Named network namespaces, one per sandbox, bind-mounted at /run/netns/sf-<sandbox id>.
+
+They are made the way iproute2 makes them, so `ip netns list` shows every one (a leak is
+visible) and `ip netns exec` works on them. No process is forked: the calling thread
+unshares a fresh network namespace for itself, brings its loopback up, bind-mounts its
+own namespace file onto the name and switches back, with signals blocked so nothing can
+interrupt it between the switch and the switch back. A namespace lives as long as the
+bind mount or a process inside holds it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import re
+import signal
+import socket
+import struct
+
+RUN_DIR = "/run/netns"
+PREFIX = "sf-"
+_SANDBOX_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+
+_CLONE_NEWNET = 0x40000000
+_MS_BIND = 0x1000
+_MS_REC = 0x4000
+_MS_SHARED = 1 << 20
+_MNT_DETACH = 0x2
+_SIOCGIFFLAGS = 0x8913
+_SIOCSIFFLAGS = 0x8914
+_IFF_UP = 0x1
+_IFREQ = struct.Struct("16sH22x")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_libc.unshare.argtypes = [ctypes.c_int]
+_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+_run_dir_ready = False
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source: str, target: str, flags: int) -> None:
+    _check(_libc.mount(source.encode(), target.encode(), b"none", flags, None), f"mount {target}")
+
+
+def path(sandbox_id: str) -> str:
+    if not _SANDBOX_ID.match(sandbox_id):
+        raise ValueError(f"invalid sandbox id {sandbox_id!r}")
+    return f"{RUN_DIR}/{PREFIX}{sandbox_id}"
+
+
+def _ensure_run_dir() -> None:
+    """Make /run/netns a shared mount point of itself, as `ip netns add` does."""
+    global _run_dir_ready
+    if _run_dir_ready:
+        return
+    os.makedirs(RUN_DIR, mode=0o755, exist_ok=True)
+    try:
+        _mount("", RUN_DIR, _MS_SHARED | _MS_REC)
+    except OSError as exc:
+        if exc.errno != 22:  # EINVAL: not a mount point yet
+            raise
+        _mount(RUN_DIR, RUN_DIR, _MS_BIND | _MS_REC)
+        _mount("", RUN_DIR, _MS_SHARED | _MS_REC)
+    _run_dir_ready = True
+
+
+def _is_netns(file: str) -> bool:
+    """True if file is a mounted namespace (nsfs inodes share one device)."""
+    try:
+        return os.stat(file).st_dev == os.stat("/proc/thread-self/ns/net").st_dev
+    except FileNotFoundError:
+        return False
+
+
+def create(sandbox_id: str) -> str:
+    """Create the sandbox's network namespace with loopback up; returns its path. Idempotent."""
+    target = path(sandbox_id)
+    if _is_netns(target):
+        return target
+    _ensure_run_dir()
+    try:
+        os.close(os.open(target, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0))
+    except FileExistsError:
+        pass  # an empty file left by a crash between create and mount: mount over it
+    try:
+        _bind_new_netns(target)
+    except BaseException:
+        _unlink(target)
+        raise
+    return target
+
+
+def _bind_new_netns(target: str) -> None:
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        _check(_libc.unshare(_CLONE_NEWNET), "unshare network namespace")
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                ifreq = bytearray(_IFREQ.pack(b"lo", 0))
+                fcntl.ioctl(sock, _SIOCGIFFLAGS, ifreq)
+                _, flags = _IFREQ.unpack(ifreq)
+                fcntl.ioctl(sock, _SIOCSIFFLAGS, _IFREQ.pack(b"lo", flags | _IFF_UP))
+            _mount("/proc/thread-self/ns/net", target, _MS_BIND)
+        finally:
+            if _libc.setns(home, _CLONE_NEWNET) != 0:
+                # This thread would keep working in the sandbox's namespace: never continue.
+                os.write(2, b"sandfleet netns: cannot return to the host network namespace\n")
+                os.abort()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        os.close(home)
+
+
+def _unlink(file: str) -> None:
+    try:
+        os.unlink(file)
+    except FileNotFoundError:
+        pass
+
+
+def remove(sandbox_id: str) -> None:
+    """Detach and delete the name; the namespace ends with its last process. Idempotent."""
+    target = path(sandbox_id)
+    while _is_netns(target):  # stacked mounts (two racing creates) each need an unmount
+        if _libc.umount2(target.encode(), _MNT_DETACH) != 0:
+            err = ctypes.get_errno()
+            if err in (22, 2):  # EINVAL: not mounted, ENOENT: gone
+                break
+            raise OSError(err, f"umount {target}: {os.strerror(err)}")
+    _unlink(target)
+
+
+def list_sandboxes() -> list[str]:
+    """Ids of every sandbox namespace name on this host (for crash recovery)."""
+    try:
+        names = os.listdir(RUN_DIR)
+    except FileNotFoundError:
+        return []
+    return sorted(n[len(PREFIX):] for n in names if n.startswith(PREFIX) and _SANDBOX_ID.match(n[len(PREFIX):]))
