@@ -159,16 +159,12 @@ class SandboxCgroups:
         """SIGKILL every process in the sandbox's cgroups. Idempotent."""
         try:
             _write(f"{self.v2_dir}/cgroup.kill", "1")
-        except FileNotFoundError:
-            if os.path.isdir(self.v2_dir):  # a kernel before 5.14: signal each member
-                for pid in self.pids():
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-            return
-        # v1 members that are not in the v2 directory (a half-started process) die too.
-        for pid in set(self.pids()) - set(_read_pids(f"{self.v2_dir}/cgroup.procs")):
+            killed = set(_read_pids(f"{self.v2_dir}/cgroup.procs"))
+        except FileNotFoundError:  # no v2 directory (a half-made sandbox) or a kernel before 5.14
+            killed = set()
+        # Members cgroup.kill did not reach are signalled one by one (a pid read from a
+        # cgroup can be reused once its process is reaped, hence cgroup.kill first).
+        for pid in set(self.pids()) - killed:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -14,7 +14,6 @@ import ctypes
 import fcntl
 import os
 import re
-import signal
 import socket
 import struct
 
@@ -37,6 +36,9 @@ _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctype
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 _libc.unshare.argtypes = [ctypes.c_int]
 _libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+_libc.pthread_sigmask.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+_SIGSET = ctypes.c_ubyte * 128  # glibc's sigset_t; signal.pthread_sigmask is slow on full masks
+_ALL_SIGNALS = _SIGSET(*([0xFF] * 128))
 _run_dir_ready = False
 
 
@@ -82,14 +84,21 @@ def _is_netns(file: str) -> bool:
 
 def create(sandbox_id: str) -> str:
     """Create the sandbox's network namespace with loopback up; returns its path. Idempotent."""
+    global _run_dir_ready
     target = path(sandbox_id)
     if _is_netns(target):
         return target
-    _ensure_run_dir()
-    try:
-        os.close(os.open(target, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0))
-    except FileExistsError:
-        pass  # an empty file left by a crash between create and mount: mount over it
+    for attempt in (0, 1):
+        _ensure_run_dir()
+        try:
+            os.close(os.open(target, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0))
+            break
+        except FileExistsError:
+            break  # an empty file left by a crash between create and mount: mount over it
+        except FileNotFoundError:
+            if attempt:
+                raise
+            _run_dir_ready = False  # someone removed /run/netns since we made it
     try:
         _bind_new_netns(target)
     except BaseException:
@@ -100,7 +109,8 @@ def create(sandbox_id: str) -> str:
 
 def _bind_new_netns(target: str) -> None:
     home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    blocked = _SIGSET()
+    _libc.pthread_sigmask(0, ctypes.addressof(_ALL_SIGNALS), ctypes.addressof(blocked))  # SIG_BLOCK
     try:
         _check(_libc.unshare(_CLONE_NEWNET), "unshare network namespace")
         try:
@@ -116,7 +126,7 @@ def _bind_new_netns(target: str) -> None:
                 os.write(2, b"sandfleet netns: cannot return to the host network namespace\n")
                 os.abort()
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        _libc.pthread_sigmask(2, ctypes.addressof(blocked), None)  # SIG_SETMASK
         os.close(home)
 
 

@@ -2,30 +2,30 @@
 of fresh pid, mount, ipc, uts and cgroup namespaces, inside a given network namespace and
 cgroups, on a root it cannot write that shows nothing of the host but read-only /usr.
 
-Mechanics. Every sandbox process is forked by the *spawner*, a small helper interpreter
-this module starts on first use: fork copies the parent's page tables, which on this VM
-costs ~1.5 ms for a 50 MB launcher and ~0.4 ms for the 10 MB spawner, and exec has to tear
-the copy down again. A pid namespace applies to the children of the thread that unshares
-or enters it, so the spawner points its children's pid namespace at the sandbox for one
-fork at a time (signals blocked) and back. One fork per operation:
-- start: the spawner forks B, pid 1 of a new pid namespace. B joins the cgroups before
-  anything else, enters the netns, unshares mount/ipc/uts/cgroup namespaces, builds the
-  root from a plan, pivots into it, drops every capability, sets no_new_privs and execs
-  catatonit. The spawner reaps B when it ends.
-- exec: the spawner forks C straight into the sandbox's pid namespace. C joins the
-  cgroups, enters the other namespaces, chroots into the init's root, starts a session,
-  drops every capability and execs the command. The spawner reaps C and writes its status
-  on the exec's report pipe; C's orphans fall to the sandbox's init. The spawner, not the
-  launcher, reaps, so a launcher busy in kill() never holds up a dying pid namespace.
-Forked children run only os/ctypes code and leave by exec or os._exit; they report
-"step: errno message" on a close-on-exec pipe. Files are opened with openat2 and
-RESOLVE_IN_ROOT from the init's root, so no path (or planted symlink) leaves the sandbox.
-The spawner imports this module, so it imports nothing heavy at the top (asyncio is
-imported by exec).
+Every sandbox process is forked by the *spawner*, a small helper interpreter started on
+first use. Fork copies the parent's page tables and exec tears the copy down again: on this
+VM that costs ~1.5 ms each for a 50 MB launcher and a fraction of it for the 12 MB spawner.
+- start: the spawner forks B as pid 1 of a new pid namespace (a pid namespace applies to
+  the children of the thread that unshares it, so the spawner unshares, forks once and
+  goes back, signals blocked). B joins the cgroups before anything else, enters the netns,
+  unshares mount/ipc/uts/cgroup namespaces, builds the root from a plan (see _rootfs_plan),
+  pivots into it, drops every capability, sets no_new_privs and execs catatonit.
+- exec: the spawner forks C, which joins the cgroups, enters all of the init's namespaces
+  (the pid namespace for its children only), chroots into its root, drops every
+  capability and vfork-spawns the command D in a new session, then waits for it and
+  writes its status. C stays outside the sandbox's pid namespace, so the sandbox never
+  sees it, and D's orphans fall to the sandbox's init.
+The spawner reaps B and C (and is a subreaper for the rest), so the launcher has no
+children to reap and a launcher blocked in kill() never holds up a dying pid namespace.
+Children report "step: errno message" on a close-on-exec pipe; they run only os/ctypes
+code and leave by exec or os._exit. Files are opened with openat2(RESOLVE_IN_ROOT) from the
+init's root, so no path or planted symlink leaves the sandbox. The spawner imports this
+module, so nothing heavy is imported at the top (exec imports asyncio).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import functools
@@ -90,7 +90,7 @@ class ExecResult:
     truncated: bool
 
 
-# -- the sandbox root, as a plan computed in the launcher and replayed by B ---------------
+# -- the sandbox root: a plan computed once per (sizes, hostname), replayed by each B ------
 
 _HOST_DIRS = ("usr", "bin", "sbin", "lib", "lib64", "lib32", "libx32")
 _ETC_BINDS = ("ssl/certs", "alternatives", "ld.so.cache")
@@ -225,8 +225,9 @@ def _rootfs_plan(tmp_size_mb: int, workspace_size_mb: int, hostname: str) -> tup
 
 
 # -- reports on the pipes between launcher, spawner and children -----------------------------
-# Records: "P" pid (the spawner forked it), "R" (init about to exec), "X" wait status (the
-# spawner reaped it), "E" errno + message (a step failed). Each is one atomic pipe write.
+# Records: "P" pid (the spawner forked it), "R" (the init is about to exec), "X" the command's
+# wait status (from its exec helper), "E" errno + message (a step failed). Each record is one
+# write of less than PIPE_BUF bytes, so records from different writers never interleave.
 
 _INT = struct.Struct("<i")
 _ERR = struct.Struct("<iH")
@@ -341,18 +342,24 @@ def _exec_child(report: int, pidfd: int, root: int, cgroup_procs: list[str], cwd
     """C: enters the sandbox, vfork-spawns the command into its pid namespace, waits for it
     and writes its status. C stays outside the pid namespace, so the sandbox never sees it.
     SIGTERM (the spawner, on timeout or cancel) kills the command's process group. Never returns."""
-    command = 0
+    command, killed = 0, False
+
+    def kill_command() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(command, signal.SIGKILL)  # not reaped yet, so the group is still its own
 
     def terminate(*_) -> None:
+        nonlocal killed
+        killed = True
         if command:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(command, signal.SIGKILL)  # not reaped yet: still its group
-        else:
-            os._exit(1)
+            kill_command()
 
     signal.signal(signal.SIGTERM, terminate)
-    step = "join cgroups"
+    signal.set_wakeup_fd(-1)
+    step = "close inherited fds"
     try:
+        _close_all_but({report, pidfd, root, *stdio})  # C lives as long as the command: hold nothing else
+        step = "join cgroups"
         _join_cgroups(cgroup_procs)
         step = "enter namespaces"
         linux.setns(pidfd, _ENTER_NS | linux.CLONE_NEWPID)
@@ -363,15 +370,18 @@ def _exec_child(report: int, pidfd: int, root: int, cgroup_procs: list[str], cwd
         os.chdir(cwd)
         step = "drop privileges"
         _drop_privileges(last_cap)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
         step = "spawn"
         path, code = _which(argv[0], env.get("PATH", ""))
+        if killed:
+            os._exit(1)
         if path is not None:
             try:
                 command = os.posix_spawn(
                     path, argv, env, setsid=True, setsigdef=_SPAWN_DEFAULT_SIGNALS, setsigmask=(),
                     file_actions=[(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(stdio)],
                 )
+                if killed:  # SIGTERM arrived while spawning
+                    kill_command()
             except OSError as exc:
                 code = 127 if exc.errno in (errno.ENOENT, errno.ENOTDIR) else 126
                 os.write(stdio[2], f"sandbox: {argv[0]}: {exc.strerror}\n".encode(errors="replace"))
@@ -387,6 +397,15 @@ def _exec_child(report: int, pidfd: int, root: int, cgroup_procs: list[str], cwd
         _report(report, step, exc)
         os._exit(1)
     os._exit(0)
+
+
+def _close_all_but(keep: set[int]) -> None:
+    low = 3
+    for fd in sorted(keep):
+        if fd >= low:
+            os.closerange(low, fd)
+            low = fd + 1
+    os.closerange(low, 1 << 30)
 
 
 def _which(name: str, search: str) -> tuple[str | None, int]:
@@ -409,14 +428,11 @@ _HOST_PIDNS = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
 
 
 @contextlib.contextmanager
-def _children_in_pidns(pidfd: int | None):
-    """Fork this thread's children into a process's pid namespace, or into a new one."""
+def _children_in_new_pidns():
+    """Fork this thread's next child as pid 1 of a new pid namespace."""
     blocked = linux.block_all_signals()
     try:
-        if pidfd is None:
-            linux.unshare(linux.CLONE_NEWPID)
-        else:
-            linux.setns(pidfd, linux.CLONE_NEWPID)
+        linux.unshare(linux.CLONE_NEWPID)
         try:
             yield
         finally:
@@ -432,20 +448,20 @@ def _children_in_pidns(pidfd: int | None):
 def _spawner_main(sock_fd: int) -> None:
     """Serve fork requests until the launcher closes its end; reap every child."""
     sock = socket.socket(fileno=sock_fd)
+    linux.set_child_subreaper()  # a command whose exec helper died is reaped here, not leaked upward
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
     last_cap = _host_facts()["last_cap"]
-    reports: dict[int, int] = {}  # exec helper pid -> its report fd, to tell if it dies silently
+    reports: dict[int, int | None] = {}  # child pid -> report fd of an exec helper (tells if it dies silently)
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     poller.register(wake_r, select.POLLIN)
     while True:
         for fd, _ in poller.poll():
             if fd == wake_r:
-                while os.read(wake_r, 4096) == 4096:
-                    pass
+                os.read(wake_r, 4096)
                 _reap_children(reports)
                 continue
             try:
@@ -453,15 +469,49 @@ def _spawner_main(sock_fd: int) -> None:
             except OSError:
                 message, fds = b"", []
             if not message:
-                os._exit(0)  # the launcher is gone; the sandboxes keep running
+                _finish(reports)
+                os._exit(0)
             try:
+                if message == _LARGE:  # the request itself is in the first fd (a memfd)
+                    message, fds = _read_all(fds[0]), fds[1:] + fds[:1]
                 _serve(marshal.loads(message), fds, reports, last_cap)
+            except Exception as exc:  # a bad request must not take the other sandboxes' execs down
+                os.write(2, f"sandfleet spawner: request failed: {exc!r}\n".encode())
+                if fds:
+                    _report(fds[0], "spawner", exc)
             finally:
                 for f in fds:
                     os.close(f)
 
 
-def _reap_children(reports: dict[int, int]) -> None:
+def _read_all(fd: int) -> bytes:
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _finish(reports: dict[int, int | None]) -> None:
+    """The launcher is gone or stopped us: end the execs it can no longer read (they would be
+    orphaned, unreaped, on a host whose PID 1 may not reap) and leave the sandboxes running."""
+    helpers = {pid: fd for pid, fd in reports.items() if fd is not None}
+    for pid in helpers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 2
+    while helpers and time.monotonic() < deadline:
+        _reap_children(helpers)
+        time.sleep(0.001)
+    for pid in list(helpers):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    _reap_children({})
+
+
+def _reap_children(reports: dict[int, int | None]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -477,21 +527,25 @@ def _reap_children(reports: dict[int, int]) -> None:
             os.close(report)
 
 
-def _serve(request: tuple, fds: list[int], reports: dict[int, int], last_cap: int) -> None:
+def _serve(request: tuple, fds: list[int], reports: dict[int, int | None], last_cap: int) -> None:
     op, args = request
-    if op == "kill":  # a C not yet reaped: its pid cannot be anyone else's
-        if args in reports:
+    if op == "ping":
+        return
+    if op == "kill":  # only a child not yet reaped: its pid cannot be anyone else's
+        pid, sig = args
+        if pid in reports:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(args, signal.SIGTERM)
+                os.kill(pid, sig)
         return
     report = fds[0]
     try:
         if op == "start":
             plan = _rootfs_plan(*args[1:])
-            with _children_in_pidns(None):
+            with _children_in_new_pidns():
                 pid = os.fork()
                 if pid == 0:
                     _init_child(report, fds[1], args[0], plan, last_cap)
+            reports[pid] = None
         else:
             pid = os.fork()
             if pid == 0:
@@ -502,6 +556,10 @@ def _serve(request: tuple, fds: list[int], reports: dict[int, int], last_cap: in
         _report(report, f"spawner {op}", exc)
 
 
+_MAX_MESSAGE = 32 << 10
+_LARGE = b"large"
+
+
 class _Spawner:
     """The launcher's handle on its spawner process, started on first use and again if it died."""
 
@@ -509,20 +567,30 @@ class _Spawner:
         self.lock = threading.Lock()
         self.sock: socket.socket | None = None
         self.proc = None
+        atexit.register(self.stop)  # or the spawner outlives us as a zombie nobody reaps
 
     def send(self, request: tuple, fds: list[int]) -> None:
         message = marshal.dumps(request)
-        with self.lock:
-            for attempt in (0, 1):
-                if self.sock is None or self.proc.poll() is not None:
-                    self._start()
-                try:
-                    socket.send_fds(self.sock, [message], fds)
-                    return
-                except OSError:
-                    self._stop()
-                    if attempt:
-                        raise
+        big = -1
+        if len(message) > _MAX_MESSAGE:  # argv and env may reach a few MB; a datagram may not
+            big = os.memfd_create("sandfleet-request", os.MFD_CLOEXEC)
+            os.write(big, message)
+            message, fds = _LARGE, [big, *fds]
+        try:
+            with self.lock:
+                for attempt in (0, 1):
+                    if self.sock is None or self.proc.poll() is not None:
+                        self._start()
+                    try:
+                        socket.send_fds(self.sock, [message], fds)
+                        return
+                    except (BrokenPipeError, ConnectionResetError):  # it died: start another
+                        self._stop()
+                        if attempt:
+                            raise
+        finally:
+            if big >= 0:
+                os.close(big)
 
     def _start(self) -> None:
         import subprocess
@@ -559,6 +627,11 @@ class _Spawner:
 _spawner = _Spawner()
 
 
+def warm_up() -> None:
+    """Start the spawner now instead of on the first start or exec (it takes ~50 ms)."""
+    _spawner.send(("ping", None), [])
+
+
 def shutdown() -> None:
     """Stop the spawner (running sandboxes are not touched); the next call starts a new one."""
     _spawner.stop()
@@ -572,6 +645,8 @@ def start(spec: ProcessSpec) -> InitProcess:
         raise RuntimeStartError(f"invalid sandbox id {spec.sandbox_id!r}")
     if not re.match(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$", spec.hostname):
         raise RuntimeStartError(f"invalid hostname {spec.hostname!r}")
+    if spec.tmp_size_mb < 1 or spec.workspace_size_mb < 1:
+        raise RuntimeStartError("tmp_size_mb and workspace_size_mb must be at least 1 (0 means unlimited to tmpfs)")
     _rootfs_plan(spec.tmp_size_mb, spec.workspace_size_mb, spec.hostname)  # fail here, not in the child
     try:
         netns_fd = os.open(spec.netns, os.O_RDONLY | os.O_CLOEXEC)
@@ -581,8 +656,10 @@ def start(spec: ProcessSpec) -> InitProcess:
     try:
         request = ("start", (list(spec.cgroup_procs), spec.tmp_size_mb, spec.workspace_size_mb, spec.hostname))
         _spawner.send(request, [report_w, netns_fd])
-    except BaseException:
+    except BaseException as exc:
         os.close(report_r)
+        if isinstance(exc, OSError):
+            raise RuntimeStartError(f"sandbox {spec.sandbox_id}: cannot reach the spawner: {exc}") from exc
         raise
     finally:
         os.close(report_w)
@@ -592,9 +669,9 @@ def start(spec: ProcessSpec) -> InitProcess:
     finally:
         os.close(report_r)
     if report.errors or not report.ready:
-        if report.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(report.pid, signal.SIGKILL)  # not reaped yet: the spawner reaps only after this
+        if report.pid is not None and not report.errors:  # hung: a failed init exits by itself
+            with contextlib.suppress(OSError):
+                _spawner.send(("kill", (report.pid, int(signal.SIGKILL))), [])
         why = "; ".join(m for _, m in report.errors) or "init died without a report"
         raise RuntimeStartError(f"sandbox {spec.sandbox_id}: {why}")
     info = _read_stat(report.pid)
@@ -711,9 +788,11 @@ async def exec(
         _, _, report_r, report_w, in_r, in_w, out_r, out_w, err_r, err_w = fds
         request = ("exec", (list(cgroup_procs), cwd, list(argv), full_env))
         _spawner.send(request, [report_w, pidfd, root, in_r, out_w, err_w])
-    except BaseException:
+    except BaseException as exc:
         for fd in fds:
             os.close(fd)
+        if isinstance(exc, OSError):
+            raise ExecError(f"cannot reach the spawner: {exc}") from exc
         raise
     for fd in (pidfd, root, report_w, in_r, out_w, err_w):
         os.close(fd)
@@ -734,7 +813,7 @@ class _Run:
         self.buffers = {report_r: self.report, out_r: self.out, err_r: self.err}
         self.eof = {fd: loop.create_future() for fd in self.buffers}
         self.truncated = False
-        self.killed = False
+        self.killed = self.kill_pending = False
         for fd in self.buffers:
             os.set_blocking(fd, False)
             loop.add_reader(fd, self._readable, fd)
@@ -761,9 +840,13 @@ class _Run:
                 chunk = chunk[: max(0, self.max_output - len(buf))]
                 self.truncated = True
             buf += chunk
-            if fd == self.report_r and _Report.parse(bytes(buf)).status is not None:
-                self._close_reader(fd)  # done: no need to wait for the helper to be torn down
-                return
+            if fd == self.report_r:
+                report = _Report.parse(bytes(buf))
+                if self.kill_pending and report.pid is not None:
+                    self.kill()
+                if report.status is not None or report.errors:
+                    self._close_reader(fd)  # settled: no need to wait for the helper's teardown
+                    return
 
     def _close_reader(self, fd: int) -> None:
         if not self.eof[fd].done():
@@ -789,17 +872,19 @@ class _Run:
             self.in_w = -1
 
     def kill(self) -> None:
-        """Ask the spawner to kill the command's process group (it knows whether it is reaped)."""
+        """Ask the spawner to kill the command's process group (it knows whether it is reaped);
+        if the helper's pid has not arrived yet, as soon as it does."""
         pid = _Report.parse(bytes(self.report)).pid
+        self.kill_pending = pid is None
         if pid is not None and not self.killed:
             self.killed = True
             with contextlib.suppress(OSError):
-                _spawner.send(("kill", pid), [])
+                _spawner.send(("kill", (pid, int(signal.SIGTERM))), [])
 
     async def result(self, deadline: float) -> ExecResult:
         import asyncio
 
-        done = self.eof[self.report_r]  # the command's status arrived, or everyone closed the pipe
+        done = self.eof[self.report_r]  # a status or an error arrived, or every writer closed the pipe
         timed_out = False
         try:
             await asyncio.wait_for(asyncio.shield(done), max(0.0, deadline - self.loop.time()))
@@ -827,7 +912,8 @@ class _Run:
         if not self.eof[self.report_r].done():
             self.kill()  # cancelled while running: the command must not outlive its exec
         for fd in list(self.eof):
-            self._close_reader(fd)
+            if not (fd == self.report_r and self.kill_pending):  # else read on until the pid comes
+                self._close_reader(fd)
         self._close_stdin()
 
 
