@@ -3,9 +3,22 @@
     async with sandfleet.connect("nats://127.0.0.1:4222") as fleet:
         sb = await fleet.create(isolation="process")
         r = await sb.exec(["echo", "hi"])
+
+The SDK is imported on first use, so `sandfleet.kernel` loads without the bus client (the
+runtime's forking helper runs with no site-packages at all).
 """
 
-from sandfleet import errors
-from sandfleet.client import ExecResult, Fleet, Sandbox, connect
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["ExecResult", "Fleet", "Sandbox", "connect", "errors"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "errors":
+        return importlib.import_module("sandfleet.errors")
+    if name in __all__:
+        return getattr(importlib.import_module("sandfleet.client"), name)
+    raise AttributeError(f"module 'sandfleet' has no attribute {name!r}")

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from agents.node import cgroups, netns
-from services.launcher import linux
-from services.launcher import process_runtime as runtime
+from sandfleet.kernel import cgroups, netns
+from sandfleet.kernel import syscalls as linux
+from sandfleet.kernel import process as runtime
 
 NODE = f"krt{os.getpid()}"
 PREFIX = f"krt{os.getpid()}-"

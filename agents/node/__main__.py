@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from agents.node import cgroups
+from sandfleet.kernel import cgroups
 from agents.node.confinement import NodeConfinement
 from sandfleet import runner
 from sandfleet.bus import Endpoint

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from agents.node import cgroups, netns
+from sandfleet.kernel import cgroups, netns
 from sandfleet.store import SandboxStore
 from schemas.node import Confinement, ConfineRequest
 

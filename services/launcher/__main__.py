@@ -19,6 +19,7 @@ from sandfleet.store import SandboxStore
 from schemas import node as node_schema
 from schemas.node import MAX_FILE_BYTES, NodeInfo
 from schemas.sandbox import Reason
+from sandfleet.kernel import process as process_runtime
 from services.launcher import handlers
 from services.launcher.lifecycle import ISOLATION, Launcher
 
@@ -51,6 +52,7 @@ async def heartbeat(bus: Bus, launcher: Launcher, config: ServiceConfig) -> None
 async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
     # Sandbox inits are double-forked; as subreaper we reap them instead of a PID 1 that may not.
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    process_runtime.warm_up()  # the forking helper takes ~50 ms to start; not on the first create
     async with runner.service_bus("launcher", config) as bus:
         launcher = Launcher(bus=bus, store=await SandboxStore.open(bus), node_id=config.node_id)
         await launcher.recover()
@@ -80,6 +82,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
         await launcher.destroy_all(Reason.NODE_SHUTDOWN)
         kv = await bus.js.key_value(node_schema.KV_BUCKET)
         await kv.delete(n)
+    process_runtime.shutdown()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from schemas.node import (
     WriteFileRequest,
 )
 from schemas.sandbox import Reason
-from services.launcher import process_runtime
+from sandfleet.kernel import process as process_runtime
 from services.launcher.lifecycle import Launcher
 
 
@@ -45,6 +45,8 @@ async def exec_(launcher: Launcher, req: ExecRequest) -> ExecReply:
             timeout_s=req.timeout_s,
             max_output=MAX_OUTPUT_BYTES,
         )
+    except process_runtime.ExecError as exc:
+        raise ServiceError(ErrorCode.CONFLICT, f"cannot run in sandbox {req.sandbox_id}: {exc}") from None
     except OSError as exc:
         raise _file_error(exc, req.cwd) from None
     return ExecReply(
@@ -80,6 +82,8 @@ async def destroy(launcher: Launcher, req: DestroyRequest) -> DestroyReply:
 
 
 def _file_error(exc: Exception, path: str) -> ServiceError:
+    if isinstance(exc, ProcessLookupError):
+        return ServiceError(ErrorCode.CONFLICT, "the sandbox's init is gone")
     if isinstance(exc, FileNotFoundError):
         return ServiceError(ErrorCode.NOT_FOUND, f"{path}: no such file or directory")
     if isinstance(exc, ValueError):

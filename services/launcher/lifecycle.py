@@ -23,8 +23,8 @@ from schemas import node as node_schema
 from schemas.errors import ErrorCode
 from schemas.node import Confinement, ConfineRequest, LaunchItem, LaunchResult, ReleaseReply, ReleaseRequest
 from schemas.sandbox import ENDED, Reason, SandboxRecord, SandboxSpec, State
-from services.launcher import process_runtime
-from services.launcher.process_runtime import InitProcess, ProcessSpec
+from sandfleet.kernel import process as process_runtime
+from sandfleet.kernel.process import InitProcess, ProcessSpec
 
 log = logging.getLogger("sandfleet.launcher")
 

@@ -42,7 +42,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from services.launcher import linux
+from sandfleet.kernel import syscalls as linux
 
 CATATONIT = "/usr/bin/catatonit"
 STAGE = "/tmp"  # mount point of the new root inside the child's private mount namespace
@@ -599,7 +599,7 @@ class _Spawner:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         code = (f"import sys; sys.path.insert(0, {root!r}); "
-                "from services.launcher.process_runtime import _spawner_main; _spawner_main(int(sys.argv[1]))")
+                "from sandfleet.kernel.process import _spawner_main; _spawner_main(int(sys.argv[1]))")
         with theirs:
             self.proc = subprocess.Popen(
                 [sys.executable, "-S", "-I", "-c", code, str(theirs.fileno())], pass_fds=[theirs.fileno()],

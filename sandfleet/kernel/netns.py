@@ -10,46 +10,28 @@ bind mount or a process inside holds it.
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import os
 import re
 import socket
 import struct
 
+from sandfleet.kernel import syscalls as linux
+
 RUN_DIR = "/run/netns"
 PREFIX = "sf-"
 _SANDBOX_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 
-_CLONE_NEWNET = 0x40000000
-_MS_BIND = 0x1000
-_MS_REC = 0x4000
-_MS_SHARED = 1 << 20
-_MNT_DETACH = 0x2
 _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
 _IFF_UP = 0x1
 _IFREQ = struct.Struct("16sH22x")
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-_libc.unshare.argtypes = [ctypes.c_int]
-_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
-_libc.pthread_sigmask.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-_SIGSET = ctypes.c_ubyte * 128  # glibc's sigset_t; signal.pthread_sigmask is slow on full masks
-_ALL_SIGNALS = _SIGSET(*([0xFF] * 128))
+_MS_SHARED = 1 << 20
 _run_dir_ready = False
 
 
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
 def _mount(source: str, target: str, flags: int) -> None:
-    _check(_libc.mount(source.encode(), target.encode(), b"none", flags, None), f"mount {target}")
+    linux.mount(source, target, "none", flags)
 
 
 def path(sandbox_id: str) -> str:
@@ -65,12 +47,12 @@ def _ensure_run_dir() -> None:
         return
     os.makedirs(RUN_DIR, mode=0o755, exist_ok=True)
     try:
-        _mount("", RUN_DIR, _MS_SHARED | _MS_REC)
+        _mount("", RUN_DIR, _MS_SHARED | linux.MS_REC)
     except OSError as exc:
         if exc.errno != 22:  # EINVAL: not a mount point yet
             raise
-        _mount(RUN_DIR, RUN_DIR, _MS_BIND | _MS_REC)
-        _mount("", RUN_DIR, _MS_SHARED | _MS_REC)
+        _mount(RUN_DIR, RUN_DIR, linux.MS_BIND | linux.MS_REC)
+        _mount("", RUN_DIR, _MS_SHARED | linux.MS_REC)
     _run_dir_ready = True
 
 
@@ -109,24 +91,25 @@ def create(sandbox_id: str) -> str:
 
 def _bind_new_netns(target: str) -> None:
     home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    blocked = _SIGSET()
-    _libc.pthread_sigmask(0, ctypes.addressof(_ALL_SIGNALS), ctypes.addressof(blocked))  # SIG_BLOCK
+    blocked = linux.block_all_signals()
     try:
-        _check(_libc.unshare(_CLONE_NEWNET), "unshare network namespace")
+        linux.unshare(linux.CLONE_NEWNET)
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
                 ifreq = bytearray(_IFREQ.pack(b"lo", 0))
                 fcntl.ioctl(sock, _SIOCGIFFLAGS, ifreq)
                 _, flags = _IFREQ.unpack(ifreq)
                 fcntl.ioctl(sock, _SIOCSIFFLAGS, _IFREQ.pack(b"lo", flags | _IFF_UP))
-            _mount("/proc/thread-self/ns/net", target, _MS_BIND)
+            _mount("/proc/thread-self/ns/net", target, linux.MS_BIND)
         finally:
-            if _libc.setns(home, _CLONE_NEWNET) != 0:
+            try:
+                linux.setns(home, linux.CLONE_NEWNET)
+            except OSError:
                 # This thread would keep working in the sandbox's namespace: never continue.
                 os.write(2, b"sandfleet netns: cannot return to the host network namespace\n")
                 os.abort()
     finally:
-        _libc.pthread_sigmask(2, ctypes.addressof(blocked), None)  # SIG_SETMASK
+        linux.restore_signals(blocked)
         os.close(home)
 
 
@@ -141,11 +124,12 @@ def remove(sandbox_id: str) -> None:
     """Detach and delete the name; the namespace ends with its last process. Idempotent."""
     target = path(sandbox_id)
     while _is_netns(target):  # stacked mounts (two racing creates) each need an unmount
-        if _libc.umount2(target.encode(), _MNT_DETACH) != 0:
-            err = ctypes.get_errno()
-            if err in (22, 2):  # EINVAL: not mounted, ENOENT: gone
+        try:
+            linux.umount2(target, linux.MNT_DETACH)
+        except OSError as exc:
+            if exc.errno in (22, 2):  # EINVAL: not mounted, ENOENT: gone
                 break
-            raise OSError(err, f"umount {target}: {os.strerror(err)}")
+            raise
     _unlink(target)
 
 
