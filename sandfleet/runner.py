@@ -10,6 +10,8 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import uvloop
+
 from sandfleet import telemetry
 from sandfleet.bus import Bus
 from sandfleet.config import ServiceConfig
@@ -49,6 +51,8 @@ def run(name: str, main: Callable[[ServiceConfig, asyncio.Event], Awaitable[None
         await main(config, stop)
 
     try:
-        asyncio.run(_main())
+        # uvloop: the services are bus-bound and spend much of their CPU in the event loop.
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as loop_runner:
+            loop_runner.run(_main())
     finally:
         telemetry.shutdown()

@@ -54,6 +54,9 @@ class SandboxStore:
     def __init__(self, bus: Bus, kv: KeyValue) -> None:
         self.bus = bus
         self.kv = kv
+        # What this process last wrote, so its next update needs no read first; a stale entry
+        # only costs one failed update (the revision check) and a re-read.
+        self._written: dict[str, tuple[SandboxRecord, int]] = {}
 
     @classmethod
     async def open(cls, bus: Bus) -> SandboxStore:
@@ -71,7 +74,7 @@ class SandboxStore:
     async def create(self, record: SandboxRecord) -> SandboxRecord:
         """Store a new record (state `scheduled`) and publish its first event."""
         record = msgspec.structs.replace(record, seq=1)
-        await self.kv.create(record.id, encode(record))
+        await self.kv.create(record.id, encode(record))  # placement writes once; not worth caching
         await self._publish(record, None)
         return record
 
@@ -84,8 +87,11 @@ class SandboxStore:
         change: Callable[[SandboxRecord], SandboxRecord] | None = None,
     ) -> SandboxRecord:
         """Move a sandbox to `new`, retrying on concurrent writers; refuses illegal moves."""
-        for _ in range(20):
-            record, revision = await self.get(sandbox_id)
+        for attempt in range(20):
+            cached = self._written.pop(sandbox_id, None) if attempt == 0 else None
+            record, revision = cached or await self.get(sandbox_id)
+            if cached and (record.state is new or not sandbox.can_transition(record.state, new)):
+                continue  # judge only on what the store holds now
             if record.state is new:
                 return record
             if not sandbox.can_transition(record.state, new):
@@ -98,22 +104,26 @@ class SandboxStore:
             if change is not None:
                 updated = change(updated)
             try:
-                await self.kv.update(sandbox_id, encode(updated), last=revision)
+                revision = await self.kv.update(sandbox_id, encode(updated), last=revision)
             except nats.js.errors.KeyWrongLastSequenceError:
                 continue
+            if new not in ENDED:
+                self._written[sandbox_id] = (updated, revision)
             await self._publish(updated, record.state)
             return updated
         raise errors.ServiceError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is being changed by others; retry")
 
     async def update(self, sandbox_id: str, change: Callable[[SandboxRecord], SandboxRecord]) -> SandboxRecord:
         """Change fields that are not the state (e.g. the init pid); no event."""
-        for _ in range(20):
-            record, revision = await self.get(sandbox_id)
+        for attempt in range(20):
+            cached = self._written.pop(sandbox_id, None) if attempt == 0 else None
+            record, revision = cached or await self.get(sandbox_id)
             updated = change(record)
             try:
-                await self.kv.update(sandbox_id, encode(updated), last=revision)
+                revision = await self.kv.update(sandbox_id, encode(updated), last=revision)
             except nats.js.errors.KeyWrongLastSequenceError:
                 continue
+            self._written[sandbox_id] = (updated, revision)
             return updated
         raise errors.ServiceError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is being changed by others; retry")
 
@@ -137,6 +147,7 @@ class SandboxStore:
 
     async def forget(self, sandbox_id: str) -> None:
         """Drop an ended record; its events stay in the stream as the audit trail."""
+        self._written.pop(sandbox_id, None)
         try:
             await self.kv.purge(sandbox_id)
         except nats.js.errors.Error:
