@@ -62,7 +62,7 @@ async def direct_round(n: int, concurrency: int, offset: int) -> tuple[float, di
             t0 = time.perf_counter()
             group = cgroups.SandboxCgroups(layout, BENCH_NODE, sid)
             group.create(cpu=0.5, memory_mb=64, pids=512)
-            ns = netns.create(sid)
+            ns = netns.create(BENCH_NODE, sid)
             init = process.start(process.ProcessSpec(sandbox_id=sid, cgroup_procs=group.procs_files, netns=ns,
                                                      tmp_size_mb=32, workspace_size_mb=128))
             t1 = time.perf_counter()
@@ -70,7 +70,7 @@ async def direct_round(n: int, concurrency: int, offset: int) -> tuple[float, di
             t2 = time.perf_counter()
             process.kill(init)
             await asyncio.to_thread(group.remove)
-            netns.remove(sid)
+            netns.remove(BENCH_NODE, sid)
             t3 = time.perf_counter()
             assert r.exit_code == 0, r
             lat["create"].append((t1 - t0) * 1000)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from sandfleet import client, errors
+from sandfleet import cli_layers, client, errors
 from sandfleet.config import DEFAULT_PORT, default_data_dir
 from sandfleet.supervisor import Supervisor, free_port, read_state
 
@@ -69,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--follow", "-f", action="store_true")
     ev.add_argument("--id", default=None, help="only this sandbox")
     cmd("status", _status, "show services and nodes")
+    cli_layers.register(sub)
     return p
 
 

@@ -21,7 +21,7 @@ from schemas import events, node, sandbox
 from schemas.events import AnySandboxEvent
 from schemas.sandbox import Isolation, SandboxRecord
 
-SERVICES = ("placement", "agent", "launcher")
+SERVICES = ("placement", "agent", "layer-cache", "launcher")
 
 
 @dataclass(frozen=True)

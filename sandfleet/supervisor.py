@@ -27,6 +27,7 @@ STOP_TIMEOUT_S = 60.0
 SERVICES: list[tuple[str, str]] = [
     ("placement", "services.placement"),
     ("agent", "agents.node"),
+    ("layer-cache", "services.layer_cache"),
     ("launcher", "services.launcher"),
 ]
 

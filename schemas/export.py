@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgspec
 
-from schemas import errors, events, node, sandbox
+from schemas import errors, events, layers, node, sandbox
 
 MESSAGES: dict[str, object] = {
     "sandbox.CreateRequest": sandbox.CreateRequest,
@@ -36,6 +36,19 @@ MESSAGES: dict[str, object] = {
     "node.ReleaseRequest": node.ReleaseRequest,
     "node.ReleaseReply": node.ReleaseReply,
     "errors.ErrorBody": errors.ErrorBody,
+    "layers.Layer": layers.Layer,
+    "layers.BuildRequest": layers.BuildRequest,
+    "layers.BuildReply": layers.BuildReply,
+    "layers.ListRequest": layers.ListRequest,
+    "layers.LayerList": layers.LayerList,
+    "layers.GetRequest": layers.GetRequest,
+    "layers.RemoveRequest": layers.RemoveRequest,
+    "layers.RemoveReply": layers.RemoveReply,
+    "layers.ComposeRequest": layers.ComposeRequest,
+    "layers.Rootfs": layers.Rootfs,
+    "layers.ReleaseRootfsRequest": layers.ReleaseRootfsRequest,
+    "layers.ReleaseRootfsReply": layers.ReleaseRootfsReply,
+    "layers.CacheListing": layers.CacheListing,
 }
 
 

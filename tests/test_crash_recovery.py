@@ -41,14 +41,15 @@ async def test_launcher_killed_keeps_live_sandboxes_and_fails_the_dead_one(fleet
 async def test_agent_killed_keeps_sandboxes_usable_and_reclaims_orphans(fleet, platform):
     sb = await fleet.create(memory_mb=64)
     # Leave an orphaned namespace as a crashed launch would; the restarted agent must reclaim it.
-    subprocess.run(["ip", "netns", "add", "sf-orphan-test"], check=True)
+    orphan = f"sf-{platform.node_id}.orphan-test"
+    subprocess.run(["ip", "netns", "add", orphan], check=True)
     old = platform.service_pid("agent")
     os.kill(old, signal.SIGKILL)
     await _restarted(fleet, platform, "agent", old)
 
     assert (await sb.exec(["echo", "alive"])).stdout == b"alive\n"
-    assert not os.path.exists("/run/netns/sf-orphan-test")
+    assert not os.path.exists(f"/run/netns/{orphan}")
     fresh = await fleet.create(memory_mb=64)
     assert (await fresh.exec(["true"])).exit_code == 0
     await asyncio.gather(sb.destroy(), fresh.destroy())
-    assert not os.path.exists(f"/run/netns/sf-{sb.id}")
+    assert not os.path.exists(f"/run/netns/sf-{platform.node_id}.{sb.id}")

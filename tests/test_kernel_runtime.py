@@ -98,7 +98,7 @@ def _leaks(layout: cgroups.CgroupLayout, mounts_before: set[tuple[str, str]]) ->
     procs = _processes()
     left = {
         "cgroup dirs": [d for d in layout.node_dirs(NODE) if os.path.exists(d)],
-        "netns": [n for n in netns.list_sandboxes() if n.startswith(PREFIX)],
+        "netns": [n for n in netns.list_sandboxes(NODE) if n.startswith(PREFIX)],
         "mounts": sorted(m for m in _mounts() - mounts_before if PREFIX in m[0] or m[0] in ("/tmp", "/")),
         "processes": sorted(p for p in procs if _in_our_cgroups(p)),
         "zombies": sorted(p for p, (ppid, state, _) in procs.items()
@@ -155,7 +155,7 @@ class Sandbox:
 
     def remove(self) -> None:
         self.cgroups.remove()
-        netns.remove(self.id)
+        netns.remove(NODE, self.id)
         runtime.kill(self.init)
 
 
@@ -167,12 +167,12 @@ def new_sandbox(layout, *, cpu=1.0, memory_mb=256, pids=128, **spec) -> Sandbox:
     group = cgroups.SandboxCgroups(layout, NODE, sandbox_id)
     try:
         group.create(cpu=cpu, memory_mb=memory_mb, pids=pids)
-        path = netns.create(sandbox_id)
+        path = netns.create(NODE, sandbox_id)
         init = runtime.start(runtime.ProcessSpec(sandbox_id=sandbox_id, cgroup_procs=group.procs_files, netns=path,
                                                  **spec))
     except BaseException:
         group.remove()
-        netns.remove(sandbox_id)
+        netns.remove(NODE, sandbox_id)
         raise
     return Sandbox(sandbox_id, group, path, init)
 
@@ -500,15 +500,15 @@ async def test_sandbox_root_has_no_capabilities_and_cannot_mount(sandbox):
 async def test_removal_leaves_no_cgroup_netns_process_zombie_or_mount(layout):
     mounts_before = _mounts()
     box = new_sandbox(layout)
-    assert box.id in cgroups.list_sandboxes(layout, NODE) and box.id in netns.list_sandboxes()
+    assert box.id in cgroups.list_sandboxes(layout, NODE) and box.id in netns.list_sandboxes(NODE)
     await box.sh("sleep 60 & sleep 60 & echo", timeout_s=5)  # background processes outlive the exec
     assert len(box.cgroups.pids()) == 3
     box.remove()
     box.remove()  # idempotent
     assert not runtime.is_alive(box.init)
-    assert box.id not in cgroups.list_sandboxes(layout, NODE) and box.id not in netns.list_sandboxes()
+    assert box.id not in cgroups.list_sandboxes(layout, NODE) and box.id not in netns.list_sandboxes(NODE)
     assert not any(os.path.exists(d) for d in box.cgroups.dirs)
-    assert not os.path.exists(netns.path(box.id))
+    assert not os.path.exists(netns.path(NODE, box.id))
     await asyncio.sleep(0.05)  # the spawner reaps the init
     procs = _processes()
     assert box.init.pid not in procs or procs[box.init.pid][1] != "Z"
@@ -521,20 +521,20 @@ async def test_removal_leaves_no_cgroup_netns_process_zombie_or_mount(layout):
 def test_netns_is_a_named_iproute2_namespace_with_loopback_up(layout):
     sandbox_id = f"{PREFIX}ns"
     netns._ensure_run_dir()
-    with open(netns.path(sandbox_id), "w"):
+    with open(netns.path(NODE, sandbox_id), "w"):
         pass  # an unmounted name, as a crash between creating and mounting leaves it
-    assert sandbox_id in netns.list_sandboxes()
-    path = netns.create(sandbox_id)
+    assert sandbox_id in netns.list_sandboxes(NODE)
+    path = netns.create(NODE, sandbox_id)
     try:
-        assert netns.create(sandbox_id) == path  # idempotent
-        assert f"sf-{sandbox_id}" in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        links = subprocess.run(["ip", "netns", "exec", f"sf-{sandbox_id}", "ip", "-o", "link"],
+        assert netns.create(NODE, sandbox_id) == path  # idempotent
+        assert os.path.basename(path) in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        links = subprocess.run(["ip", "netns", "exec", os.path.basename(path), "ip", "-o", "link"],
                                capture_output=True, text=True, check=True).stdout.splitlines()
         assert len(links) == 1 and "lo:" in links[0] and ",UP," in links[0]
     finally:
-        netns.remove(sandbox_id)
-        netns.remove(sandbox_id)
-    assert not os.path.exists(path) and sandbox_id not in netns.list_sandboxes()
+        netns.remove(NODE, sandbox_id)
+        netns.remove(NODE, sandbox_id)
+    assert not os.path.exists(path) and sandbox_id not in netns.list_sandboxes(NODE)
 
 
 def test_start_failures_name_the_step_and_the_errno(layout, sandboxes):

@@ -27,7 +27,7 @@ class NodeConfinement:
         group = cgroups.SandboxCgroups(self.layout, self.node_id, req.sandbox_id)
         group.create(cpu=req.cpu, memory_mb=req.memory_mb, pids=req.pids)
         try:
-            ns = netns.create(req.sandbox_id)
+            ns = netns.create(self.node_id, req.sandbox_id)
         except Exception:
             group.remove()
             raise
@@ -38,16 +38,16 @@ class NodeConfinement:
     def release(self, sandbox_id: str) -> bool:
         group = cgroups.SandboxCgroups(self.layout, self.node_id, sandbox_id)
         group.remove()
-        netns.remove(sandbox_id)
+        netns.remove(self.node_id, sandbox_id)
         return True
 
     def held(self) -> set[str]:
-        """Sandbox ids this node holds kernel resources for (network namespaces are host-wide)."""
-        return set(cgroups.list_sandboxes(self.layout, self.node_id)) | set(netns.list_sandboxes())
+        """Sandbox ids this node holds kernel resources for."""
+        return set(cgroups.list_sandboxes(self.layout, self.node_id)) | set(netns.list_sandboxes(self.node_id))
 
     async def reconcile(self, store: SandboxStore) -> list[str]:
-        """Remove what no live record owns; a record of any node keeps its namespace."""
-        live = {r.id for r in await store.all()}
+        """Remove what no live record of this node owns."""
+        live = {r.id for r in await store.all(self.node_id)}
         orphans = sorted(self.held() - live)
         for sandbox_id in orphans:
             await asyncio.to_thread(self.release, sandbox_id)

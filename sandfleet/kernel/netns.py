@@ -1,4 +1,4 @@
-"""Named network namespaces, one per sandbox, bind-mounted at /run/netns/sf-<sandbox id>.
+"""Named network namespaces, one per sandbox, bind-mounted at /run/netns/sf-<node id>.<sandbox id>.
 
 They are made the way iproute2 makes them, so `ip netns list` shows every one (a leak is
 visible) and `ip netns exec` works on them. No process is forked: the calling thread
@@ -21,6 +21,7 @@ from sandfleet.kernel import syscalls as linux
 RUN_DIR = "/run/netns"
 PREFIX = "sf-"
 _SANDBOX_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
@@ -34,10 +35,18 @@ def _mount(source: str, target: str, flags: int) -> None:
     linux.mount(source, target, "none", flags)
 
 
-def path(sandbox_id: str) -> str:
+def _prefix(node_id: str) -> str:
+    # The node is in the name so several nodes (or platforms) on one host never reclaim
+    # each other's namespaces; '.' appears in neither a node id nor a sandbox id.
+    if not _NODE_ID.match(node_id):
+        raise ValueError(f"invalid node id {node_id!r}")
+    return f"{PREFIX}{node_id}."
+
+
+def path(node_id: str, sandbox_id: str) -> str:
     if not _SANDBOX_ID.match(sandbox_id):
         raise ValueError(f"invalid sandbox id {sandbox_id!r}")
-    return f"{RUN_DIR}/{PREFIX}{sandbox_id}"
+    return f"{RUN_DIR}/{_prefix(node_id)}{sandbox_id}"
 
 
 def _ensure_run_dir() -> None:
@@ -64,10 +73,10 @@ def _is_netns(file: str) -> bool:
         return False
 
 
-def create(sandbox_id: str) -> str:
+def create(node_id: str, sandbox_id: str) -> str:
     """Create the sandbox's network namespace with loopback up; returns its path. Idempotent."""
     global _run_dir_ready
-    target = path(sandbox_id)
+    target = path(node_id, sandbox_id)
     if _is_netns(target):
         return target
     for attempt in (0, 1):
@@ -120,9 +129,9 @@ def _unlink(file: str) -> None:
         pass
 
 
-def remove(sandbox_id: str) -> None:
+def remove(node_id: str, sandbox_id: str) -> None:
     """Detach and delete the name; the namespace ends with its last process. Idempotent."""
-    target = path(sandbox_id)
+    target = path(node_id, sandbox_id)
     while _is_netns(target):  # stacked mounts (two racing creates) each need an unmount
         try:
             linux.umount2(target, linux.MNT_DETACH)
@@ -133,10 +142,11 @@ def remove(sandbox_id: str) -> None:
     _unlink(target)
 
 
-def list_sandboxes() -> list[str]:
-    """Ids of every sandbox namespace name on this host (for crash recovery)."""
+def list_sandboxes(node_id: str) -> list[str]:
+    """Ids of this node's sandbox namespace names on this host (for crash recovery)."""
     try:
         names = os.listdir(RUN_DIR)
     except FileNotFoundError:
         return []
-    return sorted(n[len(PREFIX):] for n in names if n.startswith(PREFIX) and _SANDBOX_ID.match(n[len(PREFIX):]))
+    prefix = _prefix(node_id)
+    return sorted(n[len(prefix):] for n in names if n.startswith(prefix) and _SANDBOX_ID.match(n[len(prefix):]))

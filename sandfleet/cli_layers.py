@@ -1,0 +1,179 @@
+"""`sandfleet layer ...`: build, list and remove layers, and show what a node caches and has mounted.
+
+`register(sub)` adds the `layer` command to the main parser; `python -m sandfleet.cli_layers
+layer ...` runs it on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from sandfleet import errors
+from sandfleet.config import default_node_id
+from sandfleet.layers_client import Layers, connect
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    layer = sub.add_parser("layer", help="build, list and remove layers; show a node's layer cache")
+    verbs = layer.add_subparsers(dest="layer_command", required=True)
+    bus = argparse.ArgumentParser(add_help=False)
+    bus.add_argument("--nats", default=None, help="NATS URL (default $SANDFLEET_NATS_URL or nats://127.0.0.1:4222)")
+
+    build = verbs.add_parser("build", parents=[bus], help="build a layer (an EROFS image) and store it in the cluster")
+    build.add_argument("name")
+    source = build.add_mutually_exclusive_group(required=True)
+    source.add_argument("--dir", type=Path, help="a directory, taken as it is")
+    source.add_argument("--tar", type=Path, help="a `docker save` / OCI archive (flattened, whiteouts honoured) or a root tar")
+    source.add_argument("--debian", nargs="*", metavar="PKG", help="a minimal Debian root with these packages")
+    build.add_argument("--suite", default="", help="Debian suite (default: the building node's release)")
+    build.add_argument("--on", default=None, metavar="LAYER", help="the layer this one goes over")
+    build.add_argument("--tag", action="append", default=[], help="also tag this build (repeatable)")
+    build.add_argument("--compression", choices=["lz4", "lz4hc"], default="lz4")
+    build.add_argument("--timeout-s", type=float, default=None)
+    build.add_argument("--json", action="store_true")
+    build.set_defaults(func=_sync(_build))
+
+    ls = verbs.add_parser("ls", parents=[bus], help="list layers")
+    ls.add_argument("name", nargs="?", default=None)
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=_sync(_ls))
+
+    rm = verbs.add_parser("rm", parents=[bus], help="remove a layer (NAME: with all its tags; NAME:TAG: one tag)")
+    rm.add_argument("name")
+    rm.set_defaults(func=_sync(_rm))
+
+    cache = verbs.add_parser("cache", parents=[bus], help="what a node caches and has mounted")
+    cache.add_argument("--node", default=None, help="node id (default $SANDFLEET_NODE_ID or this host)")
+    cache.add_argument("--json", action="store_true")
+    cache.set_defaults(func=_sync(_cache))
+
+
+def _sync(command: Callable[[Layers, argparse.Namespace], Awaitable[int]]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        async def go() -> int:
+            layers = await connect(args.nats, name="sandfleet-cli")
+            try:
+                return await command(layers, args)
+            finally:
+                await layers.bus.close()
+
+        return asyncio.run(go())
+
+    return run
+
+
+def _json(value: Any) -> None:
+    print(json.dumps(msgspec.to_builtins(value), indent=2))
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _short(digest: str) -> str:
+    return digest.removeprefix("sha256:")[:12]
+
+
+def _table(rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+
+
+async def _build(layers: Layers, args: argparse.Namespace) -> int:
+    common: dict[str, Any] = {"tags": args.tag, "compression": args.compression}
+    if args.timeout_s:
+        common["timeout"] = args.timeout_s
+    if args.dir is not None:
+        reply = await layers.build_dir(args.name, args.dir, on=args.on, **common)
+    elif args.tar is not None:
+        reply = await layers.build_tar(args.name, args.tar, on=args.on, **common)
+    else:
+        if args.on:
+            raise errors.InvalidRequest("--debian builds a base layer; it takes no --on")
+        reply = await layers.build_debian(args.name, args.debian, suite=args.suite, **common)
+    if args.json:
+        _json(reply)
+        return 0
+    layer = reply.layer
+    stored = "stored" if reply.stored else "already in the store"
+    print(f"{layer.name}  {layer.digest}  {_size(layer.size)}  {layer.files} files  "
+          f"{reply.seconds:.2f}s on {reply.node}  ({stored})")
+    return 0
+
+
+async def _ls(layers: Layers, args: argparse.Namespace) -> int:
+    found = await layers.list(args.name)
+    if args.json:
+        _json(found)
+        return 0
+    if not found:
+        print("no layers", file=sys.stderr)
+        return 0
+    rows = [["NAME", "TAGS", "DIGEST", "SIZE", "BUILT", "ON", "FROM"]]
+    for layer in found:
+        tags = ",".join((["latest"] if layer.current else []) + layer.tags) or "-"
+        built = time.strftime("%Y-%m-%d %H:%M", time.localtime(layer.created_at))
+        rows.append([layer.name, tags, _short(layer.digest), _size(layer.size), built, layer.parent or "-",
+                     layer.built_from])
+    _table(rows)
+    return 0
+
+
+async def _rm(layers: Layers, args: argparse.Namespace) -> int:
+    reply = await layers.remove(args.name)
+    print(f"removed {', '.join(reply.removed)}"
+          + (f"; deleted image(s) {', '.join(map(_short, reply.deleted_images))}" if reply.deleted_images else ""))
+    return 0
+
+
+async def _cache(layers: Layers, args: argparse.Namespace) -> int:
+    listing = await layers.cache(args.node or default_node_id_from_env())
+    if args.json:
+        _json(listing)
+        return 0
+    print(f"node {listing.node}: {_size(listing.used_bytes)} of {_size(listing.budget_bytes)} used, "
+          f"{len(listing.images)} image(s), {len(listing.rootfs)} rootfs")
+    if listing.images:
+        rows = [["DIGEST", "NAMES", "SIZE", "ON DISK", "MOUNTED", "USERS", "LAST USED"]]
+        for i in listing.images:
+            rows.append([_short(i.digest), ",".join(i.names) or "-", _size(i.size), _size(i.disk_bytes),
+                         "yes" if i.mounted else "no", str(i.users),
+                         time.strftime("%H:%M:%S", time.localtime(i.last_used))])
+        _table(rows)
+    for r in listing.rootfs:
+        print(f"rootfs {r.sandbox_id}: {r.path} over {' < '.join(_short(d) for d in reversed(r.layers))}")
+    return 0
+
+
+def default_node_id_from_env() -> str:
+    return os.environ.get("SANDFLEET_NODE_ID") or default_node_id()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sandfleet")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except errors.SandfleetError as exc:
+        print(f"sandfleet: {type(exc).__name__}: {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The layer SDK: build, list, get and remove layers; compose and release roots on a node.
+
+A source that lives on the caller's machine (a directory, an image archive) travels as an
+upload to the Object Store bucket `layer-uploads`; whichever node's layer-cache takes the
+build fetches it and deletes it (uploads nobody builds from expire after an hour).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import tarfile
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import msgspec
+import nats.js.errors
+
+from sandfleet import errors
+from sandfleet.bus import Bus
+from sandfleet.config import nats_url
+from schemas import layers as schema
+from schemas import node as node_schema
+from schemas.layers import (
+    BuildReply,
+    BuildRequest,
+    BuildSource,
+    CacheListing,
+    DirSource,
+    Layer,
+    Rootfs,
+    TarSource,
+)
+
+BUILD_TIMEOUT_S = 600.0
+DEBIAN_TIMEOUT_S = 1800.0
+
+
+def tar_directory(src: Path, out: Path) -> None:
+    """A pax tar of `src` (as `.`), keeping owners, modes, links, devices and extended attributes."""
+
+    def with_xattrs(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        path = src / info.name
+        try:
+            names = os.listxattr(path, follow_symlinks=False)
+        except OSError:
+            names = []
+        for name in names:
+            value = os.getxattr(path, name, follow_symlinks=False)
+            info.pax_headers[f"SCHILY.xattr.{name}"] = value.decode("utf-8", "surrogateescape")
+        return info
+
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
+        tar.add(src, arcname=".", filter=with_xattrs)
+
+
+class Layers:
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    # -- building ---------------------------------------------------------------------
+
+    async def build_dir(self, name: str, path: str | Path, *, on: str | None = None, tags: Iterable[str] = (),
+                        compression: str = "lz4", timeout: float = BUILD_TIMEOUT_S) -> BuildReply:
+        src = Path(path).resolve()
+        if not src.is_dir():
+            raise errors.InvalidRequest(f"{src} is not a directory")
+        with tempfile.TemporaryDirectory(prefix="sandfleet-layer-") as tmp:
+            archive = Path(tmp) / "dir.tar"
+            await asyncio.to_thread(tar_directory, src, archive)
+            upload = await self._upload(archive)
+        return await self._build(name, DirSource(upload=upload, path=str(src)), on, tags, compression, timeout)
+
+    async def build_tar(self, name: str, path: str | Path, *, on: str | None = None, tags: Iterable[str] = (),
+                        compression: str = "lz4", timeout: float = BUILD_TIMEOUT_S) -> BuildReply:
+        archive = Path(path)
+        if not archive.is_file():
+            raise errors.InvalidRequest(f"{archive} is not a file")
+        upload = await self._upload(archive)
+        return await self._build(name, TarSource(upload=upload, filename=archive.name), on, tags, compression, timeout)
+
+    async def build_debian(self, name: str, packages: Iterable[str] = (), *, suite: str = "",
+                           variant: str = "minbase", tags: Iterable[str] = (), compression: str = "lz4",
+                           timeout: float = DEBIAN_TIMEOUT_S) -> BuildReply:
+        source = {"type": "debian", "packages": list(packages), "suite": suite, "variant": variant}
+        return await self._build(name, source, None, tags, compression, timeout)
+
+    async def _build(self, name: str, source: BuildSource | dict, on: str | None, tags: Iterable[str],
+                     compression: str, timeout: float) -> BuildReply:
+        raw = {"name": name, "source": msgspec.to_builtins(source), "on": on, "tags": list(tags),
+               "compression": compression}
+        try:
+            req = msgspec.convert(raw, BuildRequest)
+        except msgspec.ValidationError as exc:
+            raise errors.InvalidRequest(str(exc)) from None
+        return await self.bus.request(schema.BUILD, req, BuildReply, timeout=timeout)
+
+    async def _upload(self, path: Path) -> str:
+        try:
+            bucket = await self.bus.js.object_store(schema.UPLOAD_BUCKET)
+        except nats.js.errors.BucketNotFoundError:
+            raise errors.NoResponders("no layer-cache has run on this bus (its upload bucket is missing)") from None
+        name = "up-" + secrets.token_hex(12)
+        with open(path, "rb") as f:
+            await bucket.put(name, f)
+        return name
+
+    # -- the catalogue ----------------------------------------------------------------
+
+    async def list(self, name: str | None = None) -> list[Layer]:
+        reply = await self.bus.request(schema.LIST, schema.ListRequest(name=name), schema.LayerList, timeout=30)
+        return reply.layers
+
+    async def get(self, ref: str) -> Layer:
+        return await self.bus.request(schema.GET, schema.GetRequest(ref=ref), Layer)
+
+    async def remove(self, ref: str) -> schema.RemoveReply:
+        return await self.bus.request(schema.REMOVE, schema.RemoveRequest(ref=ref), schema.RemoveReply, timeout=60)
+
+    # -- a node's roots and cache -----------------------------------------------------
+
+    async def compose(self, node: str, sandbox_id: str, layers: list[str], *, timeout: float = 120.0) -> Rootfs:
+        """The sandbox's root from `layers` (bottom first), composed on `node`."""
+        req = schema.ComposeRequest(sandbox_id=sandbox_id, layers=layers)
+        return await self.bus.request(node_schema.subject(node, schema.ROOTFS_COMPOSE), req, Rootfs, timeout=timeout)
+
+    async def release(self, node: str, sandbox_id: str, *, timeout: float = 60.0) -> bool:
+        req = schema.ReleaseRootfsRequest(sandbox_id=sandbox_id)
+        subject = node_schema.subject(node, schema.ROOTFS_RELEASE)
+        return (await self.bus.request(subject, req, schema.ReleaseRootfsReply, timeout=timeout)).released
+
+    async def cache(self, node: str) -> CacheListing:
+        subject = node_schema.subject(node, schema.CACHE)
+        return await self.bus.request(subject, schema.CacheRequest(), CacheListing, timeout=30)
+
+
+async def connect(url: str | None = None, *, name: str = "sandfleet-layers") -> Layers:
+    """A `Layers` on its own bus connection; `await layers.bus.close()` when done."""
+    return Layers(await Bus.connect(nats_url(url), name))
+

@@ -1,0 +1,176 @@
+"""The node's image cache: EROFS files under a size budget, least recently used evicted first.
+
+An image is pinned for as long as a composed root uses it, and a pinned image is never
+evicted; an unpinned one may still be mounted (idle mounts keep their page cache warm for
+the next sandbox) and is unmounted by the eviction hook before its file goes. The budget is
+soft: when every image is pinned the cache grows past it rather than fail a sandbox.
+
+The cache knows an image only as a path that EROFS can be mounted from, plus how many bytes
+it takes on disk. A lazily fetched image (a FUSE file whose chunks arrive when read) fits
+the same entry with `complete=False`; whatever fetches fills the path, the rest stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("sandfleet.layer_cache")
+
+SUFFIX = ".erofs"
+PARTIAL = ".part"
+PERSIST_EVERY_S = 30.0  # how stale a file's mtime (its last use, for a restart) may get
+
+Fetch = Callable[[str, Path], Awaitable[None]]  # (digest, destination file)
+
+
+@dataclass
+class CachedImage:
+    digest: str
+    path: Path
+    size: int
+    disk_bytes: int
+    last_used: float
+    pins: int = 0
+    complete: bool = True
+    persisted: float = 0.0  # the last use written to the file's mtime
+
+
+def choose_victims(
+    images: Iterable[CachedImage], budget: int, incoming: int = 0, keep: frozenset[str] = frozenset()
+) -> list[str]:
+    """Digests to drop, least recently used first, so that what stays plus `incoming` fits `budget`.
+
+    Pinned images and those in `keep` are never chosen, so the result may not reach the budget.
+    """
+    images = list(images)
+    used = sum(i.disk_bytes for i in images) + incoming
+    victims = []
+    candidates = (i for i in images if i.pins == 0 and i.digest not in keep)
+    for image in sorted(candidates, key=lambda i: (i.last_used, i.digest)):
+        if used <= budget:
+            break
+        victims.append(image.digest)
+        used -= image.disk_bytes
+    return victims
+
+
+class ImageCache:
+    def __init__(self, root: Path, budget: int, fetch: Fetch, before_evict: Callable[[str], None]) -> None:
+        self.root = root
+        self.budget = budget
+        self._fetch = fetch
+        self._before_evict = before_evict
+        self.images: dict[str, CachedImage] = {}
+        self._fetching: dict[str, asyncio.Future[CachedImage]] = {}
+
+    def path(self, digest: str) -> Path:
+        return self.root / (digest.removeprefix("sha256:") + SUFFIX)
+
+    @property
+    def used(self) -> int:
+        return sum(i.disk_bytes for i in self.images.values())
+
+    def scan(self) -> None:
+        """Index the files a previous instance left; half-fetched ones are dropped. The file's
+        mtime is its last use, so the LRU order survives a restart."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for path in self.root.iterdir():
+            if path.name.endswith(PARTIAL):
+                path.unlink(missing_ok=True)
+                continue
+            if not path.name.endswith(SUFFIX):
+                continue
+            digest = "sha256:" + path.name.removesuffix(SUFFIX)
+            st = path.stat()
+            self.images[digest] = CachedImage(digest, path, st.st_size, st.st_blocks * 512, st.st_mtime,
+                                              persisted=st.st_mtime)
+
+    # -- use --------------------------------------------------------------------------
+
+    def pin(self, digest: str) -> None:
+        image = self.images.get(digest)
+        if image is not None:
+            image.pins += 1
+
+    def unpin(self, digest: str) -> None:
+        image = self.images.get(digest)
+        if image is not None and image.pins > 0:
+            image.pins -= 1
+            self.touch(image)
+
+    def touch(self, image: CachedImage) -> None:
+        image.last_used = time.time()
+        if image.last_used - image.persisted > PERSIST_EVERY_S:  # the copy on disk may lag a little
+            try:
+                os.utime(image.path, (image.last_used, image.last_used))
+            except FileNotFoundError:
+                pass
+            image.persisted = image.last_used
+
+    async def acquire(self, digest: str, size_hint: int = 0) -> CachedImage:
+        """The image on this node, fetched if missing, pinned for the caller (one fetch per
+        digest however many callers wait for it)."""
+        while (image := self.images.get(digest)) is None:  # evicted again before we woke: fetch again
+            pending = self._fetching.get(digest)
+            if pending is None:
+                pending = self._fetching[digest] = asyncio.ensure_future(self._fetch_into_cache(digest, size_hint))
+                pending.add_done_callback(lambda _: self._fetching.pop(digest, None))
+            await asyncio.shield(pending)
+        image.pins += 1
+        self.touch(image)
+        return image
+
+    async def _fetch_into_cache(self, digest: str, size_hint: int) -> CachedImage:
+        self.evict(incoming=size_hint)
+        final = self.path(digest)
+        partial = final.with_name(final.name + PARTIAL)
+        try:
+            await self._fetch(digest, partial)
+            partial.rename(final)
+        finally:
+            partial.unlink(missing_ok=True)
+        return self.add(digest, final)
+
+    def add(self, digest: str, path: Path) -> CachedImage:
+        """Take in an image file (fetched, or built on this node) and evict to stay in budget."""
+        final = self.path(digest)
+        existing = self.images.get(digest)
+        if existing is not None and path != final:
+            path.unlink(missing_ok=True)  # an identical rebuild; the cached file may be mounted
+            self.touch(existing)
+            return existing
+        if path != final:
+            os.replace(path, final)
+        st = final.stat()
+        image = CachedImage(digest, final, st.st_size, st.st_blocks * 512, time.time(),
+                            pins=existing.pins if existing else 0, persisted=st.st_mtime)
+        self.images[digest] = image
+        self.evict(keep=frozenset({digest}))
+        return image
+
+    # -- eviction ---------------------------------------------------------------------
+
+    def evict(self, incoming: int = 0, keep: frozenset[str] = frozenset()) -> list[str]:
+        victims = choose_victims(self.images.values(), self.budget, incoming, keep)
+        for digest in victims:
+            self.drop(digest)
+        if victims:
+            log.info("evicted %d image(s) to stay within %d bytes: %s", len(victims), self.budget, victims)
+        if self.used + incoming > self.budget:
+            log.warning("image cache holds %d bytes (+%d coming), over its budget of %d: the rest is in use",
+                        self.used, incoming, self.budget)
+        return victims
+
+    def drop(self, digest: str) -> None:
+        image = self.images[digest]
+        if image.pins:
+            raise RuntimeError(f"image {digest} is in use")
+        self._before_evict(digest)
+        image.path.unlink(missing_ok=True)
+        del self.images[digest]

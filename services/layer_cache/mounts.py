@@ -1,0 +1,206 @@
+"""Kernel mounts of the layer cache: EROFS images mounted once per node, overlays over them.
+
+An image is mounted straight from its file with mount(2) and `directio` (util-linux `mount`
+would silently make a loop device instead), so the node holds one page cache per layer
+however many sandboxes share it. `LayerMounts` knows which images are mounted; who uses them
+is counted by the image cache's pins. `/proc/self/mountinfo` is the truth after a restart.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandfleet.kernel import syscalls as linux
+
+log = logging.getLogger("sandfleet.layer_cache")
+
+MS_RDONLY = linux.MS_RDONLY
+MS_NODEV = linux.MS_NODEV
+MNT_DETACH = linux.MNT_DETACH
+
+# Layers never provide usable device nodes: a sandbox gets its own /dev.
+LAYER_FLAGS = MS_RDONLY | MS_NODEV
+OVERLAY_FLAGS = MS_NODEV
+MAX_MOUNT_DATA = 4095  # mount(2) copies at most one page of options
+
+
+def mount(source: str, target: str, fstype: str, flags: int, data: str) -> None:
+    try:
+        linux.mount(source, target, fstype, flags, data)
+    except OSError as exc:
+        raise OSError(exc.errno, f"mount {fstype} on {target}: {os.strerror(exc.errno)}") from None
+
+
+def umount(target: str) -> None:
+    """Unmount; a mount still busy (a process sits in it) is detached instead of left behind."""
+    try:
+        linux.umount2(target, 0)
+        return
+    except OSError as exc:
+        err = exc.errno
+    if err == errno.EBUSY:
+        log.warning("mount %s is busy; detaching it", target)
+        try:
+            linux.umount2(target, MNT_DETACH)
+            return
+        except OSError as exc:
+            err = exc.errno
+    if err == errno.EINVAL:  # not a mount point (any more)
+        return
+    raise OSError(err, f"umount {target}: {os.strerror(err)}")
+
+
+def mount_erofs(image: Path, target: Path) -> None:
+    try:
+        mount(str(image), str(target), "erofs", LAYER_FLAGS, "directio")
+    except OSError as exc:
+        if exc.errno == errno.ENOTBLK:  # e.g. an image on tmpfs: EROFS cannot read it as a file
+            raise OSError(exc.errno, f"EROFS cannot mount {image} from its filesystem; "
+                                     "keep the data dir on a disk filesystem (ext4, xfs, btrfs)") from None
+        raise
+
+
+def overlay_options(lowers_top_first: list[str], upper: str, work: str) -> str:
+    """The option string of an overlay; refuses paths overlayfs cannot parse and strings mount(2) would cut."""
+    for path in [*lowers_top_first, upper, work]:
+        if any(c in path for c in ":,\\\n") or not path.startswith("/"):
+            raise ValueError(f"path unusable in overlay options: {path!r}")
+    if not lowers_top_first:
+        raise ValueError("an overlay needs at least one lower layer")
+    data = f"lowerdir={':'.join(lowers_top_first)},upperdir={upper},workdir={work}"
+    if len(data) > MAX_MOUNT_DATA:
+        raise ValueError(f"overlay options of {len(data)} bytes exceed one page; use a shorter data dir")
+    return data
+
+
+def mount_overlay(lowers_top_first: list[str], upper: Path, work: Path, target: Path) -> None:
+    mount("overlay", str(target), "overlay", OVERLAY_FLAGS, overlay_options(lowers_top_first, str(upper), str(work)))
+
+
+# -- mountinfo ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MountEntry:
+    mount_id: int
+    parent_id: int
+    mount_point: str
+    fstype: str
+    source: str
+    options: dict[str, str]  # super options; flags without a value map to ""
+
+
+_OCTAL = re.compile(r"\\([0-7]{3})")
+
+
+def _unescape(field: str) -> str:
+    return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), field)
+
+
+def parse_options(text: str) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        found[key] = _unescape(value)
+    return found
+
+
+def parse_mountinfo(text: str) -> list[MountEntry]:
+    entries = []
+    for line in text.splitlines():
+        if " - " not in line:
+            continue
+        left, right = line.split(" - ", 1)
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 2:
+            continue
+        entries.append(
+            MountEntry(
+                mount_id=int(fields[0]),
+                parent_id=int(fields[1]),
+                mount_point=_unescape(fields[4]),
+                fstype=tail[0],
+                source=_unescape(tail[1]),
+                options=parse_options(tail[2]) if len(tail) > 2 else {},
+            )
+        )
+    return entries
+
+
+def read_mountinfo() -> list[MountEntry]:
+    with open("/proc/self/mountinfo") as f:
+        return parse_mountinfo(f.read())
+
+
+def mounts_under(root: Path, entries: list[MountEntry] | None = None) -> list[MountEntry]:
+    """Mounts at or below `root`, deepest first (the order to unmount them in)."""
+    prefix = str(root).rstrip("/") + "/"
+    found = [e for e in (entries if entries is not None else read_mountinfo())
+             if e.mount_point == str(root) or e.mount_point.startswith(prefix)]
+    return sorted(found, key=lambda e: (e.mount_point.count("/"), e.mount_id), reverse=True)
+
+
+def unmount_tree(root: Path) -> int:
+    """Unmount everything at or below `root`; returns how many mounts went."""
+    done = 0
+    for entry in mounts_under(root):
+        umount(entry.mount_point)
+        done += 1
+    return done
+
+
+def remove_tree(path: Path, check: bool = True) -> None:
+    """Delete a directory that must hold no mount (rmtree would walk into one and empty it).
+    `check=False` when the caller has just unmounted what was there (reading mountinfo costs
+    a few milliseconds on a node with thousands of roots)."""
+    if check and mounts_under(path):
+        raise RuntimeError(f"{path} still has mounts; not removing it")
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        log.warning("could not fully remove %s", path)
+
+
+# -- layer mounts ---------------------------------------------------------------------
+
+
+def digest_hex(digest: str) -> str:
+    return digest.removeprefix("sha256:")
+
+
+class LayerMounts:
+    """Which images are mounted, at `<root>/<hex>`; at most one mount per image."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.mounted: set[str] = set()
+
+    def mountpoint(self, digest: str) -> Path:
+        return self.root / digest_hex(digest)
+
+    def ensure(self, digest: str, image: Path) -> Path:
+        target = self.mountpoint(digest)
+        if digest in self.mounted:
+            return target
+        target.mkdir(parents=True, exist_ok=True)
+        mount_erofs(image, target)
+        self.mounted.add(digest)
+        return target
+
+    def adopt(self, digest: str) -> None:
+        self.mounted.add(digest)
+
+    def unmount(self, digest: str) -> None:
+        target = self.mountpoint(digest)
+        if digest in self.mounted:
+            umount(str(target))
+            self.mounted.discard(digest)
+        try:
+            target.rmdir()
+        except FileNotFoundError:
+            pass

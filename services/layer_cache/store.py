@@ -1,0 +1,208 @@
+"""The cluster's layer store: images in the Object Store bucket `layers`, references in KV `layers`.
+
+Images are named by their digest, so an identical rebuild is stored once. A reference is a
+KV key, `<name>` (the newest build) or `<name>.<tag>`; removing the last reference to an
+image deletes the image from the store (nodes that cache it keep their copy until eviction).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, ObjectMeta, ObjectMetaOptions, ObjectStoreConfig, StorageType
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from sandfleet.bus import decode, encode
+from sandfleet.errors import ServiceError
+from schemas.errors import ErrorCode
+from schemas.layers import CHUNK_BYTES, KV_BUCKET, OBJECT_BUCKET, UPLOAD_BUCKET, UPLOAD_TTL_S, Layer
+
+log = logging.getLogger("sandfleet.layer_cache")
+
+DIGEST_PREFIX = "sha256:"
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A parsed layer reference: a digest, or a name with an optional tag."""
+
+    digest: str = ""
+    name: str = ""
+    tag: str = ""
+
+    @classmethod
+    def parse(cls, ref: str) -> Ref:
+        if ref.startswith(DIGEST_PREFIX):
+            return cls(digest=ref)
+        name, _, tag = ref.partition(":")
+        return cls(name=name, tag=tag)
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}.{self.tag}" if self.tag else self.name
+
+    @classmethod
+    def from_key(cls, key: str) -> Ref:
+        name, _, tag = key.partition(".")
+        return cls(name=name, tag=tag)
+
+    def __str__(self) -> str:
+        return self.digest or (f"{self.name}:{self.tag}" if self.tag else self.name)
+
+
+def object_digest(digest: str) -> str:
+    """The Object Store's own form of a sha256 (`SHA-256=<base64url>`) for a `sha256:<hex>` digest."""
+    raw = bytes.fromhex(digest.removeprefix(DIGEST_PREFIX))
+    return "SHA-256=" + base64.urlsafe_b64encode(raw).decode()
+
+
+async def _bucket(js: JetStreamContext, name: str, config: ObjectStoreConfig) -> ObjectStore:
+    try:
+        return await js.create_object_store(name, config)
+    except nats.js.errors.BadRequestError:  # exists with settings an operator changed; keep theirs
+        return await js.object_store(name)
+
+
+class LayerStore:
+    def __init__(self, kv: KeyValue, images: ObjectStore, uploads: ObjectStore) -> None:
+        self.kv = kv
+        self.images = images
+        self.uploads = uploads
+
+    @classmethod
+    async def open(cls, js: JetStreamContext) -> LayerStore:
+        try:
+            kv = await js.create_key_value(
+                KeyValueConfig(bucket=KV_BUCKET, history=1, storage=StorageType.FILE, description="layer catalogue")
+            )
+        except nats.js.errors.BadRequestError:
+            kv = await js.key_value(KV_BUCKET)
+        images = await _bucket(js, OBJECT_BUCKET, ObjectStoreConfig(storage=StorageType.FILE, description="layer images"))
+        uploads = await _bucket(
+            js, UPLOAD_BUCKET, ObjectStoreConfig(storage=StorageType.FILE, ttl=UPLOAD_TTL_S, description="build sources")
+        )
+        return cls(kv, images, uploads)
+
+    # -- images -----------------------------------------------------------------------
+
+    async def image_size(self, digest: str) -> int | None:
+        try:
+            info = await self.images.get_info(digest)
+        except nats.js.errors.NotFoundError:
+            return None
+        return info.size
+
+    async def put_image(self, digest: str, path: Path) -> bool:
+        """Store the image unless the store has it; true when it was stored now."""
+        if await self.image_size(digest) == path.stat().st_size:
+            return False
+        meta = ObjectMeta(name=digest, options=ObjectMetaOptions(max_chunk_size=CHUNK_BYTES))
+        with open(path, "rb") as f:
+            info = await self.images.put(digest, f, meta=meta)
+        if info.digest != object_digest(digest):
+            await self.images.delete(digest)
+            raise ServiceError(ErrorCode.INTERNAL, f"image {digest} changed while it was stored")
+        return True
+
+    async def fetch_image(self, digest: str, dest: Path) -> None:
+        """Write the image to `dest`; the store checks the bytes against its sha256, which is the
+        image's digest, so nothing is hashed twice."""
+        try:
+            info = await self.images.get_info(digest)
+        except nats.js.errors.NotFoundError:
+            raise ServiceError(ErrorCode.NOT_FOUND, f"no image {digest} in the layer store") from None
+        if info.digest != object_digest(digest):
+            raise ServiceError(ErrorCode.INTERNAL, f"the store's image {digest} has another digest")
+        with open(dest, "wb") as f:
+            try:
+                await self.images.get(digest, writeinto=f)
+            except nats.js.errors.DigestMismatchError:
+                raise ServiceError(ErrorCode.INTERNAL, f"image {digest} arrived corrupted") from None
+
+    async def delete_image(self, digest: str) -> None:
+        try:
+            await self.images.delete(digest)
+        except nats.js.errors.NotFoundError:
+            pass
+
+    # -- uploads (build sources) ------------------------------------------------------
+
+    async def fetch_upload(self, name: str, dest: Path) -> None:
+        with open(dest, "wb") as f:
+            try:
+                await self.uploads.get(name, writeinto=f)
+            except nats.js.errors.NotFoundError:
+                raise ServiceError(ErrorCode.NOT_FOUND, f"no upload {name} (uploads expire after an hour)") from None
+
+    async def delete_upload(self, name: str) -> None:
+        try:
+            await self.uploads.delete(name)
+        except nats.js.errors.NotFoundError:
+            pass
+
+    # -- references -------------------------------------------------------------------
+
+    async def get(self, ref: Ref) -> Layer:
+        try:
+            entry = await self.kv.get(ref.key)
+        except nats.js.errors.NotFoundError:
+            entry = None
+        if entry is None or not entry.value:
+            raise ServiceError(ErrorCode.NOT_FOUND, f"no layer {ref}")
+        return decode(entry.value, Layer)
+
+    async def resolve(self, ref: str) -> tuple[str, int]:
+        """(digest, size) of a reference; a digest must name an image the store holds."""
+        parsed = Ref.parse(ref)
+        if parsed.digest:
+            size = await self.image_size(parsed.digest)
+            if size is None:
+                raise ServiceError(ErrorCode.NOT_FOUND, f"no image {parsed.digest} in the layer store")
+            return parsed.digest, size
+        layer = await self.get(parsed)
+        return layer.digest, layer.size
+
+    async def record(self, layer: Layer) -> None:
+        """Point `<name>` and each `<name>.<tag>` at this build."""
+        value = encode(layer)
+        await self.kv.put(layer.name, value)
+        for tag in layer.tags:
+            await self.kv.put(Ref(name=layer.name, tag=tag).key, value)
+
+    async def all(self) -> dict[str, Layer]:
+        """Every reference (KV key) and the build it points at."""
+        try:
+            keys = await self.kv.keys()
+        except nats.js.errors.NoKeysError:
+            return {}
+        found = {}
+        for key in keys:
+            try:
+                found[key] = await self.get(Ref.from_key(key))
+            except ServiceError:
+                continue  # removed meanwhile
+        return found
+
+    async def remove(self, ref: Ref) -> tuple[list[str], list[str]]:
+        """Drop a reference (a bare name: with all its tags); delete images left unreferenced."""
+        refs = await self.all()
+        if ref.tag:
+            doomed = [ref.key] if ref.key in refs else []
+        else:
+            doomed = [k for k in refs if Ref.from_key(k).name == ref.name]
+        if not doomed:
+            raise ServiceError(ErrorCode.NOT_FOUND, f"no layer {ref}")
+        for key in doomed:
+            await self.kv.purge(key)
+        still = {layer.digest for key, layer in refs.items() if key not in doomed}
+        orphaned = sorted({refs[k].digest for k in doomed} - still)
+        for digest in orphaned:
+            await self.delete_image(digest)
+        return [str(Ref.from_key(k)) for k in sorted(doomed)], orphaned
+
