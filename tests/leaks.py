@@ -12,14 +12,12 @@ def _mounts() -> list[str]:
 
 
 def _cgroups() -> list[str]:
+    """Every cgroup directory under a `sandfleet` parent, in each hierarchy (v1 and v2)."""
     found = []
-    for root, dirs, _ in os.walk("/sys/fs/cgroup"):
-        depth = root.count("/") - 3
-        for d in dirs:
-            if "sandfleet" in d:
-                found.append(os.path.join(root, d))
-        if depth >= 2:
-            dirs.clear()
+    for hierarchy in os.listdir("/sys/fs/cgroup"):
+        top = os.path.join("/sys/fs/cgroup", hierarchy, "sandfleet")
+        for root, dirs, _ in os.walk(top):
+            found.append(root)
     return found
 
 
