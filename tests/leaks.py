@@ -14,8 +14,9 @@ def _mounts() -> list[str]:
 def _cgroups() -> list[str]:
     """Every cgroup directory under a `sandfleet` parent, in each hierarchy (v1 and v2)."""
     found = []
-    for hierarchy in os.listdir("/sys/fs/cgroup"):
-        top = os.path.join("/sys/fs/cgroup", hierarchy, "sandfleet")
+    tops = ["/sys/fs/cgroup/sandfleet"]  # a v2-only host
+    tops += [os.path.join("/sys/fs/cgroup", h, "sandfleet") for h in os.listdir("/sys/fs/cgroup")]
+    for top in tops:
         for root, dirs, _ in os.walk(top):
             found.append(root)
     return found
