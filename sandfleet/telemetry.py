@@ -1,7 +1,7 @@
 """OpenTelemetry set-up and W3C trace context in NATS headers.
 
-With no `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_TRACES_EXPORTER=none`) spans are made but
-go nowhere, which costs next to nothing; with it, they leave over OTLP/HTTP in batches.
+With no `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_TRACES_EXPORTER=none`) tracing is the API's
+no-op; with it, spans leave over OTLP/HTTP in batches.
 """
 
 from __future__ import annotations
@@ -22,24 +22,26 @@ SUBJECT = "messaging.destination.name"
 _provider: TracerProvider | None = None
 
 
-def setup(service_name: str, extra_processor: SpanProcessor | None = None) -> TracerProvider:
-    """Install the process's tracer provider once; later calls return the same one."""
-    global _provider
-    if _provider is not None:
-        if extra_processor is not None:
-            _provider.add_span_processor(extra_processor)
-        return _provider
-    resource = Resource.create({"service.name": service_name})
-    provider = TracerProvider(resource=resource)
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") and os.environ.get("OTEL_TRACES_EXPORTER", "otlp") != "none":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+def setup(service_name: str, extra_processor: SpanProcessor | None = None) -> TracerProvider | None:
+    """Install the process's tracer provider once, if spans have somewhere to go.
 
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    if extra_processor is not None:
-        provider.add_span_processor(extra_processor)
-    trace.set_tracer_provider(provider)
-    _provider = provider
-    return provider
+    Without an exporter the API's no-op tracer stays: spans cost next to nothing, and an
+    incoming `traceparent` still passes through to the next hop unchanged.
+    """
+    global _provider
+    exporting = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")) and os.environ.get(
+        "OTEL_TRACES_EXPORTER", "otlp"
+    ) != "none"
+    if _provider is None and (exporting or extra_processor is not None):
+        _provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        if exporting:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        trace.set_tracer_provider(_provider)
+    if _provider is not None and extra_processor is not None:
+        _provider.add_span_processor(extra_processor)
+    return _provider
 
 
 def shutdown() -> None:
