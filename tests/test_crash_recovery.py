@@ -53,3 +53,23 @@ async def test_agent_killed_keeps_sandboxes_usable_and_reclaims_orphans(fleet, p
     assert (await fresh.exec(["true"])).exit_code == 0
     await asyncio.gather(sb.destroy(), fresh.destroy())
     assert not os.path.exists(f"/run/netns/sf-{platform.node_id}.{sb.id}")
+
+
+async def test_a_sandbox_left_scheduled_by_a_dead_placement_is_failed_not_lost(fleet):
+    import time as _time
+
+    from sandfleet.store import SandboxStore
+    from schemas.sandbox import SandboxRecord, SandboxSpec
+    from services.placement import handlers
+    from services.placement.policy import NodeView
+
+    store = await SandboxStore.open(fleet.bus)
+    old = _time.time() - 3600
+    record = SandboxRecord(id="sb-stuck0001", node="gone", spec=SandboxSpec(), state=State.SCHEDULED,
+                           created_at=old, updated_at=old)
+    await store.create(record)
+    failed = await handlers.fail_stuck(handlers.Deps(fleet.bus, store, NodeView()), _time.time())
+    assert "sb-stuck0001" in failed
+    got = await fleet.get("sb-stuck0001")
+    assert got.state is State.FAILED and got.reason is Reason.LAUNCH_FAILED
+    await store.forget("sb-stuck0001")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 
 import nats.js.errors
 
@@ -37,10 +38,21 @@ async def watch_nodes(bus: Bus, view: NodeView) -> None:
             await asyncio.sleep(0.5)
 
 
+async def sweep_stuck(deps: handlers.Deps, period_s: float = 30.0) -> None:
+    while True:
+        try:
+            failed = await handlers.fail_stuck(deps, time.time())
+            if failed:
+                log.warning("failed %d sandbox(es) that were never launched", len(failed))
+        except Exception:  # the sweep must outlive a bad moment of the bus
+            log.exception("stuck-sandbox sweep failed")
+        await asyncio.sleep(period_s)
+
+
 async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
     async with runner.service_bus("placement", config) as bus:
         deps = handlers.Deps(bus=bus, store=await SandboxStore.open(bus), nodes=NodeView())
-        watcher = asyncio.create_task(watch_nodes(bus, deps.nodes))
+        tasks = [asyncio.create_task(watch_nodes(bus, deps.nodes)), asyncio.create_task(sweep_stuck(deps))]
         h = functools.partial
         await bus.serve(
             "placement",
@@ -54,7 +66,8 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
         )
         log.info("placement serving")
         await stop.wait()
-        watcher.cancel()
+        for task in tasks:
+            task.cancel()
 
 
 if __name__ == "__main__":

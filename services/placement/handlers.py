@@ -123,6 +123,23 @@ async def _launch_on(deps: Deps, node_id: str, records: list[SandboxRecord]) -> 
         return [node_schema.LaunchResult(id=r.id, ok=False, error=str(exc)) for r in records]
 
 
+STUCK_AFTER_S = 120.0
+
+
+async def fail_stuck(deps: Deps, now: float) -> list[str]:
+    """End sandboxes that stayed `scheduled` with no launch (a placement replica died between
+    writing the record and asking the node): accepted work is never left in limbo."""
+    stuck = [r for r in await deps.store.all() if r.state is State.SCHEDULED and now - r.updated_at > STUCK_AFTER_S]
+    failed = []
+    for r in stuck:
+        try:
+            await deps.store.transition(r.id, State.FAILED, Reason.LAUNCH_FAILED, "never launched")
+            failed.append(r.id)
+        except ServiceError:
+            pass  # launched or ended meanwhile, or another replica got there first
+    return failed
+
+
 async def get(deps: Deps, req: GetRequest) -> SandboxRecord:
     record, _ = await deps.store.get(req.id)
     return record
