@@ -68,7 +68,23 @@ def start_platform(data_dir: Path, node_id: str, otlp: OtlpReceiver | None = Non
 
 
 def stop_platform(p: Platform) -> None:
+    supervisor = p.state()["pid"]
     subprocess.run([*CLI, "down", "--data-dir", str(p.data_dir)], env=p.env, timeout=150, check=True, cwd=ROOT)
+    # `up --detach` leaves the supervisor an orphan; as subreaper we are its parent now, and
+    # this VM's PID 1 would not reap it.
+    try:
+        os.waitpid(supervisor, 0)
+    except ChildProcessError:
+        pass
+
+
+def _become_subreaper() -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+_become_subreaper()
 
 
 @pytest.fixture(scope="session")

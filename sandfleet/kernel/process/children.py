@@ -1,0 +1,152 @@
+"""What the spawner's forked children do: B, the sandbox's init, and C, the exec helper that
+spawns one command inside the sandbox. They run only os/ctypes code between fork and exec,
+report "step: errno message" on a close-on-exec pipe, and leave by exec or os._exit."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+
+from sandfleet.kernel import syscalls as linux
+from sandfleet.kernel.process.model import CATATONIT, DEFAULT_ENV
+from sandfleet.kernel.process.reports import READY, report_failure, status_record
+
+_ENTER_NS = linux.CLONE_NEWNS | linux.CLONE_NEWNET | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS | linux.CLONE_NEWCGROUP
+
+
+def _join_cgroups(paths: list[str]) -> None:
+    for path in paths:  # "0" is the writer itself, whatever pid namespace it is in
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
+
+
+def _drop_privileges(last_cap: int) -> None:
+    """Keep nothing of the spawner across exec but fds 0-2; no capabilities, no_new_privs."""
+    linux.restore_signals()  # an empty mask (the spawner's may block some)
+    linux.close_range_cloexec(3)
+    os.umask(0o022)
+    linux.drop_all_capabilities(last_cap)
+    linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
+
+
+def init_child(report: int, netns_fd: int, cgroup_procs: list[str], plan, last_cap: int) -> None:
+    """B: pid 1 of the new pid namespace. Never returns."""
+    step = "join cgroups"
+    try:
+        _join_cgroups(cgroup_procs)
+        step = "enter netns"
+        linux.setns(netns_fd, linux.CLONE_NEWNET)
+        step = "unshare namespaces"
+        linux.unshare(linux.CLONE_NEWNS | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS | linux.CLONE_NEWCGROUP)
+        for item in plan:
+            step = item.what
+            item.call(*item.args)
+        step = "stdio"
+        null = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        step = "drop privileges"
+        _drop_privileges(last_cap)
+        step = f"exec {CATATONIT}"
+        if not os.access(CATATONIT, os.X_OK):
+            raise FileNotFoundError(errno.ENOENT, "not executable in the sandbox", CATATONIT)
+        # Ready now rather than at exec, which first tears down this copy of the spawner.
+        os.write(report, READY)
+        os.close(report)
+        os.execve(CATATONIT, ["catatonit", "-P"], {"PATH": DEFAULT_ENV["PATH"]})
+    except BaseException as exc:
+        report_failure(report, step, exc)
+    os._exit(127)
+
+
+_SPAWN_DEFAULT_SIGNALS = tuple(signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP})
+
+
+def exec_child(report: int, pidfd: int, root: int, cgroup_procs: list[str], cwd: str, stdio: list[int],
+                argv: list[str], env: dict[str, str], last_cap: int) -> None:
+    """C: enters the sandbox, vfork-spawns the command into its pid namespace, waits for it
+    and writes its status. C stays outside the pid namespace, so the sandbox never sees it.
+    SIGTERM (the spawner, on timeout or cancel) kills the command's process group. Never returns."""
+    command, killed = 0, False
+
+    def kill_command() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(command, signal.SIGKILL)  # not reaped yet, so the group is still its own
+
+    def terminate(*_) -> None:
+        nonlocal killed
+        killed = True
+        if command:
+            kill_command()
+
+    signal.signal(signal.SIGTERM, terminate)
+    signal.set_wakeup_fd(-1)
+    step = "close inherited fds"
+    try:
+        _close_all_but({report, pidfd, root, *stdio})  # C lives as long as the command: hold nothing else
+        step = "join cgroups"
+        _join_cgroups(cgroup_procs)
+        step = "enter namespaces"
+        linux.setns(pidfd, _ENTER_NS | linux.CLONE_NEWPID)
+        step = "enter root"
+        os.fchdir(root)
+        os.chroot(".")
+        step = "chdir " + cwd
+        os.chdir(cwd)
+        step = "drop privileges"
+        _drop_privileges(last_cap)
+        step = "spawn"
+        path, code = _which(argv[0], env.get("PATH", ""))
+        if killed:
+            os._exit(1)
+        if path is not None:
+            try:
+                command = os.posix_spawn(
+                    path, argv, env, setsid=True, setsigdef=_SPAWN_DEFAULT_SIGNALS, setsigmask=(),
+                    file_actions=[(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(stdio)],
+                )
+                if killed:  # SIGTERM arrived while spawning
+                    kill_command()
+            except OSError as exc:
+                code = 127 if exc.errno in (errno.ENOENT, errno.ENOTDIR) else 126
+                os.write(stdio[2], f"sandbox: {argv[0]}: {exc.strerror}\n".encode(errors="replace"))
+        else:
+            why = "command not found" if code == 127 else "Permission denied"
+            os.write(stdio[2], f"sandbox: {argv[0]}: {why}\n".encode(errors="replace"))
+        for fd in stdio:
+            os.close(fd)
+        status = os.waitpid(command, 0)[1] if command else code << 8
+        os.write(report, status_record(status))
+        os.close(report)
+    except BaseException as exc:
+        report_failure(report, step, exc)
+        os._exit(1)
+    os._exit(0)
+
+
+def _close_all_but(keep: set[int]) -> None:
+    low = 3
+    for fd in sorted(keep):
+        if fd >= low:
+            os.closerange(low, fd)
+            low = fd + 1
+    os.closerange(low, 1 << 30)
+
+
+def _which(name: str, search: str) -> tuple[str | None, int]:
+    """The file execvp would run, else (None, 127 if nothing is there, 126 if not executable)."""
+    if "/" in name:
+        return name, 0
+    code = 127
+    for directory in search.split(":"):
+        candidate = os.path.join(directory or ".", name)
+        if os.access(candidate, os.X_OK) and not os.path.isdir(candidate):
+            return candidate, 0
+        if os.path.exists(candidate):
+            code = 126
+    return None, code

@@ -1,0 +1,178 @@
+"""The launcher's side of exec: check the request, hand the spawner the init's pidfd and root
+and the command's pipes, then drive those pipes on the event loop until the command's status
+arrives, killing it on timeout or cancel. asyncio is imported only when exec runs, because
+the spawner imports this package."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+from sandfleet.kernel.process import spawner
+from sandfleet.kernel.process.lifecycle import open_init
+from sandfleet.kernel.process.model import DEFAULT_ENV, ExecError, ExecResult, InitProcess
+from sandfleet.kernel.process.reports import Report
+
+OUTPUT_GRACE_S = 0.1  # after the command exits, how long a background process may hold its pipes
+
+
+async def exec(
+    init: InitProcess,
+    argv: list[str],
+    *,
+    cgroup_procs: list[str],
+    env: dict[str, str] | None = None,
+    cwd: str = "/workspace",
+    stdin: bytes = b"",
+    timeout_s: float = 60.0,
+    max_output: int = 1 << 20,
+) -> ExecResult:
+    """Run argv in the sandbox in a new session. A missing cwd raises FileNotFoundError (or
+    NotADirectoryError); a command that cannot be found exits 127, one that cannot run 126."""
+    import asyncio
+
+    if not argv or not argv[0]:
+        raise ValueError("argv is empty")
+    full_env = {**DEFAULT_ENV, **(env or {})}
+    if any("\0" in t for t in (*argv, *full_env, *full_env.values(), cwd)):
+        raise ValueError("argv, env and cwd must not contain NUL bytes")
+    if any(not k or "=" in k for k in full_env):
+        raise ValueError("environment variable names must be non-empty and contain no '='")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    pidfd, root = open_init(init)
+    fds = [pidfd, root]
+    try:
+        for _ in range(4):
+            fds += os.pipe2(os.O_CLOEXEC)
+        _, _, report_r, report_w, in_r, in_w, out_r, out_w, err_r, err_w = fds
+        request = ("exec", (list(cgroup_procs), cwd, list(argv), full_env))
+        spawner.send(request, [report_w, pidfd, root, in_r, out_w, err_w])
+    except BaseException as exc:
+        for fd in fds:
+            os.close(fd)
+        if isinstance(exc, OSError):
+            raise ExecError(f"cannot reach the spawner: {exc}") from exc
+        raise
+    for fd in (pidfd, root, report_w, in_r, out_w, err_w):
+        os.close(fd)
+    run = _Run(loop, report_r, out_r, err_r, in_w, stdin, max_output)
+    try:
+        return await run.result(deadline)
+    finally:
+        run.close()
+
+
+class _Run:
+    """The launcher's side of one exec: its pipes, driven by the event loop."""
+
+    def __init__(self, loop, report_r: int, out_r: int, err_r: int, in_w: int, stdin: bytes,
+                 max_output: int) -> None:
+        self.loop, self.report_r, self.max_output = loop, report_r, max_output
+        self.report, self.out, self.err = bytearray(), bytearray(), bytearray()
+        self.buffers = {report_r: self.report, out_r: self.out, err_r: self.err}
+        self.eof = {fd: loop.create_future() for fd in self.buffers}
+        self.truncated = False
+        self.killed = self.kill_pending = False
+        for fd in self.buffers:
+            os.set_blocking(fd, False)
+            loop.add_reader(fd, self._readable, fd)
+        self.stdin, self.in_w = memoryview(stdin), in_w
+        if stdin:
+            os.set_blocking(in_w, False)
+            self._writable()
+        else:
+            self._close_stdin()
+
+    def _readable(self, fd: int) -> None:
+        buf = self.buffers[fd]
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._close_reader(fd)
+                return
+            if fd != self.report_r and len(buf) + len(chunk) > self.max_output:
+                chunk = chunk[: max(0, self.max_output - len(buf))]
+                self.truncated = True
+            buf += chunk
+            if fd == self.report_r:
+                report = Report.parse(bytes(buf))
+                if self.kill_pending and report.pid is not None:
+                    self.kill()
+                if report.status is not None or report.errors:
+                    self._close_reader(fd)  # settled: no need to wait for the helper's teardown
+                    return
+
+    def _close_reader(self, fd: int) -> None:
+        if not self.eof[fd].done():
+            self.loop.remove_reader(fd)
+            os.close(fd)
+            self.eof[fd].set_result(None)
+
+    def _writable(self) -> None:
+        try:
+            while self.stdin:
+                self.stdin = self.stdin[os.write(self.in_w, self.stdin[:65536]):]
+        except BlockingIOError:
+            self.loop.add_writer(self.in_w, self._writable)
+            return
+        except OSError:  # the command closed its stdin or exited
+            pass
+        self._close_stdin()
+
+    def _close_stdin(self) -> None:
+        if self.in_w >= 0:
+            self.loop.remove_writer(self.in_w)
+            os.close(self.in_w)
+            self.in_w = -1
+
+    def kill(self) -> None:
+        """Ask the spawner to kill the command's process group (it knows whether it is reaped);
+        if the helper's pid has not arrived yet, as soon as it does."""
+        pid = Report.parse(bytes(self.report)).pid
+        self.kill_pending = pid is None
+        if pid is not None and not self.killed:
+            self.killed = True
+            with contextlib.suppress(OSError):
+                spawner.send(("kill", (pid, int(signal.SIGTERM))), [])
+
+    async def result(self, deadline: float) -> ExecResult:
+        import asyncio
+
+        done = self.eof[self.report_r]  # a status or an error arrived, or every writer closed the pipe
+        timed_out = False
+        try:
+            await asyncio.wait_for(asyncio.shield(done), max(0.0, deadline - self.loop.time()))
+        except TimeoutError:
+            timed_out = True
+            self.kill()
+            await done
+        report = Report.parse(bytes(self.report))
+        if timed_out and report.status is None:
+            report.status = signal.SIGKILL  # killed before the command started
+        elif report.status is None:
+            err, message = report.errors[0] if report.errors else (0, "the spawner ended before the command")
+            if message.startswith("chdir ") and err:
+                raise OSError(err, message)
+            raise ExecError(message)
+        # Output still open belongs to background processes of the command: a short grace.
+        pending = [f for f in self.eof.values() if not f.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=OUTPUT_GRACE_S)
+        code = os.waitstatus_to_exitcode(report.status)
+        return ExecResult(exit_code=128 - code if code < 0 else code, stdout=bytes(self.out),
+                          stderr=bytes(self.err), timed_out=timed_out, truncated=self.truncated)
+
+    def close(self) -> None:
+        if not self.eof[self.report_r].done():
+            self.kill()  # cancelled while running: the command must not outlive its exec
+        for fd in list(self.eof):
+            if not (fd == self.report_r and self.kill_pending):  # else read on until the pid comes
+                self._close_reader(fd)
+        self._close_stdin()

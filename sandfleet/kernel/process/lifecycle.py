@@ -1,0 +1,133 @@
+"""The sandbox init's life as the launcher sees it: start it through the spawner, tell
+whether it is alive (a recycled pid never passes for it), kill it, and open a live one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import select
+import signal
+import time
+
+from sandfleet.kernel.process import rootfs, spawner
+from sandfleet.kernel.process.model import ExecError, InitProcess, ProcessSpec, RuntimeStartError
+from sandfleet.kernel.process.reports import Report
+
+START_TIMEOUT_S = 10.0
+_SANDBOX_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+
+
+def start(spec: ProcessSpec) -> InitProcess:
+    """Start the sandbox's init; returns once it is about to exec catatonit (a few ms)."""
+    if not _SANDBOX_ID.match(spec.sandbox_id):
+        raise RuntimeStartError(f"invalid sandbox id {spec.sandbox_id!r}")
+    if not re.match(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$", spec.hostname):
+        raise RuntimeStartError(f"invalid hostname {spec.hostname!r}")
+    if spec.tmp_size_mb < 1 or spec.workspace_size_mb < 1:
+        raise RuntimeStartError("tmp_size_mb and workspace_size_mb must be at least 1 (0 means unlimited to tmpfs)")
+    rootfs.plan(spec.tmp_size_mb, spec.workspace_size_mb, spec.hostname)  # fail here, not in the child
+    try:
+        netns_fd = os.open(spec.netns, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RuntimeStartError(f"sandbox {spec.sandbox_id}: open netns {spec.netns}: {exc.strerror}") from None
+    report_r, report_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        request = ("start", (list(spec.cgroup_procs), spec.tmp_size_mb, spec.workspace_size_mb, spec.hostname))
+        spawner.send(request, [report_w, netns_fd])
+    except BaseException as exc:
+        os.close(report_r)
+        if isinstance(exc, OSError):
+            raise RuntimeStartError(f"sandbox {spec.sandbox_id}: cannot reach the spawner: {exc}") from exc
+        raise
+    finally:
+        os.close(report_w)
+        os.close(netns_fd)
+    try:
+        report = _read_start_report(report_r, START_TIMEOUT_S)
+    finally:
+        os.close(report_r)
+    if report.errors or not report.ready:
+        if report.pid is not None and not report.errors:  # hung: a failed init exits by itself
+            with contextlib.suppress(OSError):
+                spawner.send(("kill", (report.pid, int(signal.SIGKILL))), [])
+        why = "; ".join(m for _, m in report.errors) or "init died without a report"
+        raise RuntimeStartError(f"sandbox {spec.sandbox_id}: {why}")
+    info = _read_stat(report.pid)
+    if info is None:
+        raise RuntimeStartError(f"sandbox {spec.sandbox_id}: init vanished")
+    return InitProcess(pid=report.pid, start_time=info[2])
+
+
+def _read_start_report(fd: int, timeout_s: float) -> Report:
+    data, deadline = b"", time.monotonic() + timeout_s
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while True:
+        report = Report.parse(data)
+        if report.pid is not None and (report.ready or report.errors):
+            return report
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(left * 1000):
+            report.errors += ((0, f"init not ready within {timeout_s} s"),)
+            return report
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return report
+        data += chunk
+
+
+# -- liveness and kill ------------------------------------------------------------------------------
+
+def _read_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, ppid, start_time) of a pid, or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = data[data.rindex(b")") + 2:].split()
+    return fields[0].decode(), int(fields[1]), int(fields[19])
+
+
+def is_alive(init: InitProcess) -> bool:
+    info = _read_stat(init.pid)
+    return info is not None and info[2] == init.start_time and info[0] not in ("Z", "X")
+
+
+def kill(init: InitProcess, timeout_s: float = 2.0) -> None:
+    """SIGKILL the init, which ends its pid namespace, and wait until it has ended."""
+    try:
+        pidfd = os.pidfd_open(init.pid)
+    except ProcessLookupError:
+        return
+    try:
+        info = _read_stat(init.pid)  # read after pidfd_open: a match proves the pidfd is the init
+        if info is None or info[2] != init.start_time:
+            return
+        if info[0] not in ("Z", "X"):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            select.select([pidfd], [], [], timeout_s)
+        if info[1] == os.getpid():  # ours only if the spawner that started it died
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(init.pid, os.WNOHANG)
+    finally:
+        os.close(pidfd)
+
+
+def open_init(init: InitProcess) -> tuple[int, int]:
+    """(pidfd, root directory fd) of a live init; ExecError if it is gone or was replaced."""
+    try:
+        pidfd = os.pidfd_open(init.pid)
+    except ProcessLookupError:
+        raise ExecError(f"sandbox init {init.pid} is not running") from None
+    try:
+        root = os.open(f"/proc/{init.pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        os.close(pidfd)
+        raise ExecError(f"sandbox init {init.pid} is not running") from None
+    if not is_alive(init):  # checked after opening both: they belong to this init
+        os.close(pidfd)
+        os.close(root)
+        raise ExecError(f"sandbox init {init.pid} is not running")
+    return pidfd, root

@@ -1,0 +1,46 @@
+"""What callers of the `process` runtime pass in and get back, its two errors, and the fixed
+init binary and default environment every sandbox process is given."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CATATONIT = "/usr/bin/catatonit"
+DEFAULT_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/workspace",
+    "LANG": "C.UTF-8",
+}
+
+
+class RuntimeStartError(RuntimeError):
+    """The sandbox init could not be started; the message names the step and the errno."""
+
+
+class ExecError(RuntimeError):
+    """The command could not be started in the sandbox (init gone, cgroup or namespace join failed)."""
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    sandbox_id: str
+    cgroup_procs: list[str]
+    netns: str
+    tmp_size_mb: int = 256
+    workspace_size_mb: int = 1024
+    hostname: str = "sandbox"
+
+
+@dataclass(frozen=True)
+class InitProcess:
+    pid: int
+    start_time: int  # field 22 of /proc/<pid>/stat: a recycled pid never matches it
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+    truncated: bool

@@ -1,0 +1,240 @@
+"""The spawner: a small helper interpreter, started on first use, that forks every sandbox
+process (see the package docstring for why), reaps them and is a subreaper for the rest;
+and the launcher's handle on it, which sends it requests over a SOCK_SEQPACKET socket.
+
+The helper runs `python -S -I`: it has no site-packages, so nothing this package imports
+may need more than the standard library and sandfleet.kernel.syscalls.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import marshal
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+
+from sandfleet.kernel import syscalls as linux
+from sandfleet.kernel.process import children, rootfs
+from sandfleet.kernel.process.reports import error_record, pid_record, report_failure
+
+_HOST_PIDNS = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+_MAX_MESSAGE = 32 << 10
+_LARGE = b"large"
+
+
+@contextlib.contextmanager
+def _children_in_new_pidns():
+    """Fork this thread's next child as pid 1 of a new pid namespace."""
+    blocked = linux.block_all_signals()
+    try:
+        linux.unshare(linux.CLONE_NEWPID)
+        try:
+            yield
+        finally:
+            try:
+                linux.setns(_HOST_PIDNS, linux.CLONE_NEWPID)
+            except OSError:  # every later child would be born inside a sandbox
+                os.write(2, b"sandfleet spawner: cannot leave a sandbox pid namespace\n")
+                os.abort()
+    finally:
+        linux.restore_signals(blocked)
+
+
+def main(sock_fd: int) -> None:
+    """Serve fork requests until the launcher closes its end; reap every child."""
+    sock = socket.socket(fileno=sock_fd)
+    linux.set_child_subreaper()  # a command whose exec helper died is reaped here, not leaked upward
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    last_cap = rootfs.host_facts()["last_cap"]
+    reports: dict[int, int | None] = {}  # child pid -> report fd of an exec helper (tells if it dies silently)
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    poller.register(wake_r, select.POLLIN)
+    while True:
+        for fd, _ in poller.poll():
+            if fd == wake_r:
+                os.read(wake_r, 4096)
+                _reap_children(reports)
+                continue
+            try:
+                message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 8)
+            except OSError:
+                message, fds = b"", []
+            if not message:
+                _finish(reports)
+                os._exit(0)
+            try:
+                if message == _LARGE:  # the request itself is in the first fd (a memfd)
+                    message, fds = _read_all(fds[0]), fds[1:] + fds[:1]
+                _serve(marshal.loads(message), fds, reports, last_cap)
+            except Exception as exc:  # a bad request must not take the other sandboxes' execs down
+                os.write(2, f"sandfleet spawner: request failed: {exc!r}\n".encode())
+                if fds:
+                    report_failure(fds[0], "spawner", exc)
+            finally:
+                for f in fds:
+                    os.close(f)
+
+
+def _read_all(fd: int) -> bytes:
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _finish(reports: dict[int, int | None]) -> None:
+    """The launcher is gone or stopped us: end the execs it can no longer read (they would be
+    orphaned, unreaped, on a host whose PID 1 may not reap) and leave the sandboxes running."""
+    helpers = {pid: fd for pid, fd in reports.items() if fd is not None}
+    for pid in helpers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 2
+    while helpers and time.monotonic() < deadline:
+        _reap_children(helpers)
+        time.sleep(0.001)
+    for pid in list(helpers):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    _reap_children({})
+
+
+def _reap_children(reports: dict[int, int | None]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        report = reports.pop(pid, None)
+        if report is not None:
+            if status != 0:  # C died without writing the command's status
+                with contextlib.suppress(OSError):
+                    os.write(report, error_record(0, f"exec helper ended with wait status {status:#x}"))
+            os.close(report)
+
+
+def _serve(request: tuple, fds: list[int], reports: dict[int, int | None], last_cap: int) -> None:
+    op, args = request
+    if op == "ping":
+        return
+    if op == "kill":  # only a child not yet reaped: its pid cannot be anyone else's
+        pid, sig = args
+        if pid in reports:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        return
+    report = fds[0]
+    try:
+        if op == "start":
+            plan = rootfs.plan(*args[1:])
+            with _children_in_new_pidns():
+                pid = os.fork()
+                if pid == 0:
+                    children.init_child(report, fds[1], args[0], plan, last_cap)
+            reports[pid] = None
+        else:
+            pid = os.fork()
+            if pid == 0:
+                children.exec_child(report, fds[1], fds[2], args[0], args[1], fds[3:6], args[2], args[3], last_cap)
+            reports[pid] = os.dup(report)
+        os.write(report, pid_record(pid))
+    except OSError as exc:
+        report_failure(report, f"spawner {op}", exc)
+
+
+class Spawner:
+    """The launcher's handle on its spawner process, started on first use and again if it died."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sock: socket.socket | None = None
+        self.proc = None
+        atexit.register(self.stop)  # or the spawner outlives us as a zombie nobody reaps
+
+    def send(self, request: tuple, fds: list[int]) -> None:
+        message = marshal.dumps(request)
+        big = -1
+        if len(message) > _MAX_MESSAGE:  # argv and env may reach a few MB; a datagram may not
+            big = os.memfd_create("sandfleet-request", os.MFD_CLOEXEC)
+            os.write(big, message)
+            message, fds = _LARGE, [big, *fds]
+        try:
+            with self.lock:
+                for attempt in (0, 1):
+                    if self.sock is None or self.proc.poll() is not None:
+                        self._start()
+                    try:
+                        socket.send_fds(self.sock, [message], fds)
+                        return
+                    except (BrokenPipeError, ConnectionResetError):  # it died: start another
+                        self._stop()
+                        if attempt:
+                            raise
+        finally:
+            if big >= 0:
+                os.close(big)
+
+    def _start(self) -> None:
+        import subprocess
+
+        self._stop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # the directory holding sandfleet/: -I leaves it off the helper's path
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        code = (f"import sys; sys.path.insert(0, {root!r}); "
+                "from sandfleet.kernel.process.spawner import main; main(int(sys.argv[1]))")
+        with theirs:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-S", "-I", "-c", code, str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                cwd="/", stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        self.sock = ours
+
+    def _stop(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=2)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+    def stop(self) -> None:
+        with self.lock:
+            self._stop()
+
+
+handle = Spawner()
+
+
+def send(request: tuple, fds: list[int]) -> None:
+    """One request to the spawner, with the fds it acts on; OSError if it cannot be reached."""
+    handle.send(request, fds)
+
+
+def warm_up() -> None:
+    """Start the spawner now instead of on the first start or exec (it takes ~50 ms)."""
+    handle.send(("ping", None), [])
+
+
+def shutdown() -> None:
+    """Stop the spawner (running sandboxes are not touched); the next call starts a new one."""
+    handle.stop()
