@@ -569,3 +569,34 @@ async def test_start_and_exec_are_fast(sandboxes):
     print(f"\nstart() median {start_ms:.2f} ms; cgroups+netns+start median "
           f"{statistics.median(starts) * 1e3:.2f} ms; exec(true) median {exec_ms:.2f} ms")
     assert start_ms < 50 and exec_ms < 50
+
+
+async def test_async_start_and_kill_run_on_the_event_loop_without_blocking_it(layout):
+    import asyncio as _asyncio
+
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await _asyncio.sleep(0)
+
+    sandbox_id = f"{PREFIX}async"
+    group = cgroups.SandboxCgroups(layout, NODE, sandbox_id)
+    group.create(cpu=0.5, memory_mb=64, pids=64)
+    path = netns.create(NODE, sandbox_id)
+    task = _asyncio.create_task(ticker())
+    try:
+        init = await runtime.start_async(runtime.ProcessSpec(sandbox_id=sandbox_id, cgroup_procs=group.procs_files,
+                                                             netns=path, tmp_size_mb=8, workspace_size_mb=8))
+        assert runtime.is_alive(init)
+        assert (await runtime.exec(init, ["true"], cgroup_procs=group.procs_files)).exit_code == 0
+        await runtime.kill_async(init)
+        assert not runtime.is_alive(init)
+        assert ticks > 1  # the loop kept running while the init started and died
+    finally:
+        task.cancel()
+        group.remove()
+        netns.remove(NODE, sandbox_id)
+        cgroups.remove_node_root(layout, NODE)

@@ -27,7 +27,7 @@ rootfs.py     the plan B replays to build and seal the sandbox root
 spawner.py    the helper process, its loop, and the launcher's handle on it
 children.py   B and C, the code that runs after fork
 reports.py    the records children and spawner write on the report pipes
-lifecycle.py  start, is_alive, kill
+lifecycle.py  start, start_async, is_alive, kill, kill_async
 execio.py     exec: the launcher's side of a command's pipes, on the event loop
 files.py      read_file, write_file
 """
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from sandfleet.kernel.process.execio import OUTPUT_GRACE_S, exec
 from sandfleet.kernel.process.files import read_file, write_file
-from sandfleet.kernel.process.lifecycle import START_TIMEOUT_S, is_alive, kill, start
+from sandfleet.kernel.process.lifecycle import START_TIMEOUT_S, is_alive, kill, kill_async, start, start_async
 from sandfleet.kernel.process.model import (
     CATATONIT,
     DEFAULT_ENV,
@@ -59,6 +59,8 @@ __all__ = [
     "OUTPUT_GRACE_S",
     "ProcessSpec",
     "RuntimeStartError",
+    "kill_async",
+    "start_async",
     "STAGE",
     "START_TIMEOUT_S",
     "exec",

@@ -3,6 +3,7 @@ whether it is alive (a recycled pid never passes for it), kill it, and open a li
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -20,6 +21,26 @@ _SANDBOX_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 
 def start(spec: ProcessSpec) -> InitProcess:
     """Start the sandbox's init; returns once it is about to exec catatonit (a few ms)."""
+    report_r = _send_start(spec)
+    try:
+        report = _read_start_report(report_r, START_TIMEOUT_S)
+    finally:
+        os.close(report_r)
+    return _started(spec, report)
+
+
+async def start_async(spec: ProcessSpec) -> InitProcess:
+    """`start` that waits for the init on the event loop instead of blocking it."""
+    report_r = _send_start(spec)
+    try:
+        report = await _read_start_report_async(report_r, START_TIMEOUT_S)
+    finally:
+        os.close(report_r)
+    return _started(spec, report)
+
+
+def _send_start(spec: ProcessSpec) -> int:
+    """Ask the spawner for the init; returns the read end of its report pipe."""
     if not _SANDBOX_ID.match(spec.sandbox_id):
         raise RuntimeStartError(f"invalid sandbox id {spec.sandbox_id!r}")
     if not re.match(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$", spec.hostname):
@@ -43,10 +64,10 @@ def start(spec: ProcessSpec) -> InitProcess:
     finally:
         os.close(report_w)
         os.close(netns_fd)
-    try:
-        report = _read_start_report(report_r, START_TIMEOUT_S)
-    finally:
-        os.close(report_r)
+    return report_r
+
+
+def _started(spec: ProcessSpec, report: Report) -> InitProcess:
     if report.errors or not report.ready:
         if report.pid is not None and not report.errors:  # hung: a failed init exits by itself
             with contextlib.suppress(OSError):
@@ -57,6 +78,34 @@ def start(spec: ProcessSpec) -> InitProcess:
     if info is None:
         raise RuntimeStartError(f"sandbox {spec.sandbox_id}: init vanished")
     return InitProcess(pid=report.pid, start_time=info[2])
+
+
+async def _readable(fd: int, timeout_s: float) -> bool:
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(True))
+    try:
+        return await asyncio.wait_for(ready, timeout_s)
+    except asyncio.TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(fd)
+
+
+async def _read_start_report_async(fd: int, timeout_s: float) -> Report:
+    data, deadline = b"", time.monotonic() + timeout_s
+    while True:
+        report = Report.parse(data)
+        if report.pid is not None and (report.ready or report.errors):
+            return report
+        left = deadline - time.monotonic()
+        if left <= 0 or not await _readable(fd, left):
+            report.errors += ((0, f"init not ready within {timeout_s} s"),)
+            return report
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return report
+        data += chunk
 
 
 def _read_start_report(fd: int, timeout_s: float) -> Report:
@@ -97,22 +146,46 @@ def is_alive(init: InitProcess) -> bool:
 
 def kill(init: InitProcess, timeout_s: float = 2.0) -> None:
     """SIGKILL the init, which ends its pid namespace, and wait until it has ended."""
+    target = _signal_kill(init)
+    if target is not None:
+        pidfd, ppid = target
+        try:
+            select.select([pidfd], [], [], timeout_s)
+        finally:
+            _finish_kill(init, pidfd, ppid)
+
+
+async def kill_async(init: InitProcess, timeout_s: float = 2.0) -> None:
+    """`kill` that waits for the init's end on the event loop instead of blocking it."""
+    target = _signal_kill(init)
+    if target is not None:
+        pidfd, ppid = target
+        try:
+            await _readable(pidfd, timeout_s)
+        finally:
+            _finish_kill(init, pidfd, ppid)
+
+
+def _signal_kill(init: InitProcess) -> tuple[int, int] | None:
+    """(pidfd, parent pid) of the init after sending it SIGKILL, or None if it is gone."""
     try:
         pidfd = os.pidfd_open(init.pid)
     except ProcessLookupError:
-        return
-    try:
-        info = _read_stat(init.pid)  # read after pidfd_open: a match proves the pidfd is the init
-        if info is None or info[2] != init.start_time:
-            return
-        if info[0] not in ("Z", "X"):
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            select.select([pidfd], [], [], timeout_s)
-        if info[1] == os.getpid():  # ours only if the spawner that started it died
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(init.pid, os.WNOHANG)
-    finally:
+        return None
+    info = _read_stat(init.pid)  # read after pidfd_open: a match proves the pidfd is the init
+    if info is None or info[2] != init.start_time:
         os.close(pidfd)
+        return None
+    if info[0] not in ("Z", "X"):
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    return pidfd, info[1]
+
+
+def _finish_kill(init: InitProcess, pidfd: int, ppid: int) -> None:
+    if ppid == os.getpid():  # ours only if the spawner that started it died
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(init.pid, os.WNOHANG)
+    os.close(pidfd)
 
 
 def open_init(init: InitProcess) -> tuple[int, int]:
