@@ -27,60 +27,83 @@ from sandfleet.supervisor import free_port
 BENCH_NODE = "bench-direct"
 
 
-async def platform_round(url: str, n: int, concurrency: int) -> tuple[float, dict[str, list[float]]]:
+class PlatformSide:
+    """Through the bus: the SDK asks placement, the launcher, the node agent."""
+
+    def __init__(self, fleet: sandfleet.Fleet) -> None:
+        self.fleet = fleet
+
+    async def create(self, i: int) -> sandfleet.Sandbox:
+        return await self.fleet.create(memory_mb=64, cpu=0.5)
+
+    async def exec_true(self, sb: sandfleet.Sandbox) -> int:
+        return (await sb.exec(["true"])).exit_code
+
+    async def destroy(self, sb: sandfleet.Sandbox) -> None:
+        await sb.destroy()
+
+
+class DirectSide:
+    """The floor: the same kernel library called in this process, no bus, no services."""
+
+    def __init__(self, offset: int) -> None:
+        self.layout = cgroups.CgroupLayout.detect()
+        self.offset = offset
+
+    async def create(self, i: int) -> tuple[str, cgroups.SandboxCgroups, process.InitProcess]:
+        sid = f"direct-{self.offset + i}"
+        group = cgroups.SandboxCgroups(self.layout, BENCH_NODE, sid)
+        group.create(cpu=0.5, memory_mb=64, pids=512)
+        ns = netns.create(BENCH_NODE, sid)
+        spec = process.ProcessSpec(sandbox_id=sid, cgroup_procs=group.procs_files, netns=ns,
+                                   tmp_size_mb=32, workspace_size_mb=128)
+        return sid, group, await process.start_async(spec)
+
+    async def exec_true(self, box: tuple) -> int:
+        _, group, init = box
+        return (await process.exec(init, ["true"], cgroup_procs=group.procs_files)).exit_code
+
+    async def destroy(self, box: tuple) -> None:
+        sid, group, init = box
+        await process.kill_async(init)
+        await asyncio.to_thread(group.remove)
+        netns.remove(BENCH_NODE, sid)
+
+
+async def run_round(side, n: int, concurrency: int) -> tuple[float, dict[str, list[float]]]:  # type: ignore[no-untyped-def]
     lat: dict[str, list[float]] = {"create": [], "exec": [], "destroy": []}
-    async with sandfleet.connect(url, name="bench") as fleet:
-        gate = asyncio.Semaphore(concurrency)
-
-        async def cycle() -> None:
-            async with gate:
-                t0 = time.perf_counter()
-                sb = await fleet.create(memory_mb=64, cpu=0.5)
-                t1 = time.perf_counter()
-                r = await sb.exec(["true"])
-                t2 = time.perf_counter()
-                await sb.destroy()
-                t3 = time.perf_counter()
-                assert r.exit_code == 0, r
-                lat["create"].append((t1 - t0) * 1000)
-                lat["exec"].append((t2 - t1) * 1000)
-                lat["destroy"].append((t3 - t2) * 1000)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(cycle() for _ in range(n)))
-        return n / (time.perf_counter() - start), lat
-
-
-async def direct_round(n: int, concurrency: int, offset: int) -> tuple[float, dict[str, list[float]]]:
-    lat: dict[str, list[float]] = {"create": [], "exec": [], "destroy": []}
-    layout = cgroups.CgroupLayout.detect()
     gate = asyncio.Semaphore(concurrency)
 
     async def cycle(i: int) -> None:
-        sid = f"direct-{offset + i}"
         async with gate:
             t0 = time.perf_counter()
-            group = cgroups.SandboxCgroups(layout, BENCH_NODE, sid)
-            group.create(cpu=0.5, memory_mb=64, pids=512)
-            ns = netns.create(BENCH_NODE, sid)
-            init = process.start(process.ProcessSpec(sandbox_id=sid, cgroup_procs=group.procs_files, netns=ns,
-                                                     tmp_size_mb=32, workspace_size_mb=128))
+            box = await side.create(i)
             t1 = time.perf_counter()
-            r = await process.exec(init, ["true"], cgroup_procs=group.procs_files)
+            code = await side.exec_true(box)
             t2 = time.perf_counter()
-            process.kill(init)
-            await asyncio.to_thread(group.remove)
-            netns.remove(BENCH_NODE, sid)
+            await side.destroy(box)
             t3 = time.perf_counter()
-            assert r.exit_code == 0, r
+            assert code == 0, code
             lat["create"].append((t1 - t0) * 1000)
             lat["exec"].append((t2 - t1) * 1000)
             lat["destroy"].append((t3 - t2) * 1000)
 
     start = time.perf_counter()
     await asyncio.gather(*(cycle(i) for i in range(n)))
-    cgroups.remove_node_root(layout, BENCH_NODE)
     return n / (time.perf_counter() - start), lat
+
+
+async def platform_round(url: str, n: int, concurrency: int) -> tuple[float, dict[str, list[float]]]:
+    async with sandfleet.connect(url, name="bench") as fleet:
+        return await run_round(PlatformSide(fleet), n, concurrency)
+
+
+async def direct_round(n: int, concurrency: int, offset: int) -> tuple[float, dict[str, list[float]]]:
+    side = DirectSide(offset)
+    try:
+        return await run_round(side, n, concurrency)
+    finally:
+        cgroups.remove_node_root(side.layout, BENCH_NODE)
 
 
 def main() -> int:

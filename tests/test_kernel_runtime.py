@@ -22,20 +22,11 @@ import pytest
 from sandfleet.kernel import cgroups, netns
 from sandfleet.kernel import syscalls as linux
 from sandfleet.kernel import process as runtime
+from tests.kernel import require
 
 NODE = f"krt{os.getpid()}"
 PREFIX = f"krt{os.getpid()}-"
 PR_SET_CHILD_SUBREAPER = 36
-
-
-def require(condition: bool, why: str) -> None:
-    """Skip when the kernel lacks something, unless SANDFLEET_REQUIRE_KERNEL=1 demands it."""
-    if condition:
-        return
-    if os.environ.get("SANDFLEET_REQUIRE_KERNEL") == "1":
-        pytest.fail(f"kernel feature required but missing: {why}")
-    print(f"SKIP: {why}")
-    pytest.skip(why)
 
 
 def _kernel_gaps() -> list[str]:
