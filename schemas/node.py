@@ -12,6 +12,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from schemas.errors import ErrorCode
 from schemas.sandbox import Isolation, SandboxId, SandboxRecord, SandboxSpec
 
 KV_BUCKET = "nodes"
@@ -62,6 +63,7 @@ class LaunchResult(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     ok: bool
     error: str = ""
+    code: ErrorCode = ErrorCode.INTERNAL  # what kind of failure, so placement can pass it on
 
 
 class LaunchReply(msgspec.Struct, frozen=True, kw_only=True):

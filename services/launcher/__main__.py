@@ -21,7 +21,8 @@ from schemas.node import MAX_FILE_BYTES, NodeInfo
 from schemas.sandbox import Reason
 from sandfleet.kernel import process as process_runtime
 from services.launcher import handlers
-from services.launcher.lifecycle import ISOLATION, Launcher
+from services.launcher.lifecycle import Launcher
+from services.launcher.runtimes import Runtimes, detect_crun
 
 log = logging.getLogger("sandfleet.launcher")
 
@@ -35,7 +36,7 @@ async def heartbeat(bus: Bus, launcher: Launcher, config: ServiceConfig) -> None
     while True:
         info = NodeInfo(
             id=config.node_id,
-            isolation=ISOLATION,
+            isolation=launcher.isolation,
             capacity=config.capacity,
             running=len(launcher.live),
             cpus=os.cpu_count() or 1,
@@ -53,8 +54,10 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
     # Sandbox inits are double-forked; as subreaper we reap them instead of a PID 1 that may not.
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     process_runtime.warm_up()  # the forking helper takes ~50 ms to start; not on the first create
+    crun = await detect_crun(config.data_dir / "launcher")  # `container` only where crun really runs here
     async with runner.service_bus("launcher", config) as bus:
-        launcher = Launcher(bus=bus, store=await SandboxStore.open(bus), node_id=config.node_id)
+        launcher = Launcher(bus=bus, store=await SandboxStore.open(bus), node_id=config.node_id,
+                            runtimes=Runtimes(crun))
         await launcher.recover()
         sub = functools.partial
         n = config.node_id
@@ -75,7 +78,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
             queue_group=f"launcher-{n}",
         )
         tasks = [asyncio.create_task(heartbeat(bus, launcher, config)), asyncio.create_task(launcher.expire_loop())]
-        log.info("launcher serving node %s (%d sandboxes re-adopted)", n, len(launcher.live))
+        log.info("launcher serving node %s with %s (%d sandboxes re-adopted)", n, launcher.isolation, len(launcher.live))
         await stop.wait()
         for task in tasks:
             task.cancel()
@@ -83,6 +86,8 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
         kv = await bus.js.key_value(node_schema.KV_BUCKET)
         await kv.delete(n)
     process_runtime.shutdown()
+    if crun is not None:
+        crun.close()
 
 
 if __name__ == "__main__":

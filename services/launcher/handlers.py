@@ -10,7 +10,6 @@ from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
 from schemas.node import (
     MAX_FILE_BYTES,
-    MAX_OUTPUT_BYTES,
     DestroyReply,
     DestroyRequest,
     ExecReply,
@@ -25,6 +24,7 @@ from schemas.node import (
 from schemas.sandbox import Reason
 from sandfleet.kernel import process as process_runtime
 from services.launcher.lifecycle import Launcher
+from services.launcher.runtimes import ExecFailed
 
 
 async def launch(launcher: Launcher, req: LaunchRequest) -> LaunchReply:
@@ -35,20 +35,13 @@ async def exec_(launcher: Launcher, req: ExecRequest) -> ExecReply:
     live = launcher.get_live(req.sandbox_id)
     started = time.perf_counter()
     try:
-        result = await process_runtime.exec(
-            live.init,
-            list(req.argv),
-            cgroup_procs=live.confinement.cgroup_procs,
-            env=dict(req.env),
-            cwd=req.cwd,
-            stdin=req.stdin,
-            timeout_s=req.timeout_s,
-            max_output=MAX_OUTPUT_BYTES,
-        )
-    except process_runtime.ExecError as exc:
+        result = await launcher.runtimes.driver(live.spec.isolation).exec(live.id, live.init, live.confinement, req)
+    except ExecFailed as exc:
         raise ServiceError(ErrorCode.CONFLICT, f"cannot run in sandbox {req.sandbox_id}: {exc}") from None
     except OSError as exc:
         raise _file_error(exc, req.cwd) from None
+    except ValueError as exc:
+        raise ServiceError(ErrorCode.INVALID_REQUEST, str(exc)) from None
     return ExecReply(
         exit_code=result.exit_code,
         stdout=result.stdout,

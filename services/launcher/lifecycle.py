@@ -1,8 +1,12 @@
 """The launcher's sandboxes on this node: launch, destroy, expiry, and rebuilding after a restart.
 
 The table of live sandboxes is memory only; the truth is the KV record plus the kernel (a
-live init process with the recorded start time). A restarted launcher re-adopts every
-sandbox whose init is still alive and ends every other one with a reason.
+live init process with the recorded start time) plus the node's layer-cache, which holds
+the composed root of every sandbox with layers. A launch asks the node agent for the
+confinement and the layer-cache for the root (`node.v1.<node>.rootfs.compose`) at once;
+destroy, a failed launch and recovery give both back. A restarted launcher re-adopts every
+sandbox whose init is still alive (and whose root the layer-cache still holds) and ends
+every other one with a reason.
 """
 
 from __future__ import annotations
@@ -19,17 +23,24 @@ from sandfleet import errors
 from sandfleet.bus import Bus
 from sandfleet.errors import ServiceError
 from sandfleet.store import SandboxStore
+from schemas import layers as layers_schema
 from schemas import node as node_schema
 from schemas.errors import ErrorCode
+from schemas.layers import CacheListing, CacheRequest, ComposeRequest, ReleaseRootfsReply, ReleaseRootfsRequest, Rootfs
 from schemas.node import Confinement, ConfineRequest, LaunchItem, LaunchResult, ReleaseReply, ReleaseRequest
 from schemas.sandbox import ENDED, Reason, SandboxRecord, SandboxSpec, State
+from sandfleet.kernel import container as container_runtime
 from sandfleet.kernel import process as process_runtime
-from sandfleet.kernel.process import InitProcess, ProcessSpec
+from sandfleet.kernel.process import InitProcess
+from services.launcher.runtimes import LaunchRefused, Runtimes
 
 log = logging.getLogger("sandfleet.launcher")
 
-ISOLATION = ["process"]
 AGENT_TIMEOUT_S = 10.0
+_EXPECTED = (errors.SandfleetError, LaunchRefused, process_runtime.RuntimeStartError,
+             container_runtime.ContainerError, OSError, ValueError)
+COMPOSE_TIMEOUT_S = 60.0  # fetching a layer the node lacks can take a while
+LAYERS_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -39,6 +50,7 @@ class Live:
     init: InitProcess
     confinement: Confinement
     deadline: float
+    rootfs: Rootfs | None = None
     ending: bool = False
     pidfd: int = -1
 
@@ -48,36 +60,46 @@ class Launcher:
     bus: Bus
     store: SandboxStore
     node_id: str
+    runtimes: Runtimes = field(default_factory=Runtimes)
     live: dict[str, Live] = field(default_factory=dict)
+
+    @property
+    def isolation(self) -> list[str]:
+        """The levels this node advertises in its registration."""
+        return self.runtimes.levels
 
     # -- launch ------------------------------------------------------------------------
 
     async def launch(self, item: LaunchItem) -> LaunchResult:
-        confinement: Confinement | None = None
         try:
             await self.store.transition(item.id, State.STARTING)
         except ServiceError as exc:
             return LaunchResult(id=item.id, ok=False, error=exc.message)
+        spec = item.spec
+        rootfs: Rootfs | None = None
         try:
-            confinement = await self._confine(item.id, item.spec)
-            init = process_runtime.start(
-                ProcessSpec(
-                    sandbox_id=item.id,
-                    cgroup_procs=confinement.cgroup_procs,
-                    netns=confinement.netns,
-                    tmp_size_mb=max(16, item.spec.memory_mb // 2),
-                    workspace_size_mb=max(64, item.spec.memory_mb * 2),
-                )
+            driver = self.runtimes.driver(spec.isolation)
+            # Both or neither: a failure of one must not leave the other half made.
+            confined, composed = await asyncio.gather(
+                self._confine(item.id, spec), self._compose(item.id, spec), return_exceptions=True
             )
-        except (errors.SandfleetError, process_runtime.RuntimeStartError, OSError) as exc:
+            for result in (confined, composed):
+                if isinstance(result, BaseException):
+                    raise result
+            confinement, rootfs = confined, composed
+            init = await driver.start(item.id, spec, confinement, rootfs)
+        except Exception as exc:  # whatever failed, nothing of the sandbox may stay behind
             detail = str(exc) or type(exc).__name__
-            log.warning("launch of %s failed: %s", item.id, detail)
-            await self._release(item.id)
+            if isinstance(exc, _EXPECTED):
+                log.warning("launch of %s failed: %s", item.id, detail)
+            else:
+                log.exception("launch of %s failed", item.id)
+            await self._release(item.id, spec)
             await self._end(item.id, State.FAILED, Reason.LAUNCH_FAILED, detail)
-            return LaunchResult(id=item.id, ok=False, error=detail)
+            return LaunchResult(id=item.id, ok=False, error=detail, code=_failure_code(exc))
         now = time.time()
-        deadline = now + item.spec.timeout_s
-        self._adopt(Live(id=item.id, spec=item.spec, init=init, confinement=confinement, deadline=deadline))
+        deadline = now + spec.timeout_s
+        self._adopt(Live(id=item.id, spec=spec, init=init, confinement=confinement, deadline=deadline, rootfs=rootfs))
 
         def running(r: SandboxRecord) -> SandboxRecord:
             return msgspec.structs.replace(
@@ -98,13 +120,34 @@ class Launcher:
         subject = node_schema.subject(self.node_id, node_schema.CONFINE)
         return await self.bus.request(subject, request, Confinement, timeout=AGENT_TIMEOUT_S)
 
-    async def _release(self, sandbox_id: str) -> None:
+    async def _compose(self, sandbox_id: str, spec: SandboxSpec) -> Rootfs | None:
+        if not spec.layers:
+            return None  # the host-system view (process only, for now)
+        subject = node_schema.subject(self.node_id, layers_schema.ROOTFS_COMPOSE)
+        request = ComposeRequest(sandbox_id=sandbox_id, layers=list(spec.layers))
+        return await self.bus.request(subject, request, Rootfs, timeout=COMPOSE_TIMEOUT_S)
+
+    async def _release(self, sandbox_id: str, spec: SandboxSpec) -> None:
+        """Give back the confinement and the composed root; the sandbox's processes are gone."""
+        await asyncio.gather(self._release_confinement(sandbox_id),
+                             *([self._release_rootfs(sandbox_id)] if spec.layers else []))
+
+    async def _release_confinement(self, sandbox_id: str) -> None:
         subject = node_schema.subject(self.node_id, node_schema.RELEASE)
         try:
             await self.bus.request(subject, ReleaseRequest(sandbox_id=sandbox_id), ReleaseReply, timeout=AGENT_TIMEOUT_S)
         except errors.SandfleetError as exc:
             # The agent removes what no live sandbox owns when it starts again.
             log.warning("release of %s failed (%s); the node agent reclaims it on restart", sandbox_id, exc)
+
+    async def _release_rootfs(self, sandbox_id: str) -> None:
+        subject = node_schema.subject(self.node_id, layers_schema.ROOTFS_RELEASE)
+        try:
+            await self.bus.request(subject, ReleaseRootfsRequest(sandbox_id=sandbox_id), ReleaseRootfsReply,
+                                   timeout=LAYERS_TIMEOUT_S)
+        except errors.SandfleetError as exc:
+            # A restarted launcher releases every root of this node that no live sandbox owns.
+            log.warning("rootfs release of %s failed (%s); the next launcher start releases it", sandbox_id, exc)
 
     def _adopt(self, live: Live) -> None:
         self.live[live.id] = live
@@ -148,9 +191,14 @@ class Launcher:
             pass  # already stopping (a retry after a crash); finish the job
         if live is not None:
             self._unwatch(live)
-            process_runtime.kill(live.init)
+            await self.runtimes.driver(live.spec.isolation).stop(sandbox_id, live.init)
             _reap(live.init.pid)
-        await self._release(sandbox_id)
+            spec = live.spec
+        else:
+            spec = record.spec
+            if spec.isolation in self.runtimes.drivers:  # a crash left it stopping: its init is gone or orphaned
+                await self.runtimes.driver(spec.isolation).stop(sandbox_id, _init_of(record))
+        await self._release(sandbox_id, spec)
         self.live.pop(sandbox_id, None)
         failed = reason is Reason.PROCESS_EXITED
         return await self._end(sandbox_id, State.FAILED if failed else State.STOPPED, reason)
@@ -187,27 +235,53 @@ class Launcher:
             await asyncio.sleep(period_s)
 
     async def recover(self) -> None:
-        """Re-adopt what still runs; end, with a reason, what a crash interrupted."""
+        """Re-adopt what still runs; end, with a reason, what a crash interrupted; give back
+        the roots and containers no live sandbox owns."""
+        roots = await self._roots()
         for record in await self.store.all(self.node_id):
-            init = InitProcess(pid=record.init_pid, start_time=record.init_start_time)
-            usable = record.state in (State.RUNNING, State.PAUSED) and record.init_pid and process_runtime.is_alive(init)
+            init = _init_of(record)
+            alive = init is not None and process_runtime.is_alive(init)
+            usable = record.state in (State.RUNNING, State.PAUSED) and alive
+            usable = usable and record.spec.isolation in self.runtimes.drivers
+            if usable and record.spec.layers and roots is not None and record.id not in roots:
+                log.warning("sandbox %s: the layer-cache no longer holds its root", record.id)
+                usable = False
             if usable:
                 try:
                     confinement = await self._confine(record.id, record.spec)
                 except errors.SandfleetError as exc:
                     log.warning("cannot re-confine %s: %s", record.id, exc)
                 else:
-                    self._adopt(Live(record.id, record.spec, init, confinement, record.deadline or time.time()))
+                    rootfs = roots.get(record.id) if roots is not None else None
+                    self._adopt(Live(record.id, record.spec, init, confinement, record.deadline or time.time(),
+                                     rootfs=rootfs))
                     log.info("re-adopted sandbox %s (pid %d)", record.id, init.pid)
                     continue
-            if record.init_pid and process_runtime.is_alive(init):
+            if record.spec.isolation in self.runtimes.drivers:
+                await self.runtimes.driver(record.spec.isolation).stop(record.id, init if alive else None)
+            elif alive:
                 process_runtime.kill(init)
-            await self._release(record.id)
+            await self._release(record.id, record.spec)
             if record.state is State.STOPPING:
                 await self._end(record.id, State.STOPPED, record.reason)
             else:
                 await self._end(record.id, State.FAILED, Reason.LOST_ON_RESTART, f"was {record.state.value}")
             log.info("ended sandbox %s after restart (was %s)", record.id, record.state.value)
+        for sandbox_id in sorted(set(roots or {}) - set(self.live)):
+            await self._release_rootfs(sandbox_id)
+            log.info("released the root of %s, which no live sandbox owns", sandbox_id)
+        for sandbox_id in await self.runtimes.leftovers(set(self.live)):
+            log.info("removed container %s, which no live sandbox owns", sandbox_id)
+
+    async def _roots(self) -> dict[str, Rootfs] | None:
+        """The roots the node's layer-cache holds, by sandbox; None if it does not answer."""
+        subject = node_schema.subject(self.node_id, layers_schema.CACHE)
+        try:
+            listing = await self.bus.request(subject, CacheRequest(), CacheListing, timeout=LAYERS_TIMEOUT_S)
+        except errors.SandfleetError as exc:
+            log.warning("no root listing from the layer-cache (%s): roots are kept as they are", exc)
+            return None
+        return {r.sandbox_id: r for r in listing.rootfs}
 
     def get_live(self, sandbox_id: str) -> Live:
         live = self.live.get(sandbox_id)
@@ -216,8 +290,21 @@ class Launcher:
         return live
 
 
+def _init_of(record: SandboxRecord) -> InitProcess | None:
+    return InitProcess(pid=record.init_pid, start_time=record.init_start_time) if record.init_pid else None
+
+
 def _reap(pid: int) -> None:
     try:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         pass  # not our child (adopted after a restart): the supervisor reaps it
+
+
+def _failure_code(exc: Exception) -> ErrorCode:
+    """The caller's error kind: a refused spec or a missing layer is theirs, the rest is ours."""
+    if isinstance(exc, LaunchRefused):
+        return ErrorCode.INVALID_REQUEST
+    if isinstance(exc, errors.ServiceFailure):
+        return exc.code
+    return ErrorCode.INTERNAL

@@ -70,7 +70,7 @@ async def create(deps: Deps, req: CreateRequest) -> CreateReply:
         raise ServiceError(ErrorCode.CAPACITY, "the node could not start the sandbox")
     result = created[0]
     if not result.ok:
-        raise ServiceError(ErrorCode.INTERNAL, f"launch failed on {node_id}: {result.error}")
+        raise ServiceError(result.code, f"launch failed on {node_id}: {result.error}")
     return CreateReply(id=result.id, node=node_id)
 
 

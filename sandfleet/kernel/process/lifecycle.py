@@ -11,6 +11,7 @@ import select
 import signal
 import time
 
+from sandfleet.kernel import layered_root
 from sandfleet.kernel.process import rootfs, spawner
 from sandfleet.kernel.process.model import ExecError, InitProcess, ProcessSpec, RuntimeStartError
 from sandfleet.kernel.process.reports import Report
@@ -48,13 +49,19 @@ def _send_start(spec: ProcessSpec) -> int:
     if spec.tmp_size_mb < 1 or spec.workspace_size_mb < 1:
         raise RuntimeStartError("tmp_size_mb and workspace_size_mb must be at least 1 (0 means unlimited to tmpfs)")
     rootfs.plan(spec.tmp_size_mb, spec.workspace_size_mb, spec.hostname)  # fail here, not in the child
+    if spec.rootfs_dir is not None:
+        try:
+            layered_root.check(spec.rootfs_dir)
+        except ValueError as exc:
+            raise RuntimeStartError(f"sandbox {spec.sandbox_id}: {exc}") from None
     try:
         netns_fd = os.open(spec.netns, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
         raise RuntimeStartError(f"sandbox {spec.sandbox_id}: open netns {spec.netns}: {exc.strerror}") from None
     report_r, report_w = os.pipe2(os.O_CLOEXEC)
     try:
-        request = ("start", (list(spec.cgroup_procs), spec.tmp_size_mb, spec.workspace_size_mb, spec.hostname))
+        request = ("start", (list(spec.cgroup_procs), spec.tmp_size_mb, spec.workspace_size_mb, spec.hostname,
+                             spec.rootfs_dir))
         spawner.send(request, [report_w, netns_fd])
     except BaseException as exc:
         os.close(report_r)

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 
+from sandfleet.kernel import layered_root
 from sandfleet.kernel import syscalls as linux
 from sandfleet.kernel.process import children, rootfs
 from sandfleet.kernel.process.reports import error_record, pid_record, report_failure
@@ -141,7 +142,9 @@ def _serve(request: tuple, fds: list[int], reports: dict[int, int | None], last_
     report = fds[0]
     try:
         if op == "start":
-            plan = rootfs.plan(*args[1:])
+            tmp_size_mb, workspace_size_mb, hostname, rootfs_dir = args[1:5]
+            plan = (rootfs.plan(tmp_size_mb, workspace_size_mb, hostname) if rootfs_dir is None
+                    else layered_root.plan(rootfs_dir, tmp_size_mb, hostname, rootfs.STAGE))
             with _children_in_new_pidns():
                 pid = os.fork()
                 if pid == 0:

@@ -1,0 +1,344 @@
+"""The `container` isolation level: a sandbox is an OCI container run by crun from a bundle
+generated here, whose root is the sandbox's composed overlay, whose init is the host's static
+catatonit (bound read-only at /dev/init, so a layer needs no init of its own), and whose
+network namespace and cgroups are the node agent's.
+
+crun never manages cgroups here (`--cgroup-manager=disabled`): `crun run --detach` and each
+`crun exec` run behind a /bin/sh prelude that first joins every cgroup of the sandbox (the v1
+controllers and the v2 directory; see container_exec.py), so the init is born in them, its
+cgroup namespace is rooted there, and no sandbox code ever runs outside them (which is what
+`crun create`, move the pid, `crun start` would give, in one crun call instead of two).
+crun 1.8 refuses to create a container while it sees a cgroup v2 mount that is not the only
+hierarchy: on hybrid hosts `crun run` runs in a private mount namespace, made per call by one
+thread of a small pool, with the v2 hierarchy unmounted (its parent is made private first, so the unmount never
+propagates to the host). A fresh namespace per call sees every overlay mounted since. Every
+other crun command works from the host's namespace. The container's stdio is /dev/null and
+crun's own errors go to a log file in the bundle: a container holding a pipe we read would
+hang the call. Files are read and written by `sandfleet.kernel.process` from the init's root
+(openat2 RESOLVE_IN_ROOT), as for a process sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandfleet.kernel import cgroups, layered_root
+from sandfleet.kernel import syscalls as linux
+from sandfleet.kernel.container_exec import (
+    JOIN_FAILED,
+    JOIN_FAILED_MESSAGE,
+    ExecPipes,
+    check_cwd,
+    find_command,
+    joined,
+    kill_command,
+    reap_strays,
+)
+from sandfleet.kernel.process import DEFAULT_ENV, InitProcess, is_alive, kill_async
+
+log = logging.getLogger("sandfleet.container")
+
+INIT_HOST = "/usr/bin/catatonit"
+INIT_PATH = "/dev/init"
+OUTPUT_GRACE_S = 0.1  # after the command exits, how long a background process may hold its pipes
+
+
+class ContainerError(RuntimeError):
+    """crun could not create, start or run something; the message carries crun's words."""
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    sandbox_id: str
+    rootfs: str  # the composed overlay
+    cgroup_procs: list[str]
+    netns: str
+    tmp_size_mb: int = 256
+    hostname: str = "sandbox"
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+    truncated: bool
+
+
+def bundle_config(spec: ContainerSpec) -> dict:
+    """The OCI config: no capabilities and no_new_privs (as `process`), the host's catatonit as a
+    pause-mode init, a writable root, tmpfs /tmp, and the node agent's netns."""
+    caps = {k: [] for k in ("bounding", "effective", "permitted", "inheritable", "ambient")}
+    nosuid = ["nosuid", "nodev", "noexec"]
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False, "user": {"uid": 0, "gid": 0}, "args": [INIT_PATH, "-P"], "cwd": "/",
+            "env": [f"{k}={v}" for k, v in DEFAULT_ENV.items()], "capabilities": caps, "noNewPrivileges": True,
+        },
+        "root": {"path": spec.rootfs, "readonly": False},
+        "hostname": spec.hostname,
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc", "options": nosuid},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "noexec", "strictatime", "mode=755", "size=64k"]},  # /dev/init is its own mount
+            {"destination": INIT_PATH, "type": "bind", "source": INIT_HOST, "options": ["bind", "ro", "nosuid", "nodev"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "noexec", "nodev", "mode=1777", f"size={max(1, spec.tmp_size_mb // 4)}m"]},
+            {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": nosuid},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": [*nosuid, "ro"]},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmp",
+             "options": ["nosuid", "nodev", "mode=1777", f"size={spec.tmp_size_mb}m"]},
+        ],
+        "linux": {
+            "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "cgroup")]
+            + [{"type": "network", "path": spec.netns}],
+            "rootfsPropagation": "rprivate",
+            "maskedPaths": ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+                            "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
+                            "/sys/firmware", "/sys/fs/selinux", "/sys/dev/block"],
+            "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"],
+        },
+    }
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(data[data.rindex(b")") + 2:].split()[19])
+
+
+class Crun:
+    """One node's crun: its state under `state_dir/crun`, its bundles under `state_dir/bundles`."""
+
+    def __init__(self, state_dir: Path, binary: str, hybrid_v2: str | None) -> None:
+        self.state_dir = state_dir
+        self.root = state_dir / "crun"
+        self.bundles = state_dir / "bundles"
+        self.binary = binary
+        self._hybrid_v2 = hybrid_v2  # the v2 mount `crun run` must not see, on hybrid hosts
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="crun-run")
+        self._host_mnt = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+
+    @classmethod
+    def find(cls, state_dir: Path) -> Crun | None:
+        binary = shutil.which("crun")
+        if binary is None:
+            return None
+        layout = cgroups.CgroupLayout.detect()
+        for path in (state_dir / "crun", state_dir / "bundles"):
+            path.mkdir(parents=True, exist_ok=True)
+        return cls(state_dir, binary, layout.v2 if layout.mode == "hybrid" else None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        os.close(self._host_mnt)
+
+    def _crun(self, *args: str) -> list[str]:
+        return [self.binary, "--root", str(self.root), "--cgroup-manager=disabled", *args]
+
+    async def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        proc = await asyncio.create_subprocess_exec(*self._crun(*args), stdin=subprocess.DEVNULL,
+                                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _, err = await proc.communicate()
+        if check and proc.returncode:
+            raise ContainerError(f"crun {args[0]}: {err.decode(errors='replace').strip() or proc.returncode}")
+        return subprocess.CompletedProcess(args, proc.returncode, b"", err)
+
+    # -- run: in a private mount namespace on hybrid hosts ---------------------------------
+
+    def _run_detached(self, sandbox_id: str, bundle: Path, cgroup_procs: list[str]) -> None:
+        """`crun run --detach` inside the sandbox's cgroups from its first instruction. The
+        cgroup files are opened here and passed as fds: in the private namespace the v2
+        hierarchy is not mounted."""
+        fds = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in cgroup_procs]
+        try:
+            run = self._crun(f"--log={bundle}/crun.log", "run", "--detach", "--pid-file", str(bundle / "init.pid"),
+                             "--bundle", str(bundle), sandbox_id)
+            argv = joined(run, [f"/proc/self/fd/{fd}" for fd in fds])
+            proc = self._spawn(argv, fds) if self._hybrid_v2 else subprocess.Popen(argv, pass_fds=fds, **_DETACHED)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if proc.wait() != 0:
+            raise ContainerError(f"crun run: {_tail(bundle / 'crun.log')}")
+
+    def _spawn(self, argv: list[str], fds: list[int]) -> subprocess.Popen:
+        """Popen from this thread in a fresh copy of the host's mount namespace without cgroup v2."""
+        assert self._hybrid_v2 is not None
+        linux.unshare(linux.CLONE_NEWNS)
+        try:
+            linux.mount(None, os.path.dirname(self._hybrid_v2), None, linux.MS_REC | linux.MS_PRIVATE)
+            linux.umount2(self._hybrid_v2, linux.MNT_DETACH)
+            return subprocess.Popen(argv, pass_fds=fds, **_DETACHED)
+        finally:
+            try:
+                linux.setns(self._host_mnt, linux.CLONE_NEWNS)
+            except OSError:  # every later call from this thread would run in the wrong namespace
+                os.write(2, b"sandfleet crun: cannot return to the host mount namespace\n")
+                os.abort()
+
+    async def start(self, spec: ContainerSpec) -> InitProcess:
+        """Run the container, its init born in the sandbox's cgroups; returns the init."""
+        bundle = self.bundles / spec.sandbox_id
+        bundle.mkdir(parents=True, exist_ok=False)
+        try:
+            layered_root.ensure_dir(spec.rootfs, "workspace")
+            (bundle / "config.json").write_text(json.dumps(bundle_config(spec)))
+            await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._run_detached, spec.sandbox_id, bundle, spec.cgroup_procs)
+            pid = int((bundle / "init.pid").read_text())
+            start_time = _start_time(pid)
+            if start_time is None:
+                raise ContainerError("the container's init vanished before it started")
+            init = InitProcess(pid=pid, start_time=start_time)
+        except BaseException:
+            await self.remove(spec.sandbox_id, None)
+            raise
+        return init
+
+    # -- exec ----------------------------------------------------------------------------
+
+    async def exec(self, sandbox_id: str, init: InitProcess, argv: list[str], *, cgroup_procs: list[str],
+                   env: dict[str, str] | None = None, cwd: str = "/workspace", stdin: bytes = b"",
+                   timeout_s: float = 60.0, max_output: int = 1 << 20) -> ExecResult:
+        """Run argv in the container (`crun exec`) inside its cgroups. A missing cwd raises
+        FileNotFoundError (or NotADirectoryError); a command that cannot be found exits 127,
+        one that cannot run 126, as in a process sandbox."""
+        full_env = {**DEFAULT_ENV, **(env or {})}
+        if not argv or any("\0" in t for t in (*argv, *full_env, *full_env.values(), cwd)):
+            raise ValueError("argv must be non-empty; argv, env and cwd must not contain NUL bytes")
+        if any(not k or "=" in k for k in full_env):
+            raise ValueError("environment variable names must be non-empty and contain no '='")
+        try:
+            check_cwd(init, cwd)
+        except OSError:
+            if not is_alive(init):
+                raise ContainerError(f"sandbox init {init.pid} is not running") from None
+            raise
+        missing = find_command(init, argv[0], full_env.get("PATH", ""), cwd)
+        if missing:  # crun would fail too, but leave its child unreaped: answer as a process sandbox does
+            why = "command not found" if missing == 127 else "Permission denied"
+            return ExecResult(exit_code=missing, stdout=b"", stderr=f"sandbox: {argv[0]}: {why}\n".encode(),
+                              timed_out=False, truncated=False)
+        pid_file = self.bundles / sandbox_id / f"exec-{secrets.token_hex(6)}.pid"
+        crun = self._crun("exec", "--no-new-privs", "--cwd", cwd, "--pid-file", str(pid_file),
+                          *(f"--env={k}={v}" for k, v in full_env.items()), sandbox_id, *argv)
+        run = ExecPipes(joined(crun, cgroup_procs), stdin, max_output)
+        try:
+            timed_out = not await run.wait(timeout_s)
+            if timed_out:
+                kill_command(_read_pid(pid_file), run.proc)
+                await run.wait(None)
+            # Output still open belongs to background processes of the command: a short grace.
+            await run.drained(OUTPUT_GRACE_S)
+        finally:
+            if run.proc.poll() is None:  # cancelled: the command must not outlive its exec
+                kill_command(_read_pid(pid_file), run.proc)
+                run.proc.wait()
+            run.close()
+            pid_file.unlink(missing_ok=True)
+            reap_strays()
+        code, err = run.proc.returncode, bytes(run.err)
+        if code == JOIN_FAILED and err.startswith(JOIN_FAILED_MESSAGE):
+            raise ContainerError(err.decode(errors="replace").strip())
+        if timed_out:
+            code = 128 + signal.SIGKILL
+        return ExecResult(exit_code=code if code >= 0 else 128 - code, stdout=bytes(run.out), stderr=err,
+                          timed_out=timed_out, truncated=run.truncated)
+
+    # -- remove and recovery ---------------------------------------------------------------
+
+    async def remove(self, sandbox_id: str, init: InitProcess | None) -> None:
+        """Kill the container, drop crun's state and the bundle. Idempotent."""
+        bundle = self.bundles / sandbox_id
+        if init is None:
+            with contextlib.suppress(OSError, ValueError):
+                pid = int((bundle / "init.pid").read_text())
+                start_time = _start_time(pid)
+                init = InitProcess(pid, start_time) if start_time is not None else None
+        if init is not None:
+            reap_strays()  # a dying pid namespace waits until each of its zombies is reaped
+            await kill_async(init)
+            _reap(init.pid)
+            reap_strays()
+        if (self.root / sandbox_id).exists():
+            result = await self._run("delete", "--force", sandbox_id, check=False)
+            if result.returncode and (self.root / sandbox_id).exists():
+                log.warning("crun delete %s: %s", sandbox_id, result.stderr.decode(errors="replace").strip())
+        shutil.rmtree(bundle, ignore_errors=True)
+
+    def containers(self) -> set[str]:
+        """Ids that have crun state or a bundle on this node (for crash recovery)."""
+        found = set()
+        for path in (self.root, self.bundles):
+            with contextlib.suppress(FileNotFoundError):
+                found.update(p.name for p in path.iterdir() if p.is_dir())
+        return found
+
+    # -- does it work here? --------------------------------------------------------------
+
+    async def probe(self) -> str | None:
+        """Run a real container (an empty root with the init alone); None if that worked, else why not."""
+        sandbox_id = f"probe-{secrets.token_hex(4)}"
+        with tempfile.TemporaryDirectory(prefix="probe-", dir=self.state_dir) as tmp:
+            spec = ContainerSpec(sandbox_id=sandbox_id, rootfs=tmp, cgroup_procs=[], netns="", tmp_size_mb=1)
+            config = bundle_config(spec)
+            config["linux"]["namespaces"][-1] = {"type": "network"}
+            bundle = self.bundles / sandbox_id
+            try:
+                bundle.mkdir(parents=True)
+                (bundle / "config.json").write_text(json.dumps(config))
+                await asyncio.get_running_loop().run_in_executor(self._pool, self._run_detached, sandbox_id, bundle, [])
+                return None
+            except (OSError, ContainerError) as exc:
+                return str(exc)
+            finally:
+                await self.remove(sandbox_id, None)
+
+
+_DETACHED = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+
+
+def _tail(log_file: Path) -> str:
+    try:
+        lines = log_file.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "failed without a log"
+    if not lines:
+        return "failed without a message"
+    last = lines[-1]
+    with contextlib.suppress(ValueError, AttributeError):
+        last = json.loads(last).get("msg", last)
+    return last
+
+
+def _read_pid(pid_file: Path) -> int:
+    try:
+        return int(pid_file.read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def _reap(pid: int) -> None:
+    """The init was crun's child; with crun gone it is ours if we are a subreaper."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)

@@ -1,0 +1,157 @@
+"""Process sandboxes on composed layers, against the real platform: real EROFS images in the
+Object Store, real overlays from the node's layer-cache, real sandboxes on them.
+
+Three small layers are built from busybox-static (base, tools over it, a task workspace);
+a sandbox on all three sees the top layer's files over the lower ones, its writes stay in
+its own upper dir, a launcher crash keeps the roots of live sandboxes and gives back the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from sandfleet import errors
+from sandfleet.layers_client import Layers
+from schemas.sandbox import Reason, State
+from tests.kernel import require
+
+BUSYBOX = Path("/bin/busybox")
+LAYERS = ["lsb-base", "lsb-tools", "lsb-task"]
+
+
+def make_busybox_base(root: Path, hostname: str = "base") -> None:
+    """A tiny system: busybox with its applets as symlinks, an /etc, an empty /workspace."""
+    (root / "bin").mkdir(parents=True)
+    (root / "etc").mkdir()
+    (root / "workspace").mkdir()
+    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
+    for applet in ("sh", "cat", "ls", "echo", "rm", "chmod", "sleep", "dd", "ps", "hostname", "head", "true", "test"):
+        os.symlink("busybox", root / "bin" / applet)
+    (root / "etc" / "hostname").write_text(f"{hostname}\n")
+    (root / "etc" / "base-only").write_text("from base\n")
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def overlay_of(sandbox_id: str) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [line for line in f if " - overlay " in line and f"/sandboxes/{sandbox_id}/rootfs " in line]
+
+
+@pytest.fixture(scope="module")
+async def layers(fleet, platform, tmp_path_factory):
+    require(os.geteuid() == 0, "mounting needs root")
+    require(BUSYBOX.exists(), "busybox-static at /bin/busybox")
+    src = tmp_path_factory.mktemp("layer-src")
+    make_busybox_base(src / "base")
+    tools = src / "tools"
+    (tools / "etc").mkdir(parents=True)
+    (tools / "etc" / "hostname").write_text("tools\n")
+    (tools / "etc" / "tools").write_text("a tool\n")
+    task = src / "task"
+    (task / "workspace").mkdir(parents=True)
+    (task / "workspace" / "task.txt").write_text("solve it\n")
+    client = Layers(fleet.bus)
+    for name, path in zip(LAYERS, ("base", "tools", "task")):
+        await client.build_dir(name, src / path, on="lsb-base" if name == "lsb-tools" else None)
+    return client
+
+
+async def test_a_process_sandbox_on_three_layers_sees_their_files(fleet, layers, platform):
+    sb = await fleet.create(memory_mb=128, layers=LAYERS)
+    try:
+        r = await sb.exec(["cat", "/etc/hostname", "/etc/base-only", "/etc/tools", "/workspace/task.txt"])
+        assert (r.exit_code, r.stdout) == (0, b"tools\nfrom base\na tool\nsolve it\n")
+        assert await sb.read_file("/workspace/task.txt") == b"solve it\n"
+        top = (await sb.exec(["ls", "/"])).stdout.decode().split()
+        assert {"bin", "etc", "workspace", "dev", "proc", "tmp"} <= set(top)
+        assert "lib" not in top and (await sb.exec(["test", "-e", "/usr/lib"])).exit_code != 0  # no host system
+        assert (await sb.exec(["cat", "/proc/1/cmdline"])).stdout == b"catatonit\0-P\0"
+        listing = await layers.cache(platform.node_id)
+        mine = [r for r in listing.rootfs if r.sandbox_id == sb.id]
+        assert len(mine) == 1 and mine[0].layers == [(await layers.get(n)).digest for n in LAYERS]
+        assert overlay_of(sb.id)
+    finally:
+        await sb.destroy()
+    assert sb.id not in {r.sandbox_id for r in (await layers.cache(platform.node_id)).rootfs}
+    assert not overlay_of(sb.id)
+
+
+async def test_writes_stay_in_their_sandbox_and_never_change_a_layer(fleet, layers, platform):
+    a, b = await asyncio.gather(*(fleet.create(memory_mb=128, layers=LAYERS) for _ in range(2)))
+    try:
+        base_digest = (await layers.get("lsb-base")).digest.removeprefix("sha256:")
+        base_mount = platform.data_dir / "layer-cache" / "mnt" / base_digest
+        original = sha256(base_mount / "bin" / "busybox")
+        # Replace /bin/sh in `a` (a symlink to busybox in the base layer) by a script of its own.
+        assert (await a.exec(["rm", "/bin/sh"])).exit_code == 0
+        await a.write_file("/bin/sh", b"#!/bin/busybox sh\necho evil\n", mode=0o755)
+        await a.write_file("/workspace/task.txt", b"changed\n")
+        await a.write_file("/new", b"x")
+        assert (await a.exec(["/bin/sh"])).stdout == b"evil\n"
+
+        r = await b.exec(["sh", "-c", "echo fine; cat /workspace/task.txt; test -e /new || echo no-new"])
+        assert r.stdout == b"fine\nsolve it\nno-new\n"
+        assert os.readlink(base_mount / "bin" / "sh") == "busybox"  # the layer is untouched
+        assert sha256(base_mount / "bin" / "busybox") == original
+        roots = {r.sandbox_id: r for r in (await layers.cache(platform.node_id)).rootfs}
+        upper_a, upper_b = Path(roots[a.id].upper), Path(roots[b.id].upper)
+        assert (upper_a / "bin" / "sh").read_bytes() == b"#!/bin/busybox sh\necho evil\n"
+        assert not (upper_b / "bin" / "sh").exists() and not (upper_b / "new").exists()
+    finally:
+        await asyncio.gather(a.destroy(), b.destroy())
+
+
+async def test_a_launch_on_an_unknown_layer_fails_and_leaves_nothing(fleet, layers, platform):
+    with pytest.raises(errors.NotFound, match="no-such-layer"):
+        await fleet.create(memory_mb=64, layers=["lsb-base", "no-such-layer"])
+    failed = [r for r in await fleet.list(include_ended=True) if "no-such-layer" in r.spec.layers]
+    assert failed and all(r.state is State.FAILED and r.reason is Reason.LAUNCH_FAILED for r in failed)
+    for record in failed:
+        assert not os.path.exists(f"/run/netns/sf-{platform.node_id}.{record.id}")
+        assert not os.path.exists(f"/sys/fs/cgroup/memory/sandfleet/{platform.node_id}/{record.id}")
+        assert not overlay_of(record.id)
+    assert not {r.id for r in failed} & {r.sandbox_id for r in (await layers.cache(platform.node_id)).rootfs}
+
+
+async def _restarted(fleet, platform, old_pid: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid = platform.service_pid("launcher")
+        if pid and pid != old_pid and await fleet.ping("launcher"):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the launcher was not restarted within {timeout}s")
+
+
+async def test_a_restarted_launcher_keeps_live_roots_and_gives_back_the_rest(fleet, layers, platform):
+    keep = await fleet.create(memory_mb=64, layers=LAYERS)
+    lose = await fleet.create(memory_mb=64, layers=["lsb-base"])
+    await keep.write_file("/workspace/state", b"before")
+    # A root nobody's sandbox owns, as a launch interrupted between compose and record would leave.
+    await layers.compose(platform.node_id, "sb-orphanroot", ["lsb-base"])
+    lose_init = (await fleet.get(lose.id)).init_pid
+    old = platform.service_pid("launcher")
+    os.kill(old, signal.SIGKILL)
+    os.kill(lose_init, signal.SIGKILL)  # dies while nobody watches
+    await _restarted(fleet, platform, old)
+
+    assert (await keep.exec(["cat", "/workspace/state", "/etc/tools"])).stdout == b"beforea tool\n"
+    record = await fleet.get(lose.id)
+    assert record.state is State.FAILED and record.reason is Reason.LOST_ON_RESTART
+    roots = {r.sandbox_id for r in (await layers.cache(platform.node_id)).rootfs}
+    assert keep.id in roots and lose.id not in roots and "sb-orphanroot" not in roots
+    assert not overlay_of(lose.id) and not overlay_of("sb-orphanroot")
+    await keep.destroy()
+    assert not overlay_of(keep.id)
