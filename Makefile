@@ -2,18 +2,19 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-APT_PACKAGES := catatonit iproute2 util-linux python3-venv nodejs npm erofs-utils busybox-static debootstrap crun
+APT_PACKAGES := catatonit iproute2 util-linux python3-venv nodejs npm erofs-utils busybox-static debootstrap crun python3-bpfcc linux-headers-$(shell dpkg --print-architecture)
 NODE_STAMP := tests/node/node_modules/.installed
 
 .PHONY: install demo test schemas clean-venv bench
 
 install: $(STAMP) $(NODE_STAMP)
 
-$(STAMP): pyproject.toml infra/install-deps.sh
+$(STAMP): pyproject.toml infra/install-deps.sh infra/bcc-in-venv.sh Makefile
 	bash infra/install-deps.sh $(APT_PACKAGES)
 	test -x $(PY) || /usr/bin/python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	bash infra/bcc-in-venv.sh $(VENV)
 	touch $@
 
 $(NODE_STAMP): tests/node/package.json | $(STAMP)
