@@ -17,9 +17,10 @@ from opentelemetry.trace import SpanKind
 from sandfleet import errors, telemetry
 from sandfleet.bus import Bus, decode
 from sandfleet.config import nats_url
-from schemas import events, node, sandbox
+from schemas import events, node, sandbox, violations
 from schemas.events import AnySandboxEvent
 from schemas.sandbox import Isolation, SandboxRecord
+from schemas.violations import Violation
 
 SERVICES = ("placement", "agent", "layer-cache", "launcher")
 
@@ -144,6 +145,24 @@ class Fleet:
         try:
             async for msg in sub.messages:
                 yield decode(msg.data, AnySandboxEvent)
+        finally:
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+
+    async def violations(
+        self, sandbox_id: str | None = None, *, task: str | None = None, replay: bool = False
+    ) -> AsyncIterator[Violation]:
+        """What sandboxes tried and were refused, as it happens (of one sandbox, or one task label)."""
+        subject = violations.sandbox_filter(sandbox_id) if sandbox_id else violations.ALL
+        policy = nats.js.api.DeliverPolicy.ALL if replay else nats.js.api.DeliverPolicy.NEW
+        sub = await self.bus.js.subscribe(subject, ordered_consumer=True, deliver_policy=policy)
+        try:
+            async for msg in sub.messages:
+                event = decode(msg.data, Violation)
+                if task is None or event.labels.get("task") == task:
+                    yield event
         finally:
             try:
                 await sub.unsubscribe()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgspec
 
-from schemas import errors, events, layers, node, sandbox
+from schemas import errors, events, layers, node, sandbox, violations
 
 MESSAGES: dict[str, object] = {
     "sandbox.CreateRequest": sandbox.CreateRequest,
@@ -36,6 +36,7 @@ MESSAGES: dict[str, object] = {
     "node.ReleaseRequest": node.ReleaseRequest,
     "node.ReleaseReply": node.ReleaseReply,
     "errors.ErrorBody": errors.ErrorBody,
+    "violations.Violation": violations.Violation,
     "layers.Layer": layers.Layer,
     "layers.BuildRequest": layers.BuildRequest,
     "layers.BuildReply": layers.BuildReply,

@@ -7,6 +7,7 @@ import logging
 
 from sandfleet.kernel import cgroups
 from agents.node.confinement import NodeConfinement
+from agents.node.egress import Egress
 from sandfleet import runner
 from sandfleet.bus import Endpoint
 from sandfleet.config import ServiceConfig
@@ -19,9 +20,11 @@ log = logging.getLogger("sandfleet.agent")
 
 async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
     async with runner.service_bus("agent", config) as bus:
-        node = NodeConfinement(layout=cgroups.CgroupLayout.detect(), node_id=config.node_id)
+        egress = await Egress.load(config.node_id)
+        node = NodeConfinement(layout=cgroups.CgroupLayout.detect(), node_id=config.node_id, egress=egress)
         store = await SandboxStore.open(bus)
         reclaimed = await node.reconcile(store)
+        egress.report_to(bus, store)
 
         async def confine(req: ConfineRequest) -> Confinement:
             return node.confine(req)
@@ -48,6 +51,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
         # has destroyed its sandboxes by now; take back anything still held.
         await asyncio.to_thread(node.release_everything)
         await node.reconcile(store)
+        egress.close()
 
 
 if __name__ == "__main__":
