@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     ev = cmd("events", _events, "print lifecycle events (history, then live with --follow)")
     ev.add_argument("--follow", "-f", action="store_true")
     ev.add_argument("--id", default=None, help="only this sandbox")
+    ev.add_argument("--violations", action="store_true", help="refused attempts instead of lifecycle events")
+    ev.add_argument("--task", default=None, help="with --violations: only sandboxes labelled task=TASK")
     cmd("status", _status, "show services and nodes")
     cli_layers.register(sub)
     return p
@@ -223,6 +225,9 @@ def _rm(args: argparse.Namespace) -> int:
 
 
 def _events(args: argparse.Namespace) -> int:
+    if args.violations:
+        return _violations(args)
+
     async def body(fleet: client.Fleet) -> int:
         if args.follow:  # one consumer from the start of the stream: no gap between history and live
             async for ev in fleet.events(args.id, replay=True):
@@ -230,6 +235,20 @@ def _events(args: argparse.Namespace) -> int:
         for ev in await fleet.history(args.id):
             print(msgspec.json.encode(ev).decode(), flush=True)
         return 0
+
+    return _with_fleet(args, body)
+
+
+def _violations(args: argparse.Namespace) -> int:
+    async def body(fleet: client.Fleet) -> int:
+        stream = fleet.violations(args.id, task=args.task, replay=True).__aiter__()
+        while True:
+            try:  # without --follow: what is stored, until the stream has been quiet for a second
+                v = await (stream.__anext__() if args.follow else asyncio.wait_for(stream.__anext__(), 1.0))
+            except (asyncio.TimeoutError, StopAsyncIteration):
+                await stream.aclose()
+                return 0
+            print(msgspec.json.encode(v).decode(), flush=True)
 
     return _with_fleet(args, body)
 

@@ -32,12 +32,14 @@ async def _attempt(fleet, code: str):
         await sb.destroy()
 
 
-async def test_connect_to_a_host_not_allowed_is_refused_at_once_and_reported(fleet):
+async def test_connect_to_a_host_not_allowed_is_refused_at_once_and_reported(fleet, platform):
     sb, r, took, v = await _attempt(fleet, CONNECT)
     assert r.exit_code != 0 and b"PermissionError" in r.stderr
     assert took < 5  # refused, not hanging on a timeout
     assert (v.sandbox_id, v.kind, v.address, v.port) == (sb.id, "network.connect", "10.1.2.3", 80)
     assert v.labels == {"task": "cheat-test"} and v.command == "python3"
+    stored = platform.cli("events", "--violations", "--task", "cheat-test").stdout.decode()
+    assert f'"sandbox_id":"{sb.id}"' in stored and '"kind":"network.connect"' in stored
 
 
 async def test_udp_sendto_a_host_not_allowed_is_refused_and_reported(fleet):
