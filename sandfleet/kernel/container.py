@@ -34,7 +34,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandfleet.kernel import cgroups, layered_root
+from sandfleet.kernel import cgroups, layered_root, seccomp
 from sandfleet.kernel import syscalls as linux
 from sandfleet.kernel.container_exec import (
     JOIN_FAILED,
@@ -46,13 +46,12 @@ from sandfleet.kernel.container_exec import (
     kill_command,
     reap_strays,
 )
-from sandfleet.kernel.process import DEFAULT_ENV, InitProcess, is_alive, kill_async
+from sandfleet.kernel.process import DEFAULT_ENV, OUTPUT_GRACE_S, ExecResult, InitProcess, is_alive, kill_async
 
 log = logging.getLogger("sandfleet.container")
 
 INIT_HOST = "/usr/bin/catatonit"
 INIT_PATH = "/dev/init"
-OUTPUT_GRACE_S = 0.1  # after the command exits, how long a background process may hold its pipes
 
 
 class ContainerError(RuntimeError):
@@ -67,15 +66,6 @@ class ContainerSpec:
     netns: str
     tmp_size_mb: int = 256
     hostname: str = "sandbox"
-
-
-@dataclass(frozen=True)
-class ExecResult:
-    exit_code: int
-    stdout: bytes
-    stderr: bytes
-    timed_out: bool
-    truncated: bool
 
 
 def bundle_config(spec: ContainerSpec) -> dict:
@@ -113,6 +103,7 @@ def bundle_config(spec: ContainerSpec) -> dict:
                             "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
                             "/sys/firmware", "/sys/fs/selinux", "/sys/dev/block"],
             "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"],
+            "seccomp": seccomp.oci_seccomp(),
         },
     }
 

@@ -44,6 +44,8 @@ MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
 MNT_DETACH = 0x2
 
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
 PR_CAPBSET_DROP = 24
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
@@ -171,3 +173,18 @@ def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) 
 
 def set_child_subreaper() -> None:
     prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def install_seccomp(filter_bytes: bytes) -> None:
+    """Install a classic-BPF seccomp filter (raw `struct sock_filter` array, 8 bytes per
+    instruction) on this thread; needs no_new_privs (or CAP_SYS_ADMIN). It is inherited
+    across fork and kept across execve."""
+    if not filter_bytes or len(filter_bytes) % 8:
+        raise OSError(22, "bad seccomp filter length", "seccomp")
+    program = ctypes.create_string_buffer(filter_bytes, len(filter_bytes))
+    fprog = _SockFprog(len(filter_bytes) // 8, ctypes.addressof(program))
+    _check(_prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0), "seccomp")

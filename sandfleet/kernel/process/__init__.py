@@ -9,7 +9,8 @@ VM that costs ~1.5 ms each for a 50 MB launcher and a fraction of it for the 12 
   the children of the thread that unshares it, so the spawner unshares, forks once and
   goes back, signals blocked). B joins the cgroups before anything else, enters the netns,
   unshares mount/ipc/uts/cgroup namespaces, builds the root from a plan (see rootfs.py),
-  pivots into it, drops every capability, sets no_new_privs and execs catatonit.
+  pivots into it, drops every capability, sets no_new_privs, installs the seccomp filter
+  (built once by the launcher, sandfleet/kernel/seccomp.py) and execs catatonit.
 - exec: the spawner forks C, which joins the cgroups, enters all of the init's namespaces
   (the pid namespace for its children only), chroots into its root, drops every
   capability and vfork-spawns the command D in a new session, then waits for it and

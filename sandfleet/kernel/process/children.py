@@ -25,16 +25,19 @@ def _join_cgroups(paths: list[str]) -> None:
             os.close(fd)
 
 
-def _drop_privileges(last_cap: int) -> None:
-    """Keep nothing of the spawner across exec but fds 0-2; no capabilities, no_new_privs."""
+def _drop_privileges(last_cap: int, seccomp: bytes) -> None:
+    """Keep nothing of the spawner across exec but fds 0-2; no capabilities, no_new_privs,
+    and the sandbox seccomp filter (sandfleet.kernel.seccomp), installed last."""
     linux.restore_signals()  # an empty mask (the spawner's may block some)
     linux.close_range_cloexec(3)
     os.umask(0o022)
     linux.drop_all_capabilities(last_cap)
     linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
+    if seccomp:
+        linux.install_seccomp(seccomp)
 
 
-def init_child(report: int, netns_fd: int, cgroup_procs: list[str], plan, last_cap: int) -> None:
+def init_child(report: int, netns_fd: int, cgroup_procs: list[str], plan, last_cap: int, seccomp: bytes) -> None:
     """B: pid 1 of the new pid namespace. Never returns."""
     step = "join cgroups"
     try:
@@ -51,7 +54,7 @@ def init_child(report: int, netns_fd: int, cgroup_procs: list[str], plan, last_c
         for fd in (0, 1, 2):
             os.dup2(null, fd)
         step = "drop privileges"
-        _drop_privileges(last_cap)
+        _drop_privileges(last_cap, seccomp)
         step = f"exec {CATATONIT}"
         if not os.access(CATATONIT, os.X_OK):
             raise FileNotFoundError(errno.ENOENT, "not executable in the sandbox", CATATONIT)
@@ -68,7 +71,7 @@ _SPAWN_DEFAULT_SIGNALS = tuple(signal.valid_signals() - {signal.SIGKILL, signal.
 
 
 def exec_child(report: int, pidfd: int, root: int, cgroup_procs: list[str], cwd: str, stdio: list[int],
-                argv: list[str], env: dict[str, str], last_cap: int) -> None:
+                argv: list[str], env: dict[str, str], last_cap: int, seccomp: bytes) -> None:
     """C: enters the sandbox, vfork-spawns the command into its pid namespace, waits for it
     and writes its status. C stays outside the pid namespace, so the sandbox never sees it.
     SIGTERM (the spawner, on timeout or cancel) kills the command's process group. Never returns."""
@@ -99,7 +102,7 @@ def exec_child(report: int, pidfd: int, root: int, cgroup_procs: list[str], cwd:
         step = "chdir " + cwd
         os.chdir(cwd)
         step = "drop privileges"
-        _drop_privileges(last_cap)
+        _drop_privileges(last_cap, seccomp)
         step = "spawn"
         path, code = _which(argv[0], env.get("PATH", ""))
         if killed:

@@ -47,8 +47,9 @@ def _children_in_new_pidns():
         linux.restore_signals(blocked)
 
 
-def main(sock_fd: int) -> None:
-    """Serve fork requests until the launcher closes its end; reap every child."""
+def main(sock_fd: int, seccomp: bytes = b"") -> None:
+    """Serve fork requests until the launcher closes its end; reap every child. `seccomp` is
+    the filter every child installs before exec (built by the launcher: no libseccomp here)."""
     sock = socket.socket(fileno=sock_fd)
     linux.set_child_subreaper()  # a command whose exec helper died is reaped here, not leaked upward
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -76,7 +77,7 @@ def main(sock_fd: int) -> None:
             try:
                 if message == _LARGE:  # the request itself is in the first fd (a memfd)
                     message, fds = _read_all(fds[0]), fds[1:] + fds[:1]
-                _serve(marshal.loads(message), fds, reports, last_cap)
+                _serve(marshal.loads(message), fds, reports, last_cap, seccomp)
             except Exception as exc:  # a bad request must not take the other sandboxes' execs down
                 os.write(2, f"sandfleet spawner: request failed: {exc!r}\n".encode())
                 if fds:
@@ -129,7 +130,7 @@ def _reap_children(reports: dict[int, int | None]) -> None:
             os.close(report)
 
 
-def _serve(request: tuple, fds: list[int], reports: dict[int, int | None], last_cap: int) -> None:
+def _serve(request: tuple, fds: list[int], reports: dict[int, int | None], last_cap: int, seccomp: bytes) -> None:
     op, args = request
     if op == "ping":
         return
@@ -148,12 +149,13 @@ def _serve(request: tuple, fds: list[int], reports: dict[int, int | None], last_
             with _children_in_new_pidns():
                 pid = os.fork()
                 if pid == 0:
-                    children.init_child(report, fds[1], args[0], plan, last_cap)
+                    children.init_child(report, fds[1], args[0], plan, last_cap, seccomp)
             reports[pid] = None
         else:
             pid = os.fork()
             if pid == 0:
-                children.exec_child(report, fds[1], fds[2], args[0], args[1], fds[3:6], args[2], args[3], last_cap)
+                children.exec_child(report, fds[1], fds[2], args[0], args[1], fds[3:6], args[2], args[3], last_cap,
+                                   seccomp)
             reports[pid] = os.dup(report)
         os.write(report, pid_record(pid))
     except OSError as exc:
@@ -195,15 +197,18 @@ class Spawner:
     def _start(self) -> None:
         import subprocess
 
+        from sandfleet.kernel import seccomp
+
         self._stop()
+        filter_hex = seccomp.filter_bytes().hex()  # built once per launcher; ~1.5 kB of argv
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # the directory holding sandfleet/: -I leaves it off the helper's path
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         code = (f"import sys; sys.path.insert(0, {root!r}); "
-                "from sandfleet.kernel.process.spawner import main; main(int(sys.argv[1]))")
+                "from sandfleet.kernel.process.spawner import main; main(int(sys.argv[1]), bytes.fromhex(sys.argv[2]))")
         with theirs:
             self.proc = subprocess.Popen(
-                [sys.executable, "-S", "-I", "-c", code, str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                [sys.executable, "-S", "-I", "-c", code, str(theirs.fileno()), filter_hex], pass_fds=[theirs.fileno()],
                 cwd="/", stdin=subprocess.DEVNULL, start_new_session=True,
             )
         self.sock = ours

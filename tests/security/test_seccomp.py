@@ -1,0 +1,185 @@
+"""The seccomp filter of every sandbox process, on the real kernel through the real runtimes.
+
+A sandbox already has no capabilities, so most of these calls would fail anyway; the tests
+tell the filter apart by the errno (EPERM before the kernel looks at the arguments, where an
+unfiltered call with null arguments gives EFAULT/EINVAL) and by calls that need no
+capability (unshare -U, ptrace(TRACEME), keyctl, clone(CLONE_NEWUSER), personality).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+
+import pytest
+
+from sandfleet.kernel import seccomp
+from sandfleet.kernel import process as runtime
+from tests.kernel import require
+from tests.test_containers import BASE, base  # noqa: F401  (fixture)
+from tests.test_kernel_runtime import layout, sandbox, sandboxes  # noqa: F401  (fixtures)
+
+X86_64 = os.uname().machine == "x86_64"
+
+# x86_64 numbers: each call with null arguments, run inside the sandbox
+PROBE = r"""
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+calls = %s
+out = {}
+for name, (nr, args) in calls.items():
+    ctypes.set_errno(0)
+    r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_ulong(a) for a in args])
+    if r == 0 and name.startswith("clone"):
+        os._exit(0)  # a child: the filter let it through
+    if r > 0 and name.startswith("clone"):
+        os.waitpid(r, 0)
+    out[name] = (r, ctypes.get_errno())
+print(json.dumps(out))
+"""
+NEWUSER_SIGCHLD = 0x10000000 | 17
+CALLS = {
+    "ptrace": (101, [0, 0, 0, 0]),  # PTRACE_TRACEME: needs no privilege
+    "process_vm_readv": (310, [1, 0, 0, 0, 0, 0]),
+    "process_vm_writev": (311, [1, 0, 0, 0, 0, 0]),
+    "mount": (165, [0, 0, 0, 0, 0]),
+    "umount2": (166, [0, 0]),
+    "open_tree": (428, [0, 0, 0]),
+    "move_mount": (429, [0, 0, 0, 0, 0]),
+    "fsopen": (430, [0, 0]),
+    "fsconfig": (431, [0, 0, 0, 0, 0]),
+    "fsmount": (432, [0, 0, 0]),
+    "fspick": (433, [0, 0, 0]),
+    "pivot_root": (155, [0, 0]),
+    "unshare": (272, [0x10000000]),  # CLONE_NEWUSER: needs no privilege
+    "setns": (308, [0, 0]),
+    "bpf": (321, [0, 0, 0]),
+    "perf_event_open": (298, [0, 0, 0, 0, 0]),
+    "keyctl": (250, [0, 0, 0, 0, 0]),  # KEYCTL_GET_KEYRING_ID: needs no privilege
+    "add_key": (248, [0, 0, 0, 0, 0]),
+    "request_key": (249, [0, 0, 0, 0]),
+    "kexec_load": (246, [0, 0, 0, 0]),
+    "kexec_file_load": (320, [0, 0, 0, 0, 0]),
+    "init_module": (175, [0, 0, 0]),
+    "finit_module": (313, [0, 0, 0]),
+    "delete_module": (176, [0, 0]),
+    "reboot": (169, [0, 0, 0, 0]),
+    "swapon": (167, [0, 0]),
+    "swapoff": (168, [0]),
+    "acct": (163, [0]),
+    "open_by_handle_at": (304, [0, 0, 0]),
+    "name_to_handle_at": (303, [0, 0, 0, 0, 0]),
+    "userfaultfd": (323, [0]),
+    "iopl": (172, [0]),
+    "ioperm": (173, [0, 0, 0]),
+    "lookup_dcookie": (212, [0, 0, 0]),
+    "quotactl": (179, [0, 0, 0, 0]),
+    "clock_settime": (227, [0, 0]),
+    "settimeofday": (164, [0, 0]),
+    "adjtimex": (159, [0]),
+    "syslog": (103, [3, 0, 0]),  # SYSLOG_ACTION_READ_ALL
+    "personality": (135, [0x0040000]),  # ADDR_NO_RANDOMIZE
+    "clone_newuser": (56, [NEWUSER_SIGCHLD, 0, 0, 0, 0]),
+    "clone_newnet": (56, [0x40000000 | 17, 0, 0, 0, 0]),
+    "clone3": (435, [0, 0]),
+}
+
+
+def test_the_filter_is_classic_bpf_and_the_oci_section_has_the_same_rules():
+    program = seccomp.filter_bytes()
+    assert program and len(program) % 8 == 0 and len(program) // 8 < 4096
+    assert seccomp.filter_bytes() is program  # built once
+    code, _, _, k = struct.unpack("=HBBI", program[-8:])
+    assert code == 0x06  # ends in a return
+    oci = seccomp.oci_seccomp()
+    assert oci["defaultAction"] == "SCMP_ACT_ALLOW"
+    names = {n for rule in oci["syscalls"] for n in rule["names"]}
+    assert set(seccomp.DENIED) | {"clone", "clone3"} <= names
+
+
+async def test_sandbox_processes_run_under_the_filter(sandbox):
+    with open(f"/proc/{sandbox.init.pid}/status") as f:
+        status = dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
+    assert status["Seccomp"].strip() == "2" and status["NoNewPrivs"].strip() == "1"  # catatonit too
+    r = await sandbox.sh("grep -E '^(Seccomp|Seccomp_filters):' /proc/self/status")
+    assert r.exit_code == 0 and b"Seccomp:\t2" in r.stdout and b"Seccomp_filters:\t1" in r.stdout
+
+
+async def test_refused_syscalls_fail_with_eperm_inside_a_sandbox(sandbox):
+    require(X86_64, "the probe's syscall numbers are x86_64's")
+    r = await sandbox.run("python3", "-S", "-c", PROBE % json.dumps(CALLS))
+    assert r.exit_code == 0, r.stderr
+    results = json.loads(r.stdout)
+    expected = {name: 38 if name == "clone3" else 1 for name in CALLS}  # ENOSYS, EPERM
+    got = {name: errno_ for name, (ret, errno_) in results.items()}
+    assert got == expected, {n: results[n] for n in CALLS if got[n] != expected[n]}
+    assert all(ret == -1 for ret, _ in results.values())
+
+
+async def test_personality_query_and_default_values_still_work(sandbox):
+    require(X86_64, "the probe's syscall numbers are x86_64's")
+    calls = {"query": (135, [0xFFFFFFFF]), "linux": (135, [0]), "linux32_back": (135, [0]),
+             "no_randomize_hi": (135, [0x1_0004_0000])}  # the kernel reads 32 bits: still refused
+    r = await sandbox.run("python3", "-S", "-c", PROBE % json.dumps(calls))
+    results = json.loads(r.stdout)
+    assert results["query"][0] >= 0 and results["linux"][0] >= 0 and results["linux32_back"][0] >= 0
+    assert results["no_randomize_hi"] == [-1, 1]
+
+
+async def test_namespace_and_ptrace_tools_fail_inside_a_sandbox(sandbox):
+    for flag in ("-U", "-n", "-m", "-p"):
+        r = await sandbox.run("unshare", flag, "true")
+        assert r.exit_code != 0 and b"Operation not permitted" in r.stderr, (flag, r)
+    if shutil.which("strace"):
+        r = await sandbox.run("strace", "-o", "/dev/null", "true")
+        assert r.exit_code != 0 and b"Operation not permitted" in r.stderr, r
+    r = await sandbox.run("python3", "-S", "-c", "import ctypes; l = ctypes.CDLL(None, use_errno=True); "
+                          "print(l.ptrace(0, 0, 0, 0), ctypes.get_errno())")
+    assert r.stdout.split() == [b"-1", b"1"]
+
+
+async def test_ordinary_work_still_works_under_the_filter(sandbox):
+    r = await sandbox.run("python3", "-c", "print(1)")
+    assert (r.exit_code, r.stdout) == (0, b"1\n"), r.stderr
+    r = await sandbox.sh("echo a b c | tr ' ' '\\n' | sort -r | head -2 | wc -l; (sleep 0.01 &) ; wait; "
+                         "for i in 1 2 3; do /bin/true || exit 9; done; echo $(echo nested)")
+    assert (r.exit_code, r.stdout) == (0, b"2\nnested\n"), r.stderr
+    script = ("import threading, subprocess, os, multiprocessing as mp\n"
+              "out = []\n"
+              "ts = [threading.Thread(target=out.append, args=(i,)) for i in range(8)]\n"
+              "[t.start() for t in ts]; [t.join() for t in ts]\n"
+              "p = subprocess.run(['sh', '-c', 'echo sub'], capture_output=True, check=True)\n"
+              "pid = os.fork()\n"
+              "if pid == 0: os._exit(7)\n"
+              "st = os.waitpid(pid, 0)[1]\n"
+              "with mp.get_context('fork').Pool(2) as pool: sq = pool.map(abs, [-1, -2])\n"
+              "print(len(out), p.stdout.decode().strip(), os.waitstatus_to_exitcode(st), sq)\n")
+    r = await sandbox.run("python3", "-c", script, cwd="/workspace")
+    assert (r.exit_code, r.stdout) == (0, b"8 sub 7 [1, 2]\n"), r.stderr
+
+
+def test_install_seccomp_refuses_a_malformed_program():
+    """A malformed program is an error, not a silently unfiltered sandbox."""
+    from sandfleet.kernel import syscalls as linux
+    with pytest.raises(OSError):
+        linux.install_seccomp(b"")
+    with pytest.raises(OSError):
+        linux.install_seccomp(b"1234567")
+    assert runtime.CATATONIT  # the runtime package imports with the filter wiring
+
+
+async def test_container_processes_run_under_the_same_rules(fleet, base):  # noqa: F811
+    sb = await fleet.create(isolation="container", memory_mb=64, layers=[BASE])
+    try:
+        r = await sb.exec(["sh", "-c", "grep -E '^Seccomp:' /proc/1/status /proc/self/status"])
+        assert r.stdout.count(b"Seccomp:\t2") == 2, r
+        for flag in ("-U", "-n"):
+            r = await sb.exec(["busybox", "unshare", flag, "true"])
+            assert r.exit_code != 0 and b"Operation not permitted" in r.stderr, (flag, r)
+        r = await sb.exec(["sh", "-c", "echo a | cat | wc -l"])
+        assert (r.exit_code, r.stdout.strip()) == (0, b"1")
+    finally:
+        await sb.destroy()
