@@ -18,6 +18,7 @@ import signal
 import subprocess
 
 from sandfleet.kernel import layered_root
+from sandfleet.kernel.pipes import LoopPipes
 from sandfleet.kernel.process import InitProcess
 
 JOIN_FAILED = 125
@@ -115,14 +116,12 @@ def reap_strays() -> None:
 
 # -- the command's pipes ---------------------------------------------------------------------
 
-class ExecPipes:
+class ExecPipes(LoopPipes):
     """One runner process (the prelude, then `crun exec`) and its pipes, driven by the event
     loop. The pipes are ours, not asyncio's, so output a background process of the command
     keeps open is closed when the exec is over."""
 
     def __init__(self, argv: list[str], stdin: bytes, max_output: int) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.max_output, self.truncated = max_output, False
         self.out, self.err = bytearray(), bytearray()
         in_r, in_w = os.pipe2(os.O_CLOEXEC)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
@@ -136,51 +135,7 @@ class ExecPipes:
         for fd in (in_r, out_w, err_w):
             os.close(fd)
         self.pidfd = os.pidfd_open(self.proc.pid)
-        self.eof = {out_r: self.loop.create_future(), err_r: self.loop.create_future()}
-        for fd, buf in ((out_r, self.out), (err_r, self.err)):
-            os.set_blocking(fd, False)
-            self.loop.add_reader(fd, self._readable, fd, buf)
-        self.stdin, self.in_w = memoryview(stdin), in_w
-        os.set_blocking(in_w, False)
-        self._writable()
-
-    def _readable(self, fd: int, buf: bytearray) -> None:
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except BlockingIOError:
-                return
-            except OSError:
-                chunk = b""
-            if not chunk:
-                self._close_reader(fd)
-                return
-            room = self.max_output - len(buf)
-            self.truncated |= len(chunk) > room
-            buf += chunk[:max(0, room)]
-
-    def _close_reader(self, fd: int) -> None:
-        if not self.eof[fd].done():
-            self.loop.remove_reader(fd)
-            os.close(fd)
-            self.eof[fd].set_result(None)
-
-    def _writable(self) -> None:
-        try:
-            while self.stdin:
-                self.stdin = self.stdin[os.write(self.in_w, self.stdin[:65536]):]
-        except BlockingIOError:
-            self.loop.add_writer(self.in_w, self._writable)
-            return
-        except OSError:  # the command closed its stdin or exited
-            pass
-        self._close_stdin()
-
-    def _close_stdin(self) -> None:
-        if self.in_w >= 0:
-            self.loop.remove_writer(self.in_w)
-            os.close(self.in_w)
-            self.in_w = -1
+        super().__init__(asyncio.get_running_loop(), {out_r: self.out, err_r: self.err}, in_w, stdin, max_output)
 
     async def wait(self, timeout_s: float | None) -> bool:
         """True once the runner has exited, False if `timeout_s` passed first."""
@@ -201,9 +156,7 @@ class ExecPipes:
         await asyncio.wait(list(self.eof.values()), timeout=grace_s)
 
     def close(self) -> None:
-        for fd in list(self.eof):
-            self._close_reader(fd)
-        self._close_stdin()
+        self.close_pipes()
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1

@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 
+from sandfleet.kernel.pipes import LoopPipes
 from sandfleet.kernel.process import spawner
 from sandfleet.kernel.process.lifecycle import open_init
 from sandfleet.kernel.process.model import DEFAULT_ENV, ExecError, ExecResult, InitProcess
@@ -64,73 +65,24 @@ async def exec(
         run.close()
 
 
-class _Run:
+class _Run(LoopPipes):
     """The launcher's side of one exec: its pipes, driven by the event loop."""
 
     def __init__(self, loop, report_r: int, out_r: int, err_r: int, in_w: int, stdin: bytes,
                  max_output: int) -> None:
-        self.loop, self.report_r, self.max_output = loop, report_r, max_output
+        self.report_r = report_r
         self.report, self.out, self.err = bytearray(), bytearray(), bytearray()
-        self.buffers = {report_r: self.report, out_r: self.out, err_r: self.err}
-        self.eof = {fd: loop.create_future() for fd in self.buffers}
-        self.truncated = False
         self.killed = self.kill_pending = False
-        for fd in self.buffers:
-            os.set_blocking(fd, False)
-            loop.add_reader(fd, self._readable, fd)
-        self.stdin, self.in_w = memoryview(stdin), in_w
-        if stdin:
-            os.set_blocking(in_w, False)
-            self._writable()
-        else:
-            self._close_stdin()
+        super().__init__(loop, {report_r: self.report, out_r: self.out, err_r: self.err}, in_w, stdin,
+                         max_output, uncapped=frozenset({report_r}))
 
-    def _readable(self, fd: int) -> None:
-        buf = self.buffers[fd]
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except BlockingIOError:
-                return
-            except OSError:
-                chunk = b""
-            if not chunk:
-                self._close_reader(fd)
-                return
-            if fd != self.report_r and len(buf) + len(chunk) > self.max_output:
-                chunk = chunk[: max(0, self.max_output - len(buf))]
-                self.truncated = True
-            buf += chunk
-            if fd == self.report_r:
-                report = Report.parse(bytes(buf))
-                if self.kill_pending and report.pid is not None:
-                    self.kill()
-                if report.status is not None or report.errors:
-                    self._close_reader(fd)  # settled: no need to wait for the helper's teardown
-                    return
-
-    def _close_reader(self, fd: int) -> None:
-        if not self.eof[fd].done():
-            self.loop.remove_reader(fd)
-            os.close(fd)
-            self.eof[fd].set_result(None)
-
-    def _writable(self) -> None:
-        try:
-            while self.stdin:
-                self.stdin = self.stdin[os.write(self.in_w, self.stdin[:65536]):]
-        except BlockingIOError:
-            self.loop.add_writer(self.in_w, self._writable)
-            return
-        except OSError:  # the command closed its stdin or exited
-            pass
-        self._close_stdin()
-
-    def _close_stdin(self) -> None:
-        if self.in_w >= 0:
-            self.loop.remove_writer(self.in_w)
-            os.close(self.in_w)
-            self.in_w = -1
+    def on_chunk(self, fd: int) -> bool:
+        if fd != self.report_r:
+            return False
+        report = Report.parse(bytes(self.report))
+        if self.kill_pending and report.pid is not None:
+            self.kill()
+        return report.status is not None or bool(report.errors)  # settled: no need to wait for the helper's teardown
 
     def kill(self) -> None:
         """Ask the spawner to kill the command's process group (it knows whether it is reaped);
@@ -174,5 +126,5 @@ class _Run:
             self.kill()  # cancelled while running: the command must not outlive its exec
         for fd in list(self.eof):
             if not (fd == self.report_r and self.kill_pending):  # else read on until the pid comes
-                self._close_reader(fd)
+                self.close_reader(fd)
         self._close_stdin()
