@@ -2,7 +2,7 @@
 
 It starts `sandfleet up` in a fresh data dir, creates a batch of process sandboxes in one
 request, gives each a small task (write a file, run a script that reads it, grade the
-output), shows what a cheating attempt sees, lets one sandbox expire, prints a summary and
+output), shows what a cheating attempt sees and the violation event it causes, lets one sandbox expire, prints a summary and
 the lifecycle events, and stops the platform, leaving nothing behind.
 """
 
@@ -29,7 +29,8 @@ print(sum(n * n for n in nums))
 async def workload(url: str) -> None:
     async with sandfleet.connect(url) as fleet:
         t0 = time.perf_counter()
-        boxes = await fleet.create_many(16, isolation="process", cpu=0.5, memory_mb=128, timeout_s=120)
+        boxes = await fleet.create_many(16, isolation="process", cpu=0.5, memory_mb=128, timeout_s=120,
+                                        labels={"task": "demo"})
         created = time.perf_counter() - t0
         print(f"created {len(boxes)} sandboxes in one request in {created * 1000:.0f} ms")
 
@@ -51,6 +52,15 @@ async def workload(url: str) -> None:
         print("what an agent sees at / :", " ".join(probe.stdout.decode().split()[:-1]))
         print("processes it can see   :", probe.stdout.decode().split()[-1])
         print("reading the host's /root:", probe.stderr.decode().strip() or "(nothing)")
+
+        violations = fleet.violations(task="demo")
+        first = asyncio.ensure_future(violations.__anext__())
+        await asyncio.sleep(0.3)  # the consumer is attached
+        cheat = await boxes[1].exec(["python3", "-c", "import socket; socket.create_connection(('10.1.2.3', 80))"])
+        print("an agent reaching 10.1.2.3:80:", cheat.stderr.decode().strip().splitlines()[-1])
+        v = await asyncio.wait_for(first, 5)
+        print(f"violation on the bus     : {v.kind} {v.attempted!r} by {v.command} (pid {v.pid}) task={v.labels.get('task')}")
+        await violations.aclose()
 
         short = await fleet.create(memory_mb=64, timeout_s=1)
         await asyncio.sleep(2.5)
