@@ -260,6 +260,12 @@ def _status(args: argparse.Namespace) -> int:
             print(f"service {name:<10} {'up' if ok else 'DOWN'}")
         for n in await fleet.nodes():
             print(f"node    {n.id:<10} isolation={','.join(n.isolation)} running={n.running}/{n.capacity}")
+            try:
+                mechanisms = (await fleet.security(n.id)).mechanisms
+            except errors.SandfleetError as exc:
+                mechanisms = {"agent": f"unreachable: {exc.message}"}
+            for name, state in mechanisms.items():
+                print(f"        {name:<14} {state}")
         return 0 if all(pings) else 1
 
     return _with_fleet(args, body)

@@ -202,6 +202,10 @@ class Fleet:
                 found.append(decode(entry.value, node.NodeInfo))
         return found
 
+    async def security(self, node_id: str) -> node.NodeSecurity:
+        """What the node agent of `node_id` enforces (eBPF egress, Landlock, AppArmor ...)."""
+        return await self.bus.request(node.subject(node_id, node.SECURITY), node.Empty(), node.NodeSecurity)
+
     async def ping(self, service: str, timeout: float = 1.0) -> bool:
         try:
             await self.bus.nc.request(f"$SRV.PING.{service}", b"", timeout=timeout)

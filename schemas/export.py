@@ -35,6 +35,7 @@ MESSAGES: dict[str, object] = {
     "node.Confinement": node.Confinement,
     "node.ReleaseRequest": node.ReleaseRequest,
     "node.ReleaseReply": node.ReleaseReply,
+    "node.NodeSecurity": node.NodeSecurity,
     "errors.ErrorBody": errors.ErrorBody,
     "violations.Violation": violations.Violation,
     "layers.Layer": layers.Layer,

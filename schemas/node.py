@@ -35,6 +35,7 @@ DESTROY = "destroy"
 CONFINE = "confine"
 RELEASE = "release"
 AGENT_LIST = "confined"
+SECURITY = "security"
 
 
 class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -149,6 +150,13 @@ class ReleaseReply(msgspec.Struct, frozen=True, kw_only=True):
 
 class ConfinedList(msgspec.Struct, frozen=True, kw_only=True):
     sandbox_ids: list[str]
+
+
+class NodeSecurity(msgspec.Struct, frozen=True, kw_only=True):
+    """What the node agent enforces on this node, each as `on`, or `off: <why>`."""
+
+    node: str
+    mechanisms: dict[str, str]
 
 
 class Empty(msgspec.Struct, frozen=True, kw_only=True):

@@ -28,7 +28,9 @@ def test_cli_create_exec_ps_rm_events_status(platform):
     out = platform.cli("exec", sid, "--", "sh", "-c", "echo from-cli; exit 4", check=False)
     assert out.returncode == 4 and out.stdout == b"from-cli\n"
     assert sid in platform.cli("ps").stdout.decode()
-    assert platform.cli("status").stdout.decode().count(" up") == 4
+    status = platform.cli("status").stdout.decode()
+    assert status.count(" up") == 4
+    assert "egress-ebpf    on" in status and "landlock" in status
     assert b"stopped" in platform.cli("rm", sid).stdout
     events = [json.loads(line) for line in platform.cli("events", "--id", sid).stdout.splitlines()]
     assert [e["type"] for e in events][-1] == "sandbox.stopped"

@@ -5,15 +5,23 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from sandfleet.kernel import cgroups
 from agents.node.confinement import NodeConfinement
 from agents.node.egress import Egress
 from sandfleet import runner
 from sandfleet.bus import Endpoint
 from sandfleet.config import ServiceConfig
+from sandfleet.kernel import cgroups, lsm
 from sandfleet.store import SandboxStore
 from schemas import node as node_schema
-from schemas.node import ConfinedList, Confinement, ConfineRequest, Empty, ReleaseReply, ReleaseRequest
+from schemas.node import (
+    ConfinedList,
+    Confinement,
+    ConfineRequest,
+    Empty,
+    NodeSecurity,
+    ReleaseReply,
+    ReleaseRequest,
+)
 
 log = logging.getLogger("sandfleet.agent")
 
@@ -35,6 +43,21 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
         async def confined(_: Empty) -> ConfinedList:
             return ConfinedList(sandbox_ids=sorted(node.held()))
 
+        abi = lsm.landlock_abi()
+        security = NodeSecurity(
+            node=config.node_id,
+            mechanisms={
+                "cgroup-limits": "on",
+                "egress-ebpf": egress.status,
+                "landlock": f"off: available (ABI {abi}) but not applied yet" if abi else "off: not in this kernel",
+                "apparmor": "off: profiles not generated yet" if lsm.apparmor_enabled() else "off: not in this kernel",
+            },
+        )
+        log.info("security on node %s: %s", config.node_id, security.mechanisms)
+
+        async def security_info(_: Empty) -> NodeSecurity:
+            return security
+
         n = config.node_id
         await bus.serve(
             "agent",
@@ -42,6 +65,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
                 Endpoint("confine", node_schema.subject(n, node_schema.CONFINE), ConfineRequest, confine),
                 Endpoint("release", node_schema.subject(n, node_schema.RELEASE), ReleaseRequest, release),
                 Endpoint("confined", node_schema.subject(n, node_schema.AGENT_LIST), Empty, confined),
+                Endpoint("security", node_schema.subject(n, node_schema.SECURITY), Empty, security_info),
             ],
             queue_group=f"agent-{n}",
         )

@@ -48,6 +48,10 @@ class Egress:
             log.warning("egress allowlists are off on this node: %s", exc)
             return cls(node_id, why_not=str(exc))
 
+    @property
+    def status(self) -> str:
+        return "on" if self.policy is not None else f"off: {self.why_not}"
+
     def attach(self, v2_dir: str) -> None:
         if self.policy is not None:
             self.policy.attach(v2_dir)
