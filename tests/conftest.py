@@ -7,6 +7,7 @@ machine must hold no mount, cgroup, network namespace or process the tests made.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -39,6 +40,16 @@ class Platform:
 
     def service_pid(self, name: str) -> int:
         return self.state()["services"][name]
+
+    async def restarted(self, fleet, service: str, old_pid: int, timeout: float = 30.0) -> int:
+        """Wait until the supervisor has restarted `service` and the new process answers."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid = self.service_pid(service)
+            if pid and pid != old_pid and await fleet.ping(service):
+                return pid
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"{service} was not restarted within {timeout}s")
 
     def cli(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
         return subprocess.run(

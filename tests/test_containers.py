@@ -17,7 +17,8 @@ from sandfleet import errors
 from sandfleet.layers_client import Layers
 from schemas.sandbox import State
 from tests.kernel import require
-from tests.test_layered_sandboxes import _restarted, make_busybox_base, overlay_of
+from tests.layer_trees import make_busybox_base
+from tests.test_layered_sandboxes import overlay_of
 
 BASE = "ct-base"
 
@@ -172,7 +173,7 @@ async def test_a_restarted_launcher_keeps_its_containers(fleet, base, platform):
     await keep.write_file("/workspace/state", b"before")
     old = platform.service_pid("launcher")
     os.kill(old, signal.SIGKILL)
-    await _restarted(fleet, platform, old)
+    await platform.restarted(fleet, "launcher", old)
     assert (await keep.exec(["cat", "/workspace/state"])).stdout == b"before"
     init = (await fleet.get(keep.id)).init_pid
     await keep.destroy()

@@ -11,16 +11,6 @@ import time
 from schemas.sandbox import Reason, State
 
 
-async def _restarted(fleet, platform, service: str, old_pid: int, timeout: float = 30.0) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pid = platform.service_pid(service)
-        if pid and pid != old_pid and await fleet.ping(service):
-            return pid
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{service} was not restarted within {timeout}s")
-
-
 async def test_launcher_killed_keeps_live_sandboxes_and_fails_the_dead_one(fleet, platform):
     keep = await fleet.create(memory_mb=64)
     lose = await fleet.create(memory_mb=64)
@@ -29,7 +19,7 @@ async def test_launcher_killed_keeps_live_sandboxes_and_fails_the_dead_one(fleet
     old = platform.service_pid("launcher")
     os.kill(old, signal.SIGKILL)
     os.kill(lose_init, signal.SIGKILL)  # dies while nobody watches
-    await _restarted(fleet, platform, "launcher", old)
+    await platform.restarted(fleet, "launcher", old)
 
     r = await keep.exec(["cat", "/workspace/state"])
     assert r.stdout == b"before"
@@ -45,7 +35,7 @@ async def test_agent_killed_keeps_sandboxes_usable_and_reclaims_orphans(fleet, p
     subprocess.run(["ip", "netns", "add", orphan], check=True)
     old = platform.service_pid("agent")
     os.kill(old, signal.SIGKILL)
-    await _restarted(fleet, platform, "agent", old)
+    await platform.restarted(fleet, "agent", old)
 
     assert (await sb.exec(["echo", "alive"])).stdout == b"alive\n"
     assert not os.path.exists(f"/run/netns/{orphan}")
@@ -56,19 +46,17 @@ async def test_agent_killed_keeps_sandboxes_usable_and_reclaims_orphans(fleet, p
 
 
 async def test_a_sandbox_left_scheduled_by_a_dead_placement_is_failed_not_lost(fleet):
-    import time as _time
-
     from sandfleet.store import SandboxStore
     from schemas.sandbox import SandboxRecord, SandboxSpec
     from services.placement import handlers
     from services.placement.policy import NodeView
 
     store = await SandboxStore.open(fleet.bus)
-    old = _time.time() - 3600
+    old = time.time() - 3600
     record = SandboxRecord(id="sb-stuck0001", node="gone", spec=SandboxSpec(), state=State.SCHEDULED,
                            created_at=old, updated_at=old)
     await store.create(record)
-    failed = await handlers.fail_stuck(handlers.Deps(fleet.bus, store, NodeView()), _time.time())
+    failed = await handlers.fail_stuck(handlers.Deps(fleet.bus, store, NodeView()), time.time())
     assert "sb-stuck0001" in failed
     got = await fleet.get("sb-stuck0001")
     assert got.state is State.FAILED and got.reason is Reason.LAUNCH_FAILED

@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import shutil
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -22,21 +20,9 @@ from sandfleet import errors
 from sandfleet.layers_client import Layers
 from schemas.sandbox import Reason, State
 from tests.kernel import require
+from tests.layer_trees import BUSYBOX, make_layer_sources
 
-BUSYBOX = Path("/bin/busybox")
 LAYERS = ["lsb-base", "lsb-tools", "lsb-task"]
-
-
-def make_busybox_base(root: Path, hostname: str = "base") -> None:
-    """A tiny system: busybox with its applets as symlinks, an /etc, an empty /workspace."""
-    (root / "bin").mkdir(parents=True)
-    (root / "etc").mkdir()
-    (root / "workspace").mkdir()
-    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
-    for applet in ("sh", "cat", "ls", "echo", "rm", "chmod", "sleep", "dd", "ps", "hostname", "head", "true", "test"):
-        os.symlink("busybox", root / "bin" / applet)
-    (root / "etc" / "hostname").write_text(f"{hostname}\n")
-    (root / "etc" / "base-only").write_text("from base\n")
 
 
 def sha256(path: Path) -> str:
@@ -53,15 +39,7 @@ def overlay_of(sandbox_id: str) -> list[str]:
 async def layers(fleet, platform, tmp_path_factory):
     require(os.geteuid() == 0, "mounting needs root")
     require(BUSYBOX.exists(), "busybox-static at /bin/busybox")
-    src = tmp_path_factory.mktemp("layer-src")
-    make_busybox_base(src / "base")
-    tools = src / "tools"
-    (tools / "etc").mkdir(parents=True)
-    (tools / "etc" / "hostname").write_text("tools\n")
-    (tools / "etc" / "tools").write_text("a tool\n")
-    task = src / "task"
-    (task / "workspace").mkdir(parents=True)
-    (task / "workspace" / "task.txt").write_text("solve it\n")
+    src = make_layer_sources(tmp_path_factory.mktemp("layer-src"))
     client = Layers(fleet.bus)
     for name, path in zip(LAYERS, ("base", "tools", "task")):
         await client.build_dir(name, src / path, on="lsb-base" if name == "lsb-tools" else None)
@@ -125,16 +103,6 @@ async def test_a_launch_on_an_unknown_layer_fails_and_leaves_nothing(fleet, laye
     assert not {r.id for r in failed} & {r.sandbox_id for r in (await layers.cache(platform.node_id)).rootfs}
 
 
-async def _restarted(fleet, platform, old_pid: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pid = platform.service_pid("launcher")
-        if pid and pid != old_pid and await fleet.ping("launcher"):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"the launcher was not restarted within {timeout}s")
-
-
 async def test_a_restarted_launcher_keeps_live_roots_and_gives_back_the_rest(fleet, layers, platform):
     keep = await fleet.create(memory_mb=64, layers=LAYERS)
     lose = await fleet.create(memory_mb=64, layers=["lsb-base"])
@@ -145,7 +113,7 @@ async def test_a_restarted_launcher_keeps_live_roots_and_gives_back_the_rest(fle
     old = platform.service_pid("launcher")
     os.kill(old, signal.SIGKILL)
     os.kill(lose_init, signal.SIGKILL)  # dies while nobody watches
-    await _restarted(fleet, platform, old)
+    await platform.restarted(fleet, "launcher", old)
 
     assert (await keep.exec(["cat", "/workspace/state", "/etc/tools"])).stdout == b"beforea tool\n"
     record = await fleet.get(lose.id)

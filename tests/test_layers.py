@@ -29,11 +29,11 @@ from sandfleet.layers_client import Layers, connect
 from sandfleet.supervisor import free_port, nats_server_binary
 from services.layer_cache import mounts
 from tests.kernel import require
+from tests.layer_trees import BUSYBOX, make_layer_sources
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE = "lc-test"
 BUDGET_MB = 8
-BUSYBOX = Path("/bin/busybox")
 
 
 def _erofs_works() -> bool:
@@ -139,24 +139,8 @@ async def layers(service):
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    src = tmp_path_factory.mktemp("src")
-    base = src / "base"
-    (base / "bin").mkdir(parents=True)
-    (base / "etc").mkdir()
-    (base / "workspace").mkdir()
-    shutil.copy2(BUSYBOX, base / "bin" / "busybox")
-    for applet in ("sh", "cat", "ls", "echo"):
-        os.symlink("busybox", base / "bin" / applet)
-    (base / "etc" / "hostname").write_text("base\n")
-    (base / "etc" / "base-only").write_text("from base\n")
-    tools = src / "tools"
-    (tools / "etc").mkdir(parents=True)
-    (tools / "etc" / "hostname").write_text("tools\n")
-    (tools / "etc" / "tools").write_text("a tool\n")
-    task = src / "task"
-    (task / "workspace").mkdir(parents=True)
-    (task / "workspace" / "task.txt").write_text("solve it\n")
-    os.chmod(task, 0o700)  # as a temporary directory would be
+    src = make_layer_sources(tmp_path_factory.mktemp("src"), applets=("sh", "cat", "ls", "echo"))
+    os.chmod(src / "task", 0o700)  # as a temporary directory would be
     return src
 
 

@@ -52,13 +52,11 @@ async def test_a_restarted_agent_keeps_policing_and_reporting_sandboxes_that_out
     import os
     import signal
 
-    from tests.test_crash_recovery import _restarted
-
     sb = await fleet.create(memory_mb=64)
     try:
         old = platform.service_pid("agent")
         os.kill(old, signal.SIGKILL)
-        await _restarted(fleet, platform, "agent", old)
+        await platform.restarted(fleet, "agent", old)
         started = asyncio.Event()
         waiter = asyncio.create_task(_next_violation(fleet, sb.id, started))
         await started.wait()

@@ -1,0 +1,35 @@
+"""Small directory trees that tests build layers from: a busybox base, a tools and a task layer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+BUSYBOX = Path("/bin/busybox")
+APPLETS = ("sh", "cat", "ls", "echo", "rm", "chmod", "sleep", "dd", "ps", "hostname", "head", "true", "test")
+
+
+def make_busybox_base(root: Path, hostname: str = "base", applets: tuple[str, ...] = APPLETS) -> None:
+    """A tiny system: busybox with its applets as symlinks, an /etc, an empty /workspace."""
+    (root / "bin").mkdir(parents=True)
+    (root / "etc").mkdir()
+    (root / "workspace").mkdir()
+    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
+    for applet in applets:
+        os.symlink("busybox", root / "bin" / applet)
+    (root / "etc" / "hostname").write_text(f"{hostname}\n")
+    (root / "etc" / "base-only").write_text("from base\n")
+
+
+def make_layer_sources(src: Path, applets: tuple[str, ...] = APPLETS) -> Path:
+    """`base`, `tools` (overrides /etc/hostname, adds /etc/tools) and `task` (/workspace/task.txt)."""
+    make_busybox_base(src / "base", applets=applets)
+    tools = src / "tools"
+    (tools / "etc").mkdir(parents=True)
+    (tools / "etc" / "hostname").write_text("tools\n")
+    (tools / "etc" / "tools").write_text("a tool\n")
+    task = src / "task"
+    (task / "workspace").mkdir(parents=True)
+    (task / "workspace" / "task.txt").write_text("solve it\n")
+    return src
