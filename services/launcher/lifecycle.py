@@ -260,7 +260,7 @@ class Launcher:
             if record.spec.isolation in self.runtimes.drivers:
                 await self.runtimes.driver(record.spec.isolation).stop(record.id, init if alive else None)
             elif alive:
-                process_runtime.kill(init)
+                await process_runtime.kill_async(init)
             await self._release(record.id, record.spec)
             if record.state is State.STOPPING:
                 await self._end(record.id, State.STOPPED, record.reason)

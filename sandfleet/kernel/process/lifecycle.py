@@ -99,14 +99,16 @@ async def _readable(fd: int, timeout_s: float) -> bool:
         loop.remove_reader(fd)
 
 
-async def _read_start_report_async(fd: int, timeout_s: float) -> Report:
+def _start_report(fd: int, timeout_s: float):  # -> Generator[float, bool, Report]
+    """Read the init's report; yields the seconds left to wait and is sent whether fd turned
+    readable, so the blocking and the event-loop reader share one loop."""
     data, deadline = b"", time.monotonic() + timeout_s
     while True:
         report = Report.parse(data)
         if report.pid is not None and (report.ready or report.errors):
             return report
         left = deadline - time.monotonic()
-        if left <= 0 or not await _readable(fd, left):
+        if left <= 0 or not (yield left):
             report.errors += ((0, f"init not ready within {timeout_s} s"),)
             return report
         chunk = os.read(fd, 65536)
@@ -116,21 +118,25 @@ async def _read_start_report_async(fd: int, timeout_s: float) -> Report:
 
 
 def _read_start_report(fd: int, timeout_s: float) -> Report:
-    data, deadline = b"", time.monotonic() + timeout_s
     poller = select.poll()
     poller.register(fd, select.POLLIN)
-    while True:
-        report = Report.parse(data)
-        if report.pid is not None and (report.ready or report.errors):
-            return report
-        left = deadline - time.monotonic()
-        if left <= 0 or not poller.poll(left * 1000):
-            report.errors += ((0, f"init not ready within {timeout_s} s"),)
-            return report
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            return report
-        data += chunk
+    reader = _start_report(fd, timeout_s)
+    try:
+        left = next(reader)
+        while True:
+            left = reader.send(bool(poller.poll(left * 1000)))
+    except StopIteration as done:
+        return done.value
+
+
+async def _read_start_report_async(fd: int, timeout_s: float) -> Report:
+    reader = _start_report(fd, timeout_s)
+    try:
+        left = next(reader)
+        while True:
+            left = reader.send(await _readable(fd, left))
+    except StopIteration as done:
+        return done.value
 
 
 # -- liveness and kill ------------------------------------------------------------------------------
