@@ -25,7 +25,9 @@ from tests.otlp_receiver import OtlpReceiver
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "sandfleet.cli"]
-NODE_ID = "testnode"
+# Several sessions may share a machine (parallel development); each gets its own node id so
+# they never reclaim each other's sandboxes.
+NODE_ID = os.environ.get("SANDFLEET_TEST_NODE_ID", "testnode")
 
 
 @dataclass(frozen=True)
