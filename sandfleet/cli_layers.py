@@ -1,4 +1,4 @@
-"""`sandfleet layer ...`: build, list and remove layers, and show what a node caches and has mounted.
+"""`sandfleet layer ...`: build, list, remove, push and pull layers, and show what a node caches and has mounted.
 
 `register(sub)` adds the `layer` command to the main parser; `python -m sandfleet.cli_layers
 layer ...` runs it on its own.
@@ -35,6 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     source.add_argument("--dir", type=Path, help="a directory, taken as it is")
     source.add_argument("--tar", type=Path, help="a `docker save` / OCI archive (flattened, whiteouts honoured) or a root tar")
     source.add_argument("--debian", nargs="*", metavar="PKG", help="a minimal Debian root with these packages")
+    source.add_argument("--pip", nargs="+", metavar="REQS",
+                        help="a Python environment over --on: requirements files and/or package specs")
     build.add_argument("--suite", default="", help="Debian suite (default: the building node's release)")
     build.add_argument("--on", default=None, metavar="LAYER", help="the layer this one goes over")
     build.add_argument("--tag", action="append", default=[], help="also tag this build (repeatable)")
@@ -52,8 +54,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     rm.add_argument("name")
     rm.set_defaults(func=_sync(_rm))
 
+    push = verbs.add_parser("push", parents=[bus], help="copy a layer (and the images under it) to another store")
+    push.add_argument("name")
+    push.add_argument("--to", required=True, metavar="URL", help="the other store's NATS URL")
+    push.add_argument("--json", action="store_true")
+    push.set_defaults(func=_sync(_transfer))
+
+    pull = verbs.add_parser("pull", parents=[bus], help="copy a layer (and the images under it) from another store")
+    pull.add_argument("name")
+    pull.add_argument("--from", dest="source", required=True, metavar="URL", help="the other store's NATS URL")
+    pull.add_argument("--json", action="store_true")
+    pull.set_defaults(func=_sync(_transfer))
+
     cache = verbs.add_parser("cache", parents=[bus], help="what a node caches and has mounted")
     cache.add_argument("--node", default=None, help="node id (default $SANDFLEET_NODE_ID or this host)")
+    cache.add_argument("--drop", action="store_true", help="forget every cached image no sandbox uses")
     cache.add_argument("--json", action="store_true")
     cache.set_defaults(func=_sync(_cache))
 
@@ -102,6 +117,11 @@ async def _build(layers: Layers, args: argparse.Namespace) -> int:
         reply = await layers.build_dir(args.name, args.dir, on=args.on, **common)
     elif args.tar is not None:
         reply = await layers.build_tar(args.name, args.tar, on=args.on, **common)
+    elif args.pip is not None:
+        if not args.on:
+            raise errors.InvalidRequest("--pip builds over a layer with a Python: pass --on LAYER")
+        requirements, packages = pip_arguments(args.pip)
+        reply = await layers.build_pip(args.name, args.on, packages, requirements=requirements, **common)
     else:
         if args.on:
             raise errors.InvalidRequest("--debian builds a base layer; it takes no --on")
@@ -113,6 +133,26 @@ async def _build(layers: Layers, args: argparse.Namespace) -> int:
     stored = "stored" if reply.stored else "already in the store"
     print(f"{layer.name}  {layer.digest}  {_size(layer.size)}  {layer.files} files  "
           f"{reply.seconds:.2f}s on {reply.node}  ({stored})")
+    return 0
+
+
+def pip_arguments(reqs: list[str]) -> tuple[str, list[str]]:
+    """(requirements text, package specs): an argument naming a file is a requirements file."""
+    files = [Path(r) for r in reqs if Path(r).is_file()]
+    text = "".join(f.read_text() + "\n" for f in files)
+    return text, [r for r in reqs if not Path(r).is_file()]
+
+
+async def _transfer(layers: Layers, args: argparse.Namespace) -> int:
+    pushing = args.layer_command == "push"
+    url = args.to if pushing else args.source
+    reply = await (layers.push if pushing else layers.pull)(args.name, url)
+    if args.json:
+        _json(reply)
+        return 0
+    print(f"{'pushed' if pushing else 'pulled'} {reply.layer.name}  {reply.layer.digest}  "
+          f"{len(reply.copied)} image(s) copied ({_size(reply.bytes)}), {len(reply.present)} already there  "
+          f"{reply.seconds:.2f}s")
     return 0
 
 
@@ -142,21 +182,32 @@ async def _rm(layers: Layers, args: argparse.Namespace) -> int:
 
 
 async def _cache(layers: Layers, args: argparse.Namespace) -> int:
-    listing = await layers.cache(args.node or default_node_id_from_env())
+    node = args.node or default_node_id_from_env()
+    if args.drop:
+        dropped = await layers.cache_drop(node)
+        if args.json:
+            _json(dropped)
+            return 0
+        print(f"dropped {len(dropped.dropped)} image(s), {_size(dropped.freed_bytes)} freed; "
+              f"{len(dropped.kept)} in use kept")
+        return 0
+    listing = await layers.cache(node)
     if args.json:
         _json(listing)
         return 0
-    print(f"node {listing.node}: {_size(listing.used_bytes)} of {_size(listing.budget_bytes)} used, "
-          f"{len(listing.images)} image(s), {len(listing.rootfs)} rootfs")
+    print(f"node {listing.node} (fetch {listing.fetch}): {_size(listing.used_bytes)} of "
+          f"{_size(listing.budget_bytes)} used, {len(listing.images)} image(s), {len(listing.rootfs)} rootfs")
     if listing.images:
-        rows = [["DIGEST", "NAMES", "SIZE", "ON DISK", "MOUNTED", "USERS", "LAST USED"]]
+        rows = [["DIGEST", "NAMES", "SIZE", "FETCH", "FETCHED", "WRITTEN", "ON DISK", "MOUNTED", "USERS", "LAST USED"]]
         for i in listing.images:
-            rows.append([_short(i.digest), ",".join(i.names) or "-", _size(i.size), _size(i.disk_bytes),
-                         "yes" if i.mounted else "no", str(i.users),
-                         time.strftime("%H:%M:%S", time.localtime(i.last_used))])
+            fetched = f"{_size(i.fetched_bytes)} ({100 * i.fetched_bytes / i.size:.0f}%)" if i.size else "-"
+            rows.append([_short(i.digest), ",".join(i.names) or "-", _size(i.size), "lazy" if i.lazy else "full",
+                         fetched, _size(i.written_bytes), _size(i.disk_bytes), "yes" if i.mounted else "no",
+                         str(i.users), time.strftime("%H:%M:%S", time.localtime(i.last_used))])
         _table(rows)
     for r in listing.rootfs:
-        print(f"rootfs {r.sandbox_id}: {r.path} over {' < '.join(_short(d) for d in reversed(r.layers))}")
+        broken = f"  BROKEN: {r.broken}" if r.broken else ""
+        print(f"rootfs {r.sandbox_id}: {r.path} over {' < '.join(_short(d) for d in reversed(r.layers))}{broken}")
     return 0
 
 

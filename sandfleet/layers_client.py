@@ -1,4 +1,4 @@
-"""The layer SDK: build, list, get and remove layers; compose and release roots on a node.
+"""The layer SDK: build, list, get, remove, push and pull layers; compose and release roots on a node.
 
 A source that lives on the caller's machine (a directory, an image archive) travels as an
 upload to the Object Store bucket `layer-uploads`; whichever node's layer-cache takes the
@@ -36,6 +36,8 @@ from schemas.layers import (
 
 BUILD_TIMEOUT_S = 600.0
 DEBIAN_TIMEOUT_S = 1800.0
+PIP_TIMEOUT_S = 1800.0
+TRANSFER_TIMEOUT_S = 1800.0
 
 
 def tar_directory(src: Path, out: Path) -> None:
@@ -87,6 +89,15 @@ class Layers:
         source = {"type": "debian", "packages": list(packages), "suite": suite, "variant": variant}
         return await self._build(name, source, None, tags, compression, timeout)
 
+    async def build_pip(self, name: str, on: str, packages: Iterable[str] = (), *, requirements: str = "",
+                        tags: Iterable[str] = (), compression: str = "lz4",
+                        timeout: float = PIP_TIMEOUT_S) -> BuildReply:
+        """A Python environment over `on`: `pip install` of `packages` and of `requirements` (the
+        text of a requirements file), run with the Python of `on`'s layers; only what it writes
+        becomes the layer."""
+        source = {"type": "pip", "packages": list(packages), "requirements": requirements}
+        return await self._build(name, source, on, tags, compression, timeout)
+
     async def _build(self, name: str, source: BuildSource | dict, on: str | None, tags: Iterable[str],
                      compression: str, timeout: float) -> BuildReply:
         raw = {"name": name, "source": msgspec.to_builtins(source), "on": on, "tags": list(tags),
@@ -106,6 +117,23 @@ class Layers:
         with open(path, "rb") as f:
             await bucket.put(name, f)
         return name
+
+    # -- between stores ---------------------------------------------------------------
+
+    async def push(self, ref: str, url: str, *, timeout: float = TRANSFER_TIMEOUT_S) -> schema.TransferReply:
+        """Copy a layer (and the images it was built on, where missing) to the store at `url`."""
+        return await self.bus.request(schema.PUSH, self._transfer(ref, url), schema.TransferReply, timeout=timeout)
+
+    async def pull(self, ref: str, url: str, *, timeout: float = TRANSFER_TIMEOUT_S) -> schema.TransferReply:
+        """Copy a layer (and the images it was built on, where missing) from the store at `url`."""
+        return await self.bus.request(schema.PULL, self._transfer(ref, url), schema.TransferReply, timeout=timeout)
+
+    @staticmethod
+    def _transfer(ref: str, url: str) -> schema.TransferRequest:
+        try:
+            return msgspec.convert({"ref": ref, "url": url}, schema.TransferRequest)
+        except msgspec.ValidationError as exc:
+            raise errors.InvalidRequest(str(exc)) from None
 
     # -- the catalogue ----------------------------------------------------------------
 
@@ -134,6 +162,11 @@ class Layers:
     async def cache(self, node: str) -> CacheListing:
         subject = node_schema.subject(node, schema.CACHE)
         return await self.bus.request(subject, schema.CacheRequest(), CacheListing, timeout=30)
+
+    async def cache_drop(self, node: str) -> schema.CacheDropReply:
+        """Empty `node`'s cache of every image no root uses (a cold start, e.g. for a benchmark)."""
+        subject = node_schema.subject(node, schema.CACHE_DROP)
+        return await self.bus.request(subject, schema.CacheDropRequest(), schema.CacheDropReply, timeout=60)
 
 
 async def connect(url: str | None = None, *, name: str = "sandfleet-layers") -> Layers:

@@ -25,6 +25,8 @@ BUILD = "layer.v1.build"
 LIST = "layer.v1.list"
 GET = "layer.v1.get"
 REMOVE = "layer.v1.remove"
+PUSH = "layer.v1.push"  # copy a layer (and the images under it) from this cluster's store to another's
+PULL = "layer.v1.pull"  # and back
 
 SERVICE = "layer-cache"
 QUEUE_GROUP = "layer-cache"
@@ -33,6 +35,15 @@ QUEUE_GROUP = "layer-cache"
 ROOTFS_COMPOSE = "rootfs.compose"
 ROOTFS_RELEASE = "rootfs.release"
 CACHE = "layers.cache"
+CACHE_DROP = "layers.cache.drop"  # forget every cached image no root uses
+
+
+def fetch_failed_subject(node_id: str) -> str:
+    """`layer.fetch_failed` events: a lazy layer's read that could not get its bytes from the store."""
+    return f"events.v1.layer.{node_id}.fetch_failed"
+
+
+FETCH_MODES = ("lazy", "full")  # a node's `--fetch`: chunks when read (default), or whole images first
 
 
 def node_queue_group(node_id: str) -> str:
@@ -62,6 +73,7 @@ LayerRef = Annotated[
 UploadName = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")]
 DebianPackage = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9+.\-]*$")]
 Suite = Annotated[str, Meta(max_length=64, pattern=r"^[a-z0-9\-]*$")]
+PipPackage = Annotated[str, Meta(min_length=1, max_length=512, pattern=r"^[A-Za-z0-9]")]
 
 
 class Layer(msgspec.Struct, frozen=True, kw_only=True):
@@ -107,13 +119,22 @@ class DebianSource(
     variant: Literal["minbase", "buildd"] = "minbase"
 
 
-BuildSource = DirSource | TarSource | DebianSource
+class PipSource(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="pip"):
+    """A Python environment: `pip install` run with the Python of the layer it goes on (the
+    build's `on`, required), whose writes alone become the layer."""
+
+    requirements: Annotated[str, Meta(max_length=1 << 20)] = ""  # the text of a requirements file
+    # requirement specifiers (`six`, `idna==3.7`); never an option: they start with a letter or digit
+    packages: Annotated[list[PipPackage], Meta(max_length=512)] = []
+
+
+BuildSource = DirSource | TarSource | DebianSource | PipSource
 
 
 class BuildRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: LayerName
     source: BuildSource
-    on: LayerRef | None = None  # the layer this one goes over (recorded; a tar keeps its whiteouts for it)
+    on: LayerRef | None = None  # the layer this one goes over (recorded; a tar keeps its whiteouts for it; pip runs on it)
     tags: Annotated[list[Tag], Meta(max_length=16)] = []
     compression: Literal["lz4", "lz4hc"] = "lz4"
 
@@ -148,12 +169,29 @@ class RemoveReply(msgspec.Struct, frozen=True, kw_only=True):
     deleted_images: list[str]  # digests no reference points at any more, deleted from the store
 
 
+class TransferRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`layer.v1.push` (here → `url`) or `layer.v1.pull` (`url` → here) of one reference; the
+    images of the layers it was built on travel too, where the other store lacks them."""
+
+    ref: LayerRef
+    url: Annotated[str, Meta(min_length=1, max_length=1024, pattern=r"^(nats|tls|ws|wss)://")]
+
+
+class TransferReply(msgspec.Struct, frozen=True, kw_only=True):
+    layer: Layer  # as recorded in the receiving store
+    copied: list[str]  # digests whose images were copied (bottom first); verified on arrival
+    present: list[str]  # digests the receiving store already held
+    bytes: int  # image bytes copied
+    seconds: float
+
+
 # -- a node's rootfs and cache --------------------------------------------------------
 
 
 class ComposeRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     sandbox_id: SandboxId
     layers: Annotated[list[LayerRef], Meta(min_length=1, max_length=MAX_LAYERS)]  # bottom first
+    disk_mb: Annotated[int, Meta(ge=0)] = 0  # size of the writable upper dir; 0: no limit of its own
 
 
 class Rootfs(msgspec.Struct, frozen=True, kw_only=True):
@@ -164,6 +202,7 @@ class Rootfs(msgspec.Struct, frozen=True, kw_only=True):
     upper: str
     layers: list[str]  # digests, bottom first
     created_at: float = 0.0
+    broken: str = ""  # why reads of its lazy layers fail now ("lazy daemon died"); empty: readable
 
 
 class ReleaseRootfsRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -187,6 +226,9 @@ class CachedImage(msgspec.Struct, frozen=True, kw_only=True):
     users: int  # composed roots using it
     complete: bool = True  # every byte is on the node
     names: list[str] = []  # references that point at it, where the catalogue knows
+    lazy: bool = False  # mounted from a FUSE file whose chunks come from the store when read
+    fetched_bytes: int = 0  # bytes of it this node got from the store
+    written_bytes: int = 0  # bytes of it this node wrote to its disk
 
 
 class CacheListing(msgspec.Struct, frozen=True, kw_only=True):
@@ -195,3 +237,26 @@ class CacheListing(msgspec.Struct, frozen=True, kw_only=True):
     used_bytes: int
     images: list[CachedImage]
     rootfs: list[Rootfs]
+    fetch: str = "full"  # the node's fetch mode, "lazy" or "full"
+
+
+class CacheDropRequest(msgspec.Struct, frozen=True, kw_only=True):
+    pass
+
+
+class CacheDropReply(msgspec.Struct, frozen=True, kw_only=True):
+    dropped: list[str]  # digests of the images forgotten (unmounted where idle, files deleted)
+    freed_bytes: int
+    kept: list[str] = []  # digests still in use by a root
+
+
+class FetchFailed(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="layer.fetch_failed"):
+    """A read of a lazily fetched layer whose chunk the store could not deliver: the reader got EIO."""
+
+    v: int = 1
+    node: str
+    digest: str
+    chunk: int  # index of the chunk (CHUNK_BYTES each)
+    reason: str  # "timeout", "no responders", "not found", "short chunk", "lazy daemon died", ...
+    sandboxes: list[str] = []  # roots on this node over this layer; the readers that got EIO are among them
+    at: float

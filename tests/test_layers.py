@@ -58,6 +58,7 @@ class Service:
         self.env = {
             **os.environ, "SANDFLEET_NATS_URL": self.url, "SANDFLEET_DATA_DIR": str(self.data_dir),
             "SANDFLEET_NODE_ID": NODE, "SANDFLEET_LAYER_CACHE_MB": str(BUDGET_MB), "PYTHONPATH": str(ROOT),
+            "SANDFLEET_LAYER_FETCH": "full",  # whole images; tests/test_lazy_layers.py covers lazy fetching
         }
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "services.layer_cache"], env=self.env, cwd=ROOT,

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from schemas import layers as schema
-from services.layer_cache import mounts, recovery, unpack
+from services.layer_cache import lazy, mounts, recovery, unpack
 from services.layer_cache.build import apt_archive, tree_stats
 from services.layer_cache.cache import CachedImage, ImageCache, choose_victims
 from services.layer_cache.handlers import catalogue
@@ -192,6 +192,13 @@ def test_restart_plan_ignores_mounts_outside_its_tree():
     assert not found.unmount and not found.layer_mounts
 
 
+def test_restart_plan_keeps_lazy_images_and_leaves_the_fuse_mount_to_its_daemon():
+    entries = [MountEntry(1, 0, "/d/lc/lazy", "fuse.sandfleet", "sandfleet-lazy", {}),
+               MountEntry(2, 0, "/d/lc/mnt/" + "a" * 64, "erofs", f"/d/lc/lazy/{'a' * 64}.erofs", {})]
+    found = recovery.plan(recovery.Layout(Path("/d/lc")), entries, [], ["a" * 64])
+    assert found.unmount == [] and found.layer_mounts == {"sha256:" + "a" * 64} and found.remove == []
+
+
 # -- archives and sources -------------------------------------------------------------
 
 
@@ -309,3 +316,88 @@ async def test_a_failed_fetch_leaves_no_file_and_can_be_retried(tmp_path):
         await cache.acquire(D1)
     assert list(tmp_path.iterdir()) == [] and D1 not in cache.images
     assert (await cache.acquire(D1)).size == 4096
+
+
+# -- lazy images: chunk arithmetic, their files, and the cache over them ----------------
+
+
+def test_a_read_touches_exactly_the_chunks_under_it():
+    size, chunk = 10 * 1024 + 100, 1024
+    assert lazy.chunk_count(size, chunk) == 11 and lazy.chunk_length(10, size, chunk) == 100
+    assert lazy.chunks_of(0, 1, size, chunk) == range(0, 1)
+    assert lazy.chunks_of(1023, 2, size, chunk) == range(0, 2)
+    assert lazy.chunks_of(4096, 4096, size, chunk) == range(4, 8)
+    assert lazy.chunks_of(size - 10, 4096, size, chunk) == range(10, 11)  # cut at the end
+    assert lazy.chunks_of(size, 10, size, chunk) == range(0) and lazy.chunks_of(5, 0, size, chunk) == range(0)
+    assert lazy.present_bytes(bytes([1, 0, 1] + [0] * 7 + [1]), size, chunk) == 2 * 1024 + 100
+
+
+def _index(digest: str, size: int = 3000, chunk: int = 1024) -> lazy.ChunkIndex:
+    return lazy.ChunkIndex(digest=digest, size=size, chunk_bytes=chunk, stream="OBJ_layers",
+                           subject="$O.layers.C.x", seqs=list(range(1, lazy.chunk_count(size, chunk) + 1)))
+
+
+def test_lazy_files_start_sparse_count_what_is_there_and_go_index_first(tmp_path):
+    files = lazy.LazyFiles.of(tmp_path, D1)
+    files.create(_index(D1))
+    assert files.read_index() == _index(D1) and files.data.stat().st_size == 3000
+    assert files.usage()[0] == 0 and not files.usage()[2]
+    with open(files.map, "r+b") as f:
+        f.write(b"\1\0\1")
+    present, _, complete = files.usage()
+    assert present == 1024 + (3000 - 2048) and not complete
+    with open(files.map, "r+b") as f:
+        f.write(b"\1\1\1")
+    assert files.usage()[2]
+    files.index.unlink()  # a removal cut short: the rest is a leftover
+    assert sorted(p.name for p in lazy.leftovers(tmp_path)) == sorted([files.data.name, files.map.name])
+    files.remove()
+    assert list(tmp_path.iterdir()) == []
+
+
+class FakeLazy:
+    """The cache's view of lazy images, on plain files (the real one starts a FUSE daemon)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.prepared, self.readied = root, [], 0
+
+    def files(self, digest: str) -> lazy.LazyFiles:
+        return lazy.LazyFiles.of(self.root, digest)
+
+    def source(self, digest: str) -> Path:
+        return self.root / "fuse" / (digest[7:] + ".erofs")
+
+    async def ready(self) -> None:
+        self.readied += 1
+
+    async def prepare(self, digest: str) -> None:
+        self.prepared.append(digest)
+        self.files(digest).create(_index(digest, size=1 << 20))
+
+
+async def test_lazy_mode_prepares_instead_of_fetching_and_a_restart_finds_the_images(tmp_path):
+    async def fetch(digest: str, dest: Path) -> None:
+        raise AssertionError("lazy mode fetches no whole image")
+
+    fake = FakeLazy(tmp_path)
+    cache = ImageCache(tmp_path, budget=1 << 30, fetch=fetch, before_evict=lambda d: None, lazy=fake, fetch_mode="lazy")
+    image = await cache.acquire(D1)
+    assert fake.prepared == [D1] and image.lazy and not image.complete and image.path == fake.source(D1)
+    assert image.size == 1 << 20 and image.fetched_bytes == 0 and image.disk_bytes < 1 << 16
+    with open(fake.files(D1).data, "r+b") as f:  # what the daemon does for chunk 2
+        f.seek(2048)
+        f.write(b"x" * 1024)
+    with open(fake.files(D1).map, "r+b") as f:
+        f.seek(2)
+        f.write(b"\1")
+    cache.refresh()
+    assert image.fetched_bytes == image.written_bytes == 1024
+
+    again = ImageCache(tmp_path, budget=1 << 30, fetch=fetch, before_evict=lambda d: None, lazy=fake, fetch_mode="full")
+    again.scan()
+    found = again.images[D1]
+    assert found.lazy and found.fetched_bytes == 1024 and (await again.acquire(D1)) is found  # kept lazy
+    assert fake.readied >= 2  # the daemon is made sure of on every use
+    again.unpin(D1)
+    again.drop(D1)
+    assert list(p for p in tmp_path.iterdir() if p.is_file()) == []

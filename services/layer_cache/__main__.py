@@ -1,9 +1,13 @@
 """Composition root of a node's layer-cache: store, image cache, mounts, recovery, endpoints.
 
-Environment: SANDFLEET_LAYER_CACHE_MB (the image cache budget, default 10240) besides the
-common SANDFLEET_NATS_URL, SANDFLEET_NODE_ID and SANDFLEET_DATA_DIR (state goes to
+Environment: SANDFLEET_LAYER_CACHE_MB (the image cache budget, default 10240) and
+SANDFLEET_LAYER_FETCH (`lazy`, the default: new images are mounted at once and their chunks
+fetched when read; `full`: whole images are fetched first) besides the common
+SANDFLEET_NATS_URL, SANDFLEET_NODE_ID and SANDFLEET_DATA_DIR (state goes to
 `<data dir>/layer-cache`). On SIGTERM idle layer mounts are unmounted; roots still in use
-stay mounted for the next instance to re-adopt.
+stay mounted for the next instance to re-adopt, and so does the lazy-layer daemon while a
+lazy image is mounted (it is ended with the last one). A daemon that cannot be adopted
+leaves the roots over its images broken: they are marked so and an event says which.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from sandfleet.bus import Endpoint
 from sandfleet.config import ServiceConfig
 from schemas import layers
 from schemas import node as node_schema
-from services.layer_cache import handlers
+from schemas.layers import FETCH_MODES
+from services.layer_cache import handlers, transfer
 from services.layer_cache.build import LayerBuilder
 from services.layer_cache.cache import ImageCache
 from services.layer_cache.compose import RootfsComposer
+from services.layer_cache.daemon import LazyLayers
 from services.layer_cache.mounts import LayerMounts
 from services.layer_cache.recovery import Layout
 from services.layer_cache.store import LayerStore
@@ -34,16 +40,23 @@ DEFAULT_BUDGET_MB = 10240
 async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
     layout = Layout(config.data_dir / "layer-cache")
     budget = int(os.environ.get("SANDFLEET_LAYER_CACHE_MB", DEFAULT_BUDGET_MB)) << 20
+    if config.layer_fetch not in FETCH_MODES:
+        raise SystemExit(f"SANDFLEET_LAYER_FETCH is {config.layer_fetch!r}; use one of {', '.join(FETCH_MODES)}")
     async with runner.service_bus(layers.SERVICE, config) as bus:
         store = await LayerStore.open(bus.js)
-        images = ImageCache(layout.images, budget, store.fetch_image, lambda digest: composer.before_evict(digest))
+        lazy = LazyLayers(layout.root, layout.images, bus.js)
+        images = ImageCache(layout.images, budget, store.fetch_image, lambda digest: composer.before_evict(digest),
+                            lazy=lazy, fetch_mode=config.layer_fetch)
         composer = RootfsComposer(layout, images, LayerMounts(layout.mnt))
         images.scan()
         composer.recover()
         deps = handlers.Deps(
             node_id=config.node_id, store=store, images=images, composer=composer,
-            builder=LayerBuilder(layout, store, images, config.node_id),
+            builder=LayerBuilder(layout, store, images, config.node_id), bus=bus,
         )
+        lazy.daemon.on_lost = functools.partial(handlers.lazy_layers_lost, deps)
+        if not await lazy.daemon.adopt():
+            await handlers.lazy_layers_lost(deps, "lazy daemon died")
         h = functools.partial
         n = config.node_id
         on_node = layers.node_queue_group(n)
@@ -54,19 +67,27 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
                 Endpoint("list", layers.LIST, layers.ListRequest, h(handlers.list_layers, deps)),
                 Endpoint("get", layers.GET, layers.GetRequest, h(handlers.get, deps)),
                 Endpoint("remove", layers.REMOVE, layers.RemoveRequest, h(handlers.remove, deps)),
+                Endpoint("push", layers.PUSH, layers.TransferRequest, h(transfer.push, store, layout.builds)),
+                Endpoint("pull", layers.PULL, layers.TransferRequest, h(transfer.pull, store, layout.builds)),
                 Endpoint("compose", node_schema.subject(n, layers.ROOTFS_COMPOSE), layers.ComposeRequest,
                          h(handlers.compose, deps), queue_group=on_node),
                 Endpoint("release", node_schema.subject(n, layers.ROOTFS_RELEASE), layers.ReleaseRootfsRequest,
                          h(handlers.release, deps), queue_group=on_node),
                 Endpoint("cache", node_schema.subject(n, layers.CACHE), layers.CacheRequest,
                          h(handlers.cache, deps), queue_group=on_node),
+                Endpoint("cache-drop", node_schema.subject(n, layers.CACHE_DROP), layers.CacheDropRequest,
+                         h(handlers.cache_drop, deps), queue_group=on_node),
             ],
             queue_group=layers.QUEUE_GROUP,
         )
-        log.info("layer-cache serving node %s (%d images cached, %d rootfs re-adopted)",
-                 n, len(images.images), len(composer.live))
+        log.info("layer-cache serving node %s (fetch %s; %d images cached, %d rootfs re-adopted)",
+                 n, images.fetch_mode, len(images.images), len(composer.live))
         await stop.wait()
     composer.shutdown()
+    if not any(images.images[d].lazy for d in composer.mounts.mounted if d in images.images):
+        lazy.daemon.stop()
+    else:
+        lazy.daemon.detach()  # roots read through it: it serves on for the next instance
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Building a layer: a source becomes a directory, the directory an EROFS image, the image a store entry.
 
 Sources: an uploaded directory tar or image archive (unpacked by `unpack.py` in a chroot),
-or a minimal Debian root from `debootstrap` (run in a private mount namespace, so a failed
-run cannot leave mounts behind). Images are lz4 EROFS with a fixed UUID and build time, so
+a minimal Debian root from `debootstrap` (run in a private mount namespace, so a failed
+run cannot leave mounts behind), or `pip install` over the layers a pip layer goes on (run by
+`pip_env.py` in its own mount namespace; only the overlay's upper dir becomes the layer). Images are lz4 EROFS with a fixed UUID and build time, so
 the same tree always gives the same image and so the same digest; file mtimes are kept.
 Builds run one at a time per node: they are disk- and CPU-bound.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib.util
 import json
 import logging
 import math
@@ -25,9 +27,10 @@ from pathlib import Path
 
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
-from schemas.layers import BuildReply, BuildRequest, DebianSource, DirSource, Layer, TarSource
+from schemas.layers import MAX_LAYERS, BuildReply, BuildRequest, DebianSource, DirSource, Layer, PipSource, TarSource
 from services.layer_cache.cache import ImageCache
 from services.layer_cache.mounts import remove_tree
+from services.layer_cache.pip_env import strip_overlay_xattrs
 from services.layer_cache.recovery import Layout
 from services.layer_cache.store import LayerStore
 
@@ -36,6 +39,7 @@ log = logging.getLogger("sandfleet.layer_cache")
 FIXED_UUID = "5a4df1ee-0000-4000-8000-000000000000"
 CLUSTER_BYTES = 65536
 DEBOOTSTRAP_TIMEOUT_S = 1800.0
+PIP_TIMEOUT_S = 1800.0
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -181,6 +185,8 @@ class LayerBuilder:
     async def build(self, req: BuildRequest) -> BuildReply:
         if isinstance(req.source, DebianSource) and req.on:
             raise ServiceError(ErrorCode.UNSUPPORTED, "a Debian root is a base layer; it cannot go on another layer")
+        if isinstance(req.source, PipSource) and not req.on:
+            raise ServiceError(ErrorCode.INVALID_REQUEST, "a pip layer goes on a layer with a Python: pass on=LAYER")
         parent_digest = (await self.store.resolve(req.on))[0] if req.on else ""
         async with self._slot:
             started = time.perf_counter()
@@ -212,6 +218,8 @@ class LayerBuilder:
         source = req.source
         if isinstance(source, DebianSource):
             return await debootstrap(root, source)
+        if isinstance(source, PipSource):
+            return await self._pip(source, req.on or "", work, root)
         archive = work / "source.tar"
         await self.store.fetch_upload(source.upload, archive)
         if isinstance(source, DirSource):
@@ -220,3 +228,45 @@ class LayerBuilder:
         summary = await unpack(archive, root, "image", keep_whiteouts=bool(req.on))
         described = f"({summary['format']}, {summary['layers']} layer(s))"
         return f"tar {source.filename} {described}" if source.filename else f"tar {described}"
+
+    # -- pip ----------------------------------------------------------------------------
+
+    async def _pip(self, source: PipSource, on: str, work: Path, root: Path) -> str:
+        if not source.requirements and not source.packages:
+            raise ServiceError(ErrorCode.INVALID_REQUEST, "a pip layer needs requirements or packages")
+        pip = importlib.util.find_spec("pip")
+        if pip is None or not pip.submodule_search_locations:
+            raise ServiceError(ErrorCode.UNSUPPORTED, "this node's layer-cache has no pip to lend to builds")
+        chain = await self._chain(on)
+        argv = ["unshare", "--mount", "--pid", "--fork", "--propagation", "private", "--kill-child",
+                sys.executable, "-m", "services.layer_cache.pip_env", "--work", str(work),
+                "--pip", list(pip.submodule_search_locations)[0]]
+        if source.requirements:
+            (work / "requirements.txt").write_text(source.requirements)
+            argv += ["--requirements", str(work / "requirements.txt")]
+        pinned: list[str] = []
+        try:
+            for digest, size in chain:
+                image = await self.images.acquire(digest, size)
+                pinned.append(digest)
+                argv += ["--lower", str(image.path)]
+            pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+            # A failure is nearly always a requirement pip cannot meet, or a layer with no Python.
+            await run([*argv, "--", *source.packages], "pip install", env={"PYTHONPATH": pythonpath},
+                      timeout=PIP_TIMEOUT_S, failure=ErrorCode.INVALID_REQUEST)
+        finally:
+            for digest in pinned:
+                self.images.unpin(digest)
+        await asyncio.to_thread(strip_overlay_xattrs, root)
+        what = " ".join(source.packages) + (" -r requirements" if source.requirements else "")
+        return f"pip on {on}: {what.strip()}"
+
+    async def _chain(self, on: str) -> list[tuple[str, int]]:
+        """(digest, size) of `on` and the layers it was built on, bottom first, as recorded."""
+        digest, size = await self.store.resolve(on)
+        known = {layer.digest: layer for layer in (await self.store.all()).values()}
+        chain = [(digest, size)]
+        while len(chain) < MAX_LAYERS and (layer := known.get(chain[0][0])) is not None and layer.parent_digest:
+            parent = known.get(layer.parent_digest)
+            chain.insert(0, (parent.digest, parent.size) if parent else await self.store.resolve(layer.parent_digest))
+        return chain

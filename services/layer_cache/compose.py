@@ -49,9 +49,9 @@ class Composed:
     def work(self) -> Path:
         return self.dir / "work"
 
-    def wire(self) -> Rootfs:
+    def wire(self, broken: str = "") -> Rootfs:
         return Rootfs(sandbox_id=self.sandbox_id, path=str(self.rootfs), upper=str(self.upper),
-                      layers=list(self.digests), created_at=self.created_at)
+                      layers=list(self.digests), created_at=self.created_at, broken=broken)
 
 
 class RootfsComposer:
@@ -62,6 +62,8 @@ class RootfsComposer:
         self.live: dict[str, Composed] = {}
         self._users: Counter[str] = Counter()  # digest → composed roots over it
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # lock, how many hold or wait
+        self._lazy_mounting = asyncio.Lock()
+        self.broken: dict[str, str] = {}  # sandbox id → why its lazy layers cannot be read any more
 
     @contextlib.asynccontextmanager
     async def _exclusive(self, sandbox_id: str) -> AsyncIterator[None]:
@@ -94,9 +96,11 @@ class RootfsComposer:
 
     # -- compose / release ------------------------------------------------------------
 
-    async def compose(self, sandbox_id: str, layers: list[tuple[str, int]]) -> Composed:
+    async def compose(self, sandbox_id: str, layers: list[tuple[str, int]], disk_mb: int = 0) -> Composed:
         """`layers` is (digest, size) bottom first; composing the same sandbox again with the same
-        layers returns the root it has (a retried request), with others it is a conflict."""
+        layers returns the root it has (a retried request), with others it is a conflict.
+        `disk_mb` > 0 puts the upper dir on a tmpfs of that size: a write beyond it is ENOSPC in
+        this sandbox only, and its pages are charged to the writer's memory cgroup."""
         digests = tuple(d for d, _ in layers)
         if len(set(digests)) != len(digests):
             raise ServiceError(ErrorCode.INVALID_REQUEST, "a layer appears twice in the list")
@@ -112,10 +116,13 @@ class RootfsComposer:
                 for digest, size in layers:
                     await self.images.acquire(digest, size)
                     undo.callback(self.images.unpin, digest)
-                lowers = [str(self._mount_layer(d, fresh)) for d in digests]
+                lowers = [str(await self._mount_layer(d, fresh)) for d in digests]
                 composed = Composed(sandbox_id, digests, self.layout.sandbox(sandbox_id), time.time())
                 composed.dir.mkdir(parents=True, exist_ok=False)
                 undo.callback(remove_tree, composed.dir)
+                if disk_mb:
+                    mounts.mount("upper", str(composed.dir), "tmpfs", mounts.MS_NODEV, f"size={disk_mb}m,mode=0755")
+                    undo.callback(mounts.umount, str(composed.dir))
                 for path in (composed.upper, composed.work, composed.rootfs):
                     path.mkdir()
                 _copy_root_attributes(Path(lowers[0]), composed.upper)
@@ -126,10 +133,19 @@ class RootfsComposer:
             log.info("composed rootfs sandbox.id=%s layers=%d", sandbox_id, len(digests))
             return composed
 
-    def _mount_layer(self, digest: str, fresh: list[str]) -> Path:
-        if digest not in self.mounts.mounted:
+    async def _mount_layer(self, digest: str, fresh: list[str]) -> Path:
+        image = self.images.images[digest]
+        if digest in self.mounts.mounted:
+            return self.mounts.mountpoint(digest)
+        if not image.lazy:
             fresh.append(digest)
-        return self.mounts.ensure(digest, self.images.path(digest))
+            return self.mounts.ensure(digest, image.path)
+        # EROFS reads its superblock through the FUSE daemon, maybe from the store: not on the loop.
+        async with self._lazy_mounting:
+            if digest not in self.mounts.mounted:
+                fresh.append(digest)
+                await asyncio.to_thread(self.mounts.ensure, digest, image.path)
+            return self.mounts.mountpoint(digest)
 
     def _unmount_if_idle(self, digests: list[str]) -> None:
         """After a failed compose: its new mounts stay only where another compose uses them."""
@@ -146,7 +162,10 @@ class RootfsComposer:
             # A plain unmount fails on a root with mounts beneath it; `umount` then detaches the
             # whole tree, so either way nothing is left under the directory.
             mounts.umount(str(composed.rootfs))
+            mounts.umount(str(composed.dir))  # the upper dir's tmpfs, where it has one
             self._remove(composed)
+            if self.broken.pop(sandbox_id, None) is not None:
+                self._save_broken()
             await asyncio.to_thread(remove_tree, composed.dir, False)
             for digest in composed.digests:
                 self.images.unpin(digest)
@@ -155,6 +174,49 @@ class RootfsComposer:
             self.images.evict()
             log.info("released rootfs sandbox.id=%s", sandbox_id)
             return True
+
+    # -- lazy layers whose FUSE daemon is gone -----------------------------------------
+
+    def lose_lazy_layers(self, reason: str) -> dict[str, list[str]]:
+        """The FUSE daemon is gone, so every image mounted from its files reads EIO from now on.
+        Those mounts are detached, so the next compose mounts the image afresh over a new daemon;
+        the roots over them keep the dead ones and are marked broken (in listings, and in a file
+        so a restarted instance does not take them for healthy) until they are released.
+        Returns digest → the sandboxes whose roots broke."""
+        lazy_dir, mnt = str(self.layout.lazy) + "/", str(self.layout.mnt) + "/"
+        lost: dict[str, list[str]] = {}
+        for e in mounts.read_mountinfo():
+            if e.fstype == "erofs" and e.source.startswith(lazy_dir) and e.mount_point.startswith(mnt):
+                digest = "sha256:" + e.mount_point.rsplit("/", 1)[1]
+                lost[digest] = sorted(c.sandbox_id for c in self.live.values() if digest in c.digests)
+        for digest, sandboxes in lost.items():
+            self.broken.update((sandbox_id, reason) for sandbox_id in sandboxes)
+            try:
+                mounts.linux.umount2(str(self.mounts.mountpoint(digest)), mounts.MNT_DETACH)
+            except OSError as exc:
+                log.warning("could not detach the lazy image mount of %s: %s", digest, exc)
+            self.mounts.mounted.discard(digest)
+        if lost:
+            self._save_broken()
+            log.error("%s: %d lazy image(s) lost, roots now broken: %s", reason, len(lost), sorted(self.broken))
+        return lost
+
+    def _save_broken(self) -> None:
+        lines = "".join(f"{sandbox_id} {why}\n" for sandbox_id, why in sorted(self.broken.items()))
+        tmp = self.layout.broken.with_name(self.layout.broken.name + ".tmp")
+        tmp.write_text(lines)
+        os.replace(tmp, self.layout.broken)
+
+    def _load_broken(self) -> None:
+        try:
+            text = self.layout.broken.read_text()
+        except FileNotFoundError:
+            return
+        for line in text.splitlines():
+            sandbox_id, _, why = line.partition(" ")
+            if sandbox_id in self.live:
+                self.broken[sandbox_id] = why
+        self._save_broken()
 
     # -- the images' eviction hook ----------------------------------------------------
 
@@ -195,6 +257,7 @@ class RootfsComposer:
         for digest in list(self.mounts.mounted):
             if digest not in self.images.images and self.users(digest) == 0:
                 self.mounts.unmount(digest)
+        self._load_broken()
         log.info("recovered %d rootfs and %d layer mounts; undid %d mounts and %d dirs",
                  len(self.live), len(self.mounts.mounted), len(found.unmount), len(found.remove))
         return found

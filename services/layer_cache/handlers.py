@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
+
+from sandfleet.bus import Bus
 
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
 from schemas.layers import (
     BuildReply,
     BuildRequest,
+    CacheDropReply,
+    CacheDropRequest,
     CachedImage,
     CacheListing,
     CacheRequest,
     ComposeRequest,
+    FetchFailed,
     GetRequest,
     Layer,
     LayerList,
@@ -24,6 +30,7 @@ from schemas.layers import (
     RemoveReply,
     RemoveRequest,
     Rootfs,
+    fetch_failed_subject,
 )
 from services.layer_cache.build import LayerBuilder
 from services.layer_cache.cache import ImageCache
@@ -40,6 +47,7 @@ class Deps:
     images: ImageCache
     composer: RootfsComposer
     builder: LayerBuilder
+    bus: Bus | None = None  # for events
 
 
 async def build(deps: Deps, req: BuildRequest) -> BuildReply:
@@ -87,7 +95,7 @@ async def remove(deps: Deps, req: RemoveRequest) -> RemoveReply:
 
 async def compose(deps: Deps, req: ComposeRequest) -> Rootfs:
     layers = await asyncio.gather(*(deps.store.resolve(ref) for ref in req.layers))
-    return (await deps.composer.compose(req.sandbox_id, list(layers))).wire()
+    return (await deps.composer.compose(req.sandbox_id, list(layers), req.disk_mb)).wire()
 
 
 async def release(deps: Deps, req: ReleaseRootfsRequest) -> ReleaseRootfsReply:
@@ -102,15 +110,48 @@ async def cache(deps: Deps, req: CacheRequest) -> CacheListing:
     except Exception as exc:  # the listing is still worth having without names
         log.warning("no names for the cache listing: %s", exc)
     composer = deps.composer
+    await asyncio.to_thread(deps.images.refresh)
     images = [
         CachedImage(
             digest=i.digest, size=i.size, disk_bytes=i.disk_bytes, last_used=i.last_used,
             mounted=i.digest in composer.mounts.mounted, users=composer.users(i.digest), complete=i.complete,
-            names=sorted(names.get(i.digest, [])),
+            names=sorted(names.get(i.digest, [])), lazy=i.lazy, fetched_bytes=i.fetched_bytes,
+            written_bytes=i.written_bytes,
         )
         for i in sorted(deps.images.images.values(), key=lambda i: i.last_used, reverse=True)
     ]
     return CacheListing(
         node=deps.node_id, budget_bytes=deps.images.budget, used_bytes=deps.images.used, images=images,
-        rootfs=[c.wire() for c in sorted(composer.live.values(), key=lambda c: c.created_at)],
+        rootfs=[c.wire(composer.broken.get(c.sandbox_id, ""))
+                for c in sorted(composer.live.values(), key=lambda c: c.created_at)],
+        fetch=deps.images.fetch_mode,
     )
+
+
+async def cache_drop(deps: Deps, req: CacheDropRequest) -> CacheDropReply:
+    """Forget every image no root uses (its idle mount goes too), e.g. to measure a cold start."""
+    images = deps.images
+    await asyncio.to_thread(images.refresh)
+    dropped, kept, freed = [], [], 0
+    for image in list(images.images.values()):
+        if image.pins or deps.composer.users(image.digest):
+            kept.append(image.digest)
+            continue
+        images.drop(image.digest)
+        dropped.append(image.digest)
+        freed += image.disk_bytes
+    return CacheDropReply(dropped=sorted(dropped), freed_bytes=freed, kept=sorted(kept))
+
+
+async def lazy_layers_lost(deps: Deps, reason: str) -> None:
+    """The lazy-layer daemon is gone: mark the roots that read through it, and say so on the bus."""
+    lost = deps.composer.lose_lazy_layers(reason)
+    if deps.bus is None:
+        return
+    for digest, sandboxes in lost.items():
+        event = FetchFailed(node=deps.node_id, digest=digest, chunk=-1, reason=reason, sandboxes=sandboxes,
+                            at=time.time())
+        try:
+            await deps.bus.publish(fetch_failed_subject(deps.node_id), event)
+        except Exception as exc:  # the bus may be what failed; the roots are marked either way
+            log.warning("could not publish %s for %s: %s", reason, digest, exc)

@@ -40,6 +40,16 @@ class Layout:
     def builds(self) -> Path:
         return self.root / "build"
 
+    @property
+    def lazy(self) -> Path:
+        """The FUSE daemon's mount (`daemon.py` owns it; recovery leaves it alone)."""
+        return self.root / "lazy"
+
+    @property
+    def broken(self) -> Path:
+        """Sandbox ids whose roots lost their lazy layers' daemon, one a line (kept across restarts)."""
+        return self.root / "broken-roots"
+
     def sandbox(self, sandbox_id: str) -> Path:
         return self.sandboxes / sandbox_id
 
@@ -55,7 +65,7 @@ class Plan:
 def plan(layout: Layout, entries: list[MountEntry], sandbox_dirs: list[str], mnt_dirs: list[str]) -> Plan:
     mnt, sandboxes = str(layout.mnt), str(layout.sandboxes)
     root = str(layout.root).rstrip("/") + "/"
-    ours = [e for e in entries if e.mount_point.startswith(root)]
+    ours = [e for e in entries if e.mount_point.startswith(root) and e.mount_point != str(layout.lazy)]
     result = Plan()
 
     layer_at: dict[str, str] = {}  # mount point → digest
@@ -101,4 +111,5 @@ def _beneath_adopted_root(mount_point: str, rootfs: dict[str, list[str]], sandbo
     if not mount_point.startswith(sandboxes + "/"):
         return False
     parts = mount_point[len(sandboxes) + 1:].split("/")
-    return len(parts) > 2 and parts[1] == "rootfs" and parts[0] in rootfs
+    # `<id>` itself is the upper dir's tmpfs of a root with a disk limit
+    return (len(parts) == 1 or (len(parts) > 2 and parts[1] == "rootfs")) and parts[0] in rootfs
