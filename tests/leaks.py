@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass
 
 
@@ -39,12 +41,49 @@ def _processes(names: set[str]) -> list[str]:
     return found
 
 
+def lazy_daemons() -> list[str]:
+    """The layer-cache's FUSE daemons (a Python process, so found by its command line)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"services.layer_cache.lazyfs" in argv:
+            found.append(f"{pid}:lazyfs:{argv[-2].decode(errors='replace') if len(argv) > 1 else ''}")
+    return found
+
+
+def _links() -> list[str]:
+    """Links the platform made (its veths and dummy links carry a `sandfleet` alias)."""
+    found = []
+    for name in os.listdir("/sys/class/net"):
+        try:
+            with open(f"/sys/class/net/{name}/ifalias") as f:
+                alias = f.read().strip()
+        except OSError:
+            continue
+        if alias.startswith("sandfleet"):
+            found.append(f"{name} {alias}")
+    return found
+
+
+def _nft_tables() -> list[str]:
+    if shutil.which("nft") is None:
+        return []
+    out = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True)
+    return [line.strip() for line in out.stdout.splitlines() if " sandfleet" in line]
+
+
 @dataclass(frozen=True)
 class Snapshot:
     mounts: frozenset[str]
     cgroups: frozenset[str]
     netns: frozenset[str]
     processes: frozenset[str]
+    links: frozenset[str] = frozenset()
+    nft_tables: frozenset[str] = frozenset()
 
     @classmethod
     def take(cls) -> Snapshot:
@@ -53,7 +92,9 @@ class Snapshot:
             mounts=frozenset(m for m in _mounts() if " overlay" in m or " erofs" in m or " fuse" in m or "sandfleet" in m),
             cgroups=frozenset(_cgroups()),
             netns=frozenset(n for n in netns if n.startswith("sf-")),
-            processes=frozenset(_processes({"catatonit", "nats-server", "crun"})),
+            processes=frozenset(_processes({"catatonit", "nats-server", "crun"}) + lazy_daemons()),
+            links=frozenset(_links()),
+            nft_tables=frozenset(_nft_tables()),
         )
 
     def added_since(self, before: Snapshot) -> dict[str, list[str]]:
@@ -62,5 +103,7 @@ class Snapshot:
             "cgroups": sorted(self.cgroups - before.cgroups),
             "netns": sorted(self.netns - before.netns),
             "processes": sorted(self.processes - before.processes),
+            "links": sorted(self.links - before.links),
+            "nft_tables": sorted(self.nft_tables - before.nft_tables),
         }
         return {k: v for k, v in left.items() if v}

@@ -5,8 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from agents.node import apparmor
+from agents.node.audit import LsmViolations, landlock_status
 from agents.node.confinement import NodeConfinement
 from agents.node.egress import Egress
+from agents.node.limits_watch import ViolationWatch
+from agents.node.network import EgressNetwork, NetworkConfig
+from agents.node.violations import ViolationPublisher
 from sandfleet import runner
 from sandfleet.bus import Endpoint
 from sandfleet.config import ServiceConfig
@@ -28,13 +33,29 @@ log = logging.getLogger("sandfleet.agent")
 
 async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
     async with runner.service_bus("agent", config) as bus:
-        egress = await Egress.load(config.node_id)
-        node = NodeConfinement(layout=cgroups.CgroupLayout.detect(), node_id=config.node_id, egress=egress)
+        publisher = ViolationPublisher(config.node_id)  # the one way violation events reach the bus
+        egress = await Egress.load(config.node_id, publisher)
+        network = None
+        if egress.policy is not None:
+            network = EgressNetwork(config.node_id, NetworkConfig.from_env(config.nats_url), egress.policy,
+                                    egress.report_dns)
+        layout = cgroups.CgroupLayout.detect()
+        watch = await ViolationWatch.load(config.node_id, layout, publisher)
+        lsm_denials = LsmViolations(config.node_id, layout, publisher)  # turns audit on if it is off
+        node = NodeConfinement(layout=layout, node_id=config.node_id, egress=egress,
+                               network=network, watch=watch)
         store = await SandboxStore.open(bus)
         reclaimed = await node.reconcile(store)
-        egress.report_to(bus, store)
+        publisher.bind(bus, store)
+        egress.start()
+        watch.start()
+        lsm_denials.start()
 
         async def confine(req: ConfineRequest) -> Confinement:
+            if req.allow and network is not None:
+                node.check_egress(req)  # a bad rule is the caller's error before anything is made
+                await network.ensure_started()  # the first sandbox with egress brings it up
+                return await asyncio.to_thread(node.confine, req)  # netlink work: off the event loop
             return node.confine(req)
 
         async def release(req: ReleaseRequest) -> ReleaseReply:
@@ -49,8 +70,10 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
             mechanisms={
                 "cgroup-limits": "on",
                 "egress-ebpf": egress.status,
-                "landlock": f"off: available (ABI {abi}) but not applied yet" if abi else "off: not in this kernel",
-                "apparmor": "off: profiles not generated yet" if lsm.apparmor_enabled() else "off: not in this kernel",
+                "syscall-violations": watch.status,
+                "egress-network": network.describe() if network is not None else f"off: {egress.status}",
+                "landlock": landlock_status(abi, lsm_denials),
+                "apparmor": await asyncio.to_thread(apparmor.node_status),
             },
         )
         log.info("security on node %s: %s", config.node_id, security.mechanisms)
@@ -75,7 +98,11 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
         # has destroyed its sandboxes by now; take back anything still held.
         await asyncio.to_thread(node.release_everything)
         await node.reconcile(store)
-        egress.close()
+        if network is not None:
+            await network.close()
+        await egress.close()
+        await watch.close()
+        await lsm_denials.close()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The node agent's egress enforcement: every sandbox cgroup carries the allowlist programs
-(deny everything not allowed; sandboxes are loopback-only until they get rules), and every
-refusal becomes a violation event on the bus.
+(deny everything not allowed; a sandbox without rules is loopback-only), and every refusal,
+by the programs or by the DNS stub, becomes a violation event on the bus.
 
 The programs are compiled once per agent start. A restarted agent attaches its own
 programs to the sandboxes that still live before it detaches its predecessor's, so a
@@ -13,14 +13,11 @@ import asyncio
 import logging
 import os
 import socket
-import time
 from dataclasses import dataclass, field
 
 from agents.node.bpf import BpfUnavailable, Denial, DenialKind, EgressPolicy, cgroup_id
-from sandfleet.bus import Bus
-from sandfleet.store import SandboxStore
-from schemas import violations
-from schemas.violations import Violation
+from agents.node.dns_stub import DnsViolation
+from agents.node.violations import ViolationPublisher
 
 log = logging.getLogger("sandfleet.agent")
 
@@ -36,25 +33,31 @@ def describe(d: Denial) -> str:
 @dataclass
 class Egress:
     node_id: str
+    publisher: ViolationPublisher
     policy: EgressPolicy | None = None
     why_not: str = ""
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @classmethod
-    async def load(cls, node_id: str) -> Egress:
+    async def load(cls, node_id: str, publisher: ViolationPublisher) -> Egress:
         try:
-            return cls(node_id, policy=await asyncio.to_thread(EgressPolicy))
+            return cls(node_id, publisher, policy=await asyncio.to_thread(EgressPolicy))
         except BpfUnavailable as exc:
             log.warning("egress allowlists are off on this node: %s", exc)
-            return cls(node_id, why_not=str(exc))
+            return cls(node_id, publisher, why_not=str(exc))
+
+    @property
+    def labels(self) -> dict[str, dict[str, str]]:
+        """Task labels by sandbox, from its confine request (the publisher's, shared by every watcher)."""
+        return self.publisher.labels
 
     @property
     def status(self) -> str:
         return "on" if self.policy is not None else f"off: {self.why_not}"
 
-    def attach(self, v2_dir: str) -> None:
-        if self.policy is not None:
-            self.policy.attach(v2_dir)
+    def attach(self, v2_dir: str) -> int | None:
+        """Police a sandbox cgroup; its cgroup id (None when the programs are off here)."""
+        return self.policy.attach(v2_dir) if self.policy is not None else None
 
     def detach(self, v2_dir: str) -> None:
         if self.policy is not None and os.path.isdir(v2_dir):
@@ -66,49 +69,43 @@ class Egress:
             return
         for d in live_v2_dirs:
             self.attach(d)
-        if os.path.isdir(node_v2_root):
+        self.detach_stale(node_v2_root)
+
+    def detach_stale(self, node_v2_root: str) -> None:
+        """Drop a previous agent's programs (ours must be attached, rules refilled, first)."""
+        if self.policy is not None and os.path.isdir(node_v2_root):
             stale = self.policy.detach_stale(node_v2_root)
             if stale:
                 log.info("detached %d program(s) a previous agent left", len(stale))
 
-    def report_to(self, bus: Bus, store: SandboxStore) -> None:
+    def start(self) -> None:
+        """Report the programs' refusals (the publisher must be bound to the bus)."""
         if self.policy is not None:
-            self._tasks.append(asyncio.create_task(self._report(bus, store)))
+            self._tasks.append(asyncio.create_task(self._report()))
 
-    async def _report(self, bus: Bus, store: SandboxStore) -> None:
+    async def report_dns(self, refused: DnsViolation) -> None:
+        """A name the sandbox may not resolve, asked of the DNS stub: `network.dns`. The stub
+        sees a packet, not a process (no pid), and a name, not an address."""
+        await self.publisher.publish(refused.sandbox_id, "network.dns", f"dns {refused.name} {refused.qtype}",
+                                     port=53, msg_id=f"{refused.sandbox_id}:dns:{refused.monotonic_ns}")
+
+    async def _report(self) -> None:
         assert self.policy is not None
         async for denial in self.policy.denials():
             path = self.policy.attached().get(denial.cgroup_id)
             if path is None:
                 continue  # a cgroup below a sandbox's own, or one just released
             sandbox_id = os.path.basename(path)
-            try:
-                labels = dict((await store.get(sandbox_id))[0].spec.labels)
-            except Exception:
-                labels = {}
-            event = Violation(
-                node=self.node_id,
-                sandbox_id=sandbox_id,
-                kind=f"network.{denial.kind.value}",
-                pid=denial.pid,
-                command=denial.comm,
-                attempted=describe(denial),
-                address=denial.address,
-                port=denial.port,
-                at=time.time(),
-                labels=labels,
-            )
-            try:
-                await bus.publish_durable(
-                    violations.subject(self.node_id, sandbox_id, event.kind),
-                    event,
-                    msg_id=f"{sandbox_id}:{denial.monotonic_ns}:{denial.tid}",
-                )
-            except Exception as exc:  # the reporter must outlive a bad moment of the bus
-                log.warning("violation of %s not published: %s", sandbox_id, exc)
+            await self.publisher.publish(sandbox_id, f"network.{denial.kind.value}", describe(denial),
+                                         pid=denial.pid, command=denial.comm, address=denial.address,
+                                         port=denial.port,
+                                         msg_id=f"{sandbox_id}:{denial.monotonic_ns}:{denial.tid}")
 
-    def close(self) -> None:
-        for task in self._tasks:
+    async def close(self) -> None:
+        """Stop the reporter (its reader leaves the ring buffer's fd), then free the programs."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.policy is not None:
             self.policy.close()

@@ -142,8 +142,15 @@ class SandboxCgroups:
             _write(f"{self.v2_dir}/memory.max", str(memory))
             _write(f"{self.v2_dir}/cpu.max", f"{quota} {CPU_PERIOD_US}")
             _write(f"{self.v2_dir}/pids.max", str(pids))
+            # v2 has no per-cgroup swappiness: cap swap at the memory limit, so a memory bomb
+            # still meets the OOM killer soon while the reclaimer can page an idle sandbox out.
+            if os.path.exists(f"{self.v2_dir}/memory.swap.max"):
+                _write(f"{self.v2_dir}/memory.swap.max", str(memory))
             return
         _write(f"{self._v1['memory']}/memory.limit_in_bytes", str(memory))
+        # Reaching its limit must OOM the sandbox, not push it into the node's zram swap; the
+        # reclaimer's MADV_PAGEOUT of idle sandboxes ignores swappiness and still pages out.
+        _write(f"{self._v1['memory']}/memory.swappiness", "0")
         _write(f"{self._v1['cpu']}/cpu.cfs_period_us", str(CPU_PERIOD_US))
         _write(f"{self._v1['cpu']}/cpu.cfs_quota_us", str(quota))
         _write(f"{self._v1['pids']}/pids.max", str(pids))

@@ -1,5 +1,6 @@
-"""The pieces of running a command in a container that are not crun's: joining the sandbox's
-cgroups before crun runs, the command's pipes on the event loop, checks made in the
+"""The pieces of running a container that are not crun's: the mount namespace crun runs in
+(made once, private, with each container's root attached just for its `crun run`), joining
+the sandbox's cgroups before crun runs, the command's pipes on the event loop, checks made in the
 container's root before `crun exec` (so a missing command answers as in a process sandbox),
 killing a command's whole tree on timeout, and reaping what crun leaves behind.
 
@@ -12,12 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import os
+import re
 import signal
 import subprocess
+import threading
+import time
 
 from sandfleet.kernel import layered_root
+from sandfleet.kernel import syscalls as linux
 from sandfleet.kernel.pipes import LoopPipes
 from sandfleet.kernel.process import InitProcess
 
@@ -100,18 +106,139 @@ def reap_strays() -> None:
     """Reap our zombie children that died inside a sandbox's pid namespace. When `crun exec`
     cannot exec the command it exits without reaping its child, which is then reparented to
     us (a subreaper), and the container's pid namespace cannot end until someone reaps it.
-    Host-level children (whose NSpid has one entry) belong to their own waiters."""
+    Host-level children (whose NSpid has one entry) belong to their own waiters.
+
+    A node holds thousands of live inits, all our children: a peek (waitid WNOWAIT) finds in
+    O(1) that no child is a zombie, which is the common case, before any /proc scan."""
+    try:
+        if os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            return
+    except ChildProcessError:
+        return
+    for child in _children():
+        stat = _stat(child)
+        if stat is None or stat[1] != "Z":  # a short read first; status only for zombies
+            continue
+        with contextlib.suppress(OSError), open(f"/proc/{child}/status") as f:
+            status = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+        if len(status.get("NSpid", "").split()) > 1:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(child, os.WNOHANG)
+
+
+def reap_detached(crun_pid: int, timeout_s: float = 1.0) -> None:
+    """Reap the helper `crun run --detach` leaves: crun forks a session leader that forks a
+    helper and exits, the helper outlives crun and becomes ours (we are a subreaper), and
+    would stay a zombie for good. It is a `crun` child younger than crun (only children
+    forked after it are looked at, so this stays cheap among thousands of live inits) that
+    leads neither its session (the container's init does) nor shares ours (our own `crun`
+    commands do, or lead their own session)."""
+    ours = os.getsid(0)
+    deadline = time.monotonic() + timeout_s
+    for child in _children():
+        if not (child > crun_pid or child < crun_pid - (1 << 20)):  # pids grow (and may wrap)
+            continue
+        while True:
+            stat = _stat(child)
+            if stat is None or stat[0] != "crun" or stat[2] in (child, ours):
+                break
+            if stat[1] == "Z":
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(child, os.WNOHANG)
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+
+
+def _children() -> list[int]:
+    found: list[int] = []
     me = os.getpid()
     with contextlib.suppress(OSError):
         for tid in os.listdir(f"/proc/{me}/task"):
             with contextlib.suppress(OSError), open(f"/proc/{me}/task/{tid}/children") as f:
-                children = f.read().split()
-            for child in children:
-                with contextlib.suppress(OSError), open(f"/proc/{child}/status") as f:
-                    status = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
-                if status.get("State", "").strip().startswith("Z") and len(status.get("NSpid", "").split()) > 1:
-                    with contextlib.suppress(ChildProcessError):
-                        os.waitpid(int(child), os.WNOHANG)
+                found += [int(c) for c in f.read().split()]
+    return found
+
+
+def _stat(pid: int) -> tuple[str, str, int] | None:
+    """(command, state, session) of pid, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    head, _, tail = data.rpartition(b")")
+    fields = tail.split()
+    return head.partition(b"(")[2].decode(errors="replace"), fields[0].decode(), int(fields[3])
+
+
+# -- crun's own mount namespace (see container.py) -------------------------------------------------------------------------
+
+_OPEN_TREE, _MOVE_MOUNT = 428, 429  # one number on every architecture (the unified syscall table)
+_OPEN_TREE_CLONE, _AT_RECURSIVE, _MOVE_MOUNT_F_EMPTY_PATH, _AT_FDCWD = 1, 0x8000, 0x4, -100
+_CLONE_FS = 0x200
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def make_crun_namespace(hybrid_v2: str | None, prune: tuple[str, ...]) -> int:
+    """A private copy of the host's mount namespace (without cgroup v2 on hybrid hosts, and
+    without the mounts beneath the `prune` directories), made by a short-lived thread;
+    returns an fd that keeps it."""
+    made: list[int | BaseException] = []
+
+    def make() -> None:
+        try:
+            linux.unshare(linux.CLONE_NEWNS)  # this thread only: it also unshares its filesystem info
+            linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)  # nothing propagates either way
+            if hybrid_v2:
+                linux.umount2(hybrid_v2, linux.MNT_DETACH)
+            for point in _mounts_beneath(prune):
+                with contextlib.suppress(OSError):  # already gone with a parent
+                    linux.umount2(point, linux.MNT_DETACH)
+            made.append(os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            made.append(exc)
+
+    thread = threading.Thread(target=make, name="crun-namespace")
+    thread.start()
+    thread.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
+
+
+def _mounts_beneath(roots: tuple[str, ...]) -> list[str]:
+    """Mount points strictly beneath any of `roots` in this thread's namespace, deepest first."""
+    unescape = lambda p: re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), p)  # noqa: E731
+    with open("/proc/thread-self/mountinfo") as f:
+        points = {unescape(line.split()[4]) for line in f}
+    inside = [p for p in points if any(p.startswith(root.rstrip("/") + "/") for root in roots)]
+    return sorted(inside, key=lambda p: p.count("/"), reverse=True)
+
+
+def enter_namespace(mnt_fd: int) -> None:
+    """Pool thread initializer: move this thread into crun's namespace for good."""
+    linux.unshare(_CLONE_FS)  # a thread sharing its filesystem info cannot change mount namespace
+    linux.setns(mnt_fd, linux.CLONE_NEWNS)
+
+
+def clone_tree(path: str) -> int:
+    """A detached copy of the mount tree at `path` (a bind mount of it if it is no mount point)."""
+    fd = _libc.syscall(_OPEN_TREE, ctypes.c_int(_AT_FDCWD), path.encode(),
+                       ctypes.c_uint(_OPEN_TREE_CLONE | _AT_RECURSIVE | os.O_CLOEXEC))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return fd
+
+
+def attach_tree(tree: int, target: str) -> None:
+    if _libc.syscall(_MOVE_MOUNT, ctypes.c_int(tree), b"", ctypes.c_int(_AT_FDCWD), target.encode(),
+                     ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH)) < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), target)
 
 
 # -- the command's pipes ---------------------------------------------------------------------

@@ -26,7 +26,10 @@ INIT_BINARY = "/usr/bin/catatonit"  # where the process runtime's init execs it 
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 _DEV_LINKS = (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
               ("stderr", "/proc/self/fd/2"))
-_PROC_MASKED_FILES = ("kcore", "keys", "key-users", "timer_list", "sched_debug", "latency_stats")
+# As rootfs.py (host view) and crun's maskedPaths: kpage*: uid 0 may read them without any
+# capability, and a scan of kpagecgroup crashed a host.
+_PROC_MASKED_FILES = ("kcore", "keys", "key-users", "timer_list", "sched_debug", "latency_stats",
+                      "kpagecgroup", "kpageflags", "kpagecount")
 _PROC_MASKED_DIRS = ("acpi", "scsi", "asound")
 _RO = linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
 _RESOLVE = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS

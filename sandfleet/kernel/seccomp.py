@@ -10,6 +10,13 @@ site-packages, so it never imports libseccomp). `oci_seccomp()` is the same poli
 
 - clone with any CLONE_NEW* flag: EPERM; clone3: ENOSYS (its flags sit in a struct seccomp
   cannot read, so glibc falls back to clone, the common container practice).
+- ioctl by command: the ones that change inode flags, project ids or versions and so get
+  around access controls (FS_IOC_SETFLAGS, FS_IOC_FSSETXATTR, ...) and terminal input
+  injection (TIOCSTI) get EPERM, and the node agent reports them. Reflink and dedupe
+  (FICLONE, FICLONERANGE, FIDEDUPERANGE) get EOPNOTSUPP instead: `cp` tries FICLONE on
+  every copy and falls back quietly on that errno, as on any filesystem without reflinks,
+  so an ordinary copy is never reported as an attack. The kernel reads the command as 32
+  bits, so only those are compared (a caller cannot dodge the rule with high bits set).
 - personality: only the default persona values are allowed (0, PER_LINUX32, UNAME26 and
   both, and the 0xffffffff query); libseccomp cannot AND two comparisons on one argument,
   so that check is a few hand-written BPF instructions put in front of libseccomp's program.
@@ -43,6 +50,12 @@ CLONE_NS_FLAGS = {
     "CLONE_NEWPID": 0x20000000, "CLONE_NEWNET": 0x40000000,
 }
 PERSONALITY_ALLOWED = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)
+IOCTLS_REFUSED = {  # name -> command (the _IOW numbers are the same on every Linux architecture we run)
+    "FS_IOC_SETFLAGS": 0x40086602, "FS_IOC32_SETFLAGS": 0x40046602, "FS_IOC_SETVERSION": 0x40087602,
+    "FS_IOC32_SETVERSION": 0x40047602, "FS_IOC_FSSETXATTR": 0x401C5820, "TIOCSTI": 0x5412,
+}
+IOCTLS_UNSUPPORTED = {"FICLONE": 0x40049409, "FICLONERANGE": 0x4020940D, "FIDEDUPERANGE": 0xC0189436}
+_IOCTL_CMD_MASK = 0xFFFFFFFF
 
 _ARCH = {  # machine -> (AUDIT_ARCH_*, personality syscall number)
     "x86_64": (0xC000003E, 135),
@@ -96,6 +109,10 @@ def filter_bytes() -> bytes:
     for bit in CLONE_NS_FLAGS.values():
         f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, bit, bit))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    for cmd in IOCTLS_REFUSED.values():
+        f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, _IOCTL_CMD_MASK, cmd))
+    for cmd in IOCTLS_UNSUPPORTED.values():
+        f.add_rule(sc.ERRNO(errno.EOPNOTSUPP), "ioctl", sc.Arg(1, sc.MASKED_EQ, _IOCTL_CMD_MASK, cmd))
     with tempfile.TemporaryFile() as out:
         f.export_bpf(out)
         out.seek(0)
@@ -103,6 +120,23 @@ def filter_bytes() -> bytes:
     if not program or len(program) % 8:
         raise RuntimeError(f"libseccomp exported a {len(program)}-byte filter")
     return _personality_prefix() + program
+
+
+@functools.cache
+def refused_syscalls() -> dict[int, str]:
+    """Native syscall number -> name of every call the filter can answer with EPERM (what the
+    node agent watches for at syscall exit). Raises if libseccomp is unavailable."""
+    import pyseccomp as sc
+
+    found: dict[int, str] = {}
+    for name in (*DENIED, "clone", "ioctl", "personality"):
+        try:
+            nr = sc.resolve_syscall(sc.Arch.NATIVE, name)
+        except (OSError, ValueError):
+            continue
+        if nr >= 0:  # libseccomp gives a negative pseudo-number for a call this arch lacks
+            found[nr] = name
+    return found
 
 
 def oci_seccomp() -> dict:
@@ -114,4 +148,8 @@ def oci_seccomp() -> dict:
                   "args": [{"index": 0, "value": bit, "valueTwo": bit, "op": "SCMP_CMP_MASKED_EQ"}]}
                  for bit in CLONE_NS_FLAGS.values()]
     syscalls.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS})
+    for errno_, cmds in ((errno.EPERM, IOCTLS_REFUSED), (errno.EOPNOTSUPP, IOCTLS_UNSUPPORTED)):
+        syscalls += [{"names": ["ioctl"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno_,
+                      "args": [{"index": 1, "value": _IOCTL_CMD_MASK, "valueTwo": cmd, "op": "SCMP_CMP_MASKED_EQ"}]}
+                     for cmd in cmds.values()]
     return {"defaultAction": "SCMP_ACT_ALLOW", "syscalls": syscalls}

@@ -3,7 +3,8 @@
     python fake_internet.py '{"tcp": [["10.77.100.1", 80]], "udp": [...], "dns": [["10.77.100.53", 53]],
                               "zone": {"allowed.test": {"A": ["10.77.100.1"]}, "alias.test": {"CNAME": "allowed.test"}}}'
 
-TCP: greets with "hello <address>:<port>" and closes. UDP: echoes "echo <data>". DNS (UDP and
+TCP: greets with "hello <address>:<port>" and closes. HTTP (`"http": [[host, port]]`): answers
+any request with 200 and the body "hello <address>:<port> <path>". UDP: echoes "echo <data>". DNS (UDP and
 TCP): answers from the zone, NXDOMAIN otherwise. Prints "ready" once everything is bound;
 runs until killed.
 """
@@ -75,7 +76,22 @@ async def main(config: dict) -> None:
         finally:
             writer.close()
 
+    async def http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host, port = writer.get_extra_info("sockname")[:2]
+        try:
+            request = await reader.readuntil(b"\r\n\r\n")
+            path = request.split(b" ", 2)[1].decode(errors="replace")
+            body = f"hello {host}:{port} {path}\n".encode()
+            writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, IndexError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
     servers = [await asyncio.start_server(greet, host, port) for host, port in config.get("tcp", [])]
+    servers += [await asyncio.start_server(http, host, port) for host, port in config.get("http", [])]
     for host, port in config.get("udp", []):
         await loop.create_datagram_endpoint(Echo, local_addr=(host, port))
     for host, port in config.get("dns", []):

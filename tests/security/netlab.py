@@ -169,15 +169,8 @@ class Lab:
         return Sandbox(name=name, index=index, cgroups=group, netns=ns)
 
     def _start_internet(self) -> None:
-        config = {"tcp": TCP, "udp": UDP, "dns": [DNS_UPSTREAM], "zone": ZONE}
-        self._internet_proc = subprocess.Popen(
-            ["ip", "netns", "exec", os.path.basename(self.internet), sys.executable,
-             str(HERE / "fake_internet.py"), json.dumps(config)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        line = self._internet_proc.stdout.readline()
-        if line.strip() != "ready":
-            raise RuntimeError(f"fake internet did not start: {line} {self._internet_proc.stderr.read()}")
+        self._internet_proc = start_fake_internet(self.internet, {"tcp": TCP, "udp": UDP, "dns": [DNS_UPSTREAM],
+                                                                  "zone": ZONE})
 
     def down(self) -> None:
         if self._internet_proc is not None:
@@ -189,6 +182,64 @@ class Lab:
         for name in ("router", "internet"):
             netns.remove(NODE, name)
         cgroups.remove_node_root(self.layout, NODE)
+
+
+def start_fake_internet(ns: str, config: dict) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", os.path.basename(ns), sys.executable, str(HERE / "fake_internet.py"), json.dumps(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    line = proc.stdout.readline()
+    if line.strip() != "ready":
+        proc.kill()
+        raise RuntimeError(f"fake internet did not start: {line} {proc.stderr.read()}")
+    return proc
+
+
+@dataclass
+class NodeInternet:
+    """The fake internet beside the node itself, for sandboxes of a real platform:
+
+        node (host netns) ── sft<pid> 10.77.0.1 ── eth0 10.77.0.2 [internet netns: 10.77.100.0/24, DNS]
+
+    The link, its route and its forwarding flag are the test's own and go with the link;
+    nothing else of the host's network changes. Replies to the node's NAT come in on this
+    link, so it forwards (the node's veths forward what comes from its sandboxes).
+    """
+
+    config: dict
+    link: str = field(default_factory=lambda: f"sft{os.getpid() % 100000}")
+    netns: str = ""
+    _proc: subprocess.Popen | None = None
+
+    def up(self) -> None:
+        self.netns = netns.create(NODE, "node-internet")
+        name = os.path.basename(self.netns)
+        try:
+            ip("link", "add", self.link, "type", "veth", "peer", "name", "eth0", "netns", name)
+            ip("addr", "add", "10.77.0.1/24", "dev", self.link)
+            ip("link", "set", self.link, "up")
+            with open(f"/proc/sys/net/ipv4/conf/{self.link}/forwarding", "w") as f:
+                f.write("1")
+            ip("route", "add", "10.77.100.0/24", "via", "10.77.0.2", "dev", self.link)
+            ip("addr", "add", "10.77.0.2/24", "dev", "eth0", ns=self.netns)
+            ip("link", "set", "eth0", "up", ns=self.netns)
+            hosts = {h for key in ("tcp", "udp", "http", "dns") for h, _ in self.config.get(key, [])}
+            for host in sorted(hosts):
+                ip("addr", "add", f"{host}/32", "dev", "lo", ns=self.netns)
+            ip("route", "add", "default", "via", "10.77.0.1", ns=self.netns)
+            self._proc = start_fake_internet(self.netns, self.config)
+        except BaseException:
+            self.down()
+            raise
+
+    def down(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+        subprocess.run(["ip", "link", "del", self.link], capture_output=True)
+        netns.remove(NODE, "node-internet")
 
 
 class NetnsLoop:

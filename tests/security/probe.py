@@ -2,8 +2,10 @@
 
     python probe.py '[{"op": "tcp", "host": "10.77.100.1", "port": 80}, ...]'
 
-Prints one JSON list: for each step {"ok", "errno", "elapsed_ms", "t_ns", "data"}, where t_ns
-is CLOCK_MONOTONIC just before the syscall that matters (to time the denial record).
+Prints one JSON list: for each step {"ok", "errno", "elapsed_ms", "t_ns", "t_wall", "data"},
+where t_ns is CLOCK_MONOTONIC and t_wall the wall clock just before the syscall that matters
+(to time the denial record and the violation event). Only the standard library, except
+`resolve` (dnslib), so it also runs under a sandbox's system python3.
 """
 
 from __future__ import annotations
@@ -94,22 +96,69 @@ def loopback(step: dict, mark) -> str:
         return server.recv(10).decode()
 
 
-OPS = {"tcp": tcp, "udp": udp, "tfo": tfo, "socket": raw_socket, "resolve": resolve,
+def getaddrinfo(step: dict, mark) -> str:
+    mark()
+    infos = socket.getaddrinfo(step["name"], step.get("port", 80), socket.AF_INET, socket.SOCK_STREAM)
+    return json.dumps(sorted({i[4][0] for i in infos}))
+
+
+def http(step: dict, mark) -> str:
+    import urllib.request
+
+    mark()
+    with urllib.request.urlopen(step["url"], timeout=TIMEOUT_S) as reply:
+        return reply.read().decode()
+
+
+def scan(step: dict, mark) -> str:
+    """connect() to every port in [first, last] (a scan for a package mirror): port -> "open" or errno."""
+    found = {}
+    for port in range(step["first"], step["last"] + 1):
+        with socket.socket(_family(step["host"]), socket.SOCK_STREAM) as s:
+            s.settimeout(TIMEOUT_S)
+            if port == step["first"]:
+                mark()
+            try:
+                s.connect((step["host"], port))
+                found[port] = "open"
+            except OSError as exc:
+                found[port] = exc.errno
+    return json.dumps(found)
+
+
+def dns_from(step: dict, mark) -> str:
+    """One A query by sendto()/recvfrom() (no resolver library): the reply's rcode, addresses
+    and the source address recvfrom() reports."""
+    name = step["name"].encode()
+    query = b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00"
+    query += b"".join(bytes([len(label)]) + label for label in name.split(b".")) + b"\x00\x00\x01\x00\x01"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(TIMEOUT_S)
+        mark()
+        s.sendto(query, (step["server"], 53))
+        reply, source = s.recvfrom(4096)
+    answers = int.from_bytes(reply[6:8], "big")
+    addresses = [socket.inet_ntoa(reply[i + 12:i + 16]) for i in range(len(query), len(reply) - 15)
+                 if reply[i:i + 2] == b"\xc0\x0c" and reply[i + 2:i + 4] == b"\x00\x01"][:answers]
+    return json.dumps({"rcode": reply[3] & 0xF, "addresses": addresses, "from": list(source)})
+
+
+OPS = {"dns_from": dns_from, "getaddrinfo": getaddrinfo, "http": http, "scan": scan, "tcp": tcp, "udp": udp, "tfo": tfo, "socket": raw_socket, "resolve": resolve,
        "resolve_connect": resolve_connect, "loopback": loopback}
 
 
 def run(step: dict) -> dict:
-    marks: list[int] = []
+    marks: list[tuple[int, float]] = []
     start = time.perf_counter()
     try:
-        data = OPS[step["op"]](step, lambda: marks.append(time.monotonic_ns()))
+        data = OPS[step["op"]](step, lambda: marks.append((time.monotonic_ns(), time.time())))
         result = {"ok": True, "errno": None, "data": data}
     except OSError as exc:
         result = {"ok": False, "errno": exc.errno, "data": str(exc)}
     except Exception as exc:  # noqa: BLE001 - reported to the test, which asserts on it
         result = {"ok": False, "errno": None, "data": f"{type(exc).__name__}: {exc}"}
     result["elapsed_ms"] = (time.perf_counter() - start) * 1000
-    result["t_ns"] = marks[-1] if marks else None
+    result["t_ns"], result["t_wall"] = marks[-1] if marks else (None, None)
     result["pid"] = os.getpid()
     return result
 

@@ -1,4 +1,5 @@
-"""The allowlist parser: what users write, what the agent enforces, and what it refuses."""
+"""The allowlist parser: what users write, what the agent enforces, and what it refuses; and
+that the SDK refuses a bad rule with the same parser before it sends anything."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agents.node.allow_rules import AllowList, DomainRule, NetworkRule, Protocol, parse_allow, parse_rule
+import agents.node.allow_rules
+import sandfleet.allow_rules
+from sandfleet import errors
+from sandfleet.allow_rules import AllowList, DomainRule, NetworkRule, Protocol, parse_allow, parse_rule
+from sandfleet.client import Fleet, _spec
 
 net = ipaddress.ip_network
 
@@ -151,3 +156,23 @@ def test_arbitrary_text_parses_or_raises_value_error(text):
     except ValueError:
         return
     assert parse_rule(str(rule)) == rule
+
+
+def test_the_agent_enforces_the_same_parser_the_sdk_and_placement_use():
+    for name in agents.node.allow_rules.__all__:
+        assert getattr(agents.node.allow_rules, name) is getattr(sandfleet.allow_rules, name), name
+
+
+@pytest.mark.parametrize("allow", [["http://evil.test"], ["api.example.com", "127.0.0.1:4222"], ["host:99999"]])
+async def test_the_sdk_refuses_a_bad_rule_before_it_has_a_bus_to_send_on(allow):
+    fleet = Fleet(bus=None)  # type: ignore[arg-type]  # any send would fail with AttributeError
+    with pytest.raises(errors.InvalidRequest) as exc:
+        await fleet.create(allow=allow)
+    assert repr(allow[-1]) in exc.value.message
+    with pytest.raises(errors.InvalidRequest):
+        await fleet.create_many(3, allow=allow)
+
+
+def test_the_sdk_passes_good_rules_on_as_written():
+    allow = ["api.example.com", "mirror.internal:443", "10.1.2.0/24:5432"]
+    assert _spec(allow=allow).allow == allow

@@ -321,6 +321,27 @@ def test_a_learned_address_stays_denied_to_a_sandbox_that_may_not_use_it(world):
     assert [(v.sandbox_id, v.name) for v in world.violations] == [("sbx-b", "allowed.test")]
 
 
+def test_dns_to_any_address_is_redirected_to_the_stub_and_answered_as_from_that_address(world):
+    world.serve(world.a, ["allowed.test"])
+    world.policy.redirect_dns(world.a.cgroup_id, STUB_ADDRESS, 53)
+    world.violations.clear()
+    try:
+        upstream, loopback, someone = world.a.run([
+            {"op": "dns_from", "server": DNS_UPSTREAM[0], "name": "evil.test"},
+            {"op": "dns_from", "server": "127.0.0.1", "name": "allowed.test"},
+            {"op": "dns_from", "server": "10.77.100.99", "name": "allowed.test"},
+        ])
+    finally:
+        world.policy.stop_redirect_dns(world.a.cgroup_id)
+    # The upstream itself would answer evil.test; only the stub refuses it.
+    assert json.loads(upstream["data"]) == {"rcode": 3, "addresses": [], "from": [DNS_UPSTREAM[0], 53]}
+    assert json.loads(loopback["data"]) == {"rcode": 0, "addresses": ["10.77.100.1"], "from": ["127.0.0.1", 53]}
+    assert json.loads(someone["data"])["from"] == ["10.77.100.99", 53]
+    assert [(v.sandbox_id, v.name) for v in world.violations] == [("sbx-a", "evil.test")]
+    (after,) = world.a.run([{"op": "dns_from", "server": DNS_UPSTREAM[0], "name": "evil.test"}])
+    assert after["errno"] == EPERM, "without the redirect the upstream is just a denied address"
+
+
 def test_a_query_from_an_unknown_source_is_refused(world):
     world.serve(world.a, ["allowed.test"])
     world.stub_loop.call(world.stub.unregister, "sbx-a")  # the map still lets it reach the stub
@@ -391,7 +412,7 @@ def test_programs_left_by_a_dead_agent_keep_denying_until_a_new_one_detaches_the
             assert sorted(s.program_id for s in found) == dead_ids
             assert {s.cgroup for s in found} == {group.v2_dir}
             assert {s.program for s in found} == {"sf_connect4", "sf_connect6", "sf_sendmsg4", "sf_sendmsg6",
-                                                  "sf_sock_create"}
+                                                  "sf_sock_create", "sf_recvmsg4"}
             assert all(ids == [] for ids in _attached(group.v2_dir).values())
             assert {sb.name: _attached(sb.cgroups.v2_dir) for sb in (world.a, world.b)} == ours_before
             assert world.policy.detach_stale(world.lab.node_v2_dir) == []

@@ -100,6 +100,23 @@ def test_the_filter_is_classic_bpf_and_the_oci_section_has_the_same_rules():
     assert set(seccomp.DENIED) | {"clone", "clone3"} <= names
 
 
+def test_fs_ioctls_are_refused_by_their_32_bit_command_in_both_forms_of_the_policy():
+    oci = seccomp.oci_seccomp()
+    ioctl = {rule["args"][0]["valueTwo"]: (rule["errnoRet"], rule["args"][0]) for rule in oci["syscalls"]
+             if rule["names"] == ["ioctl"]}
+    assert {cmd: e for cmd, (e, _) in ioctl.items()} == (
+        {cmd: 1 for cmd in seccomp.IOCTLS_REFUSED.values()} | {cmd: 95 for cmd in seccomp.IOCTLS_UNSUPPORTED.values()})
+    assert all(arg["op"] == "SCMP_CMP_MASKED_EQ" and arg["value"] == 0xFFFFFFFF for _, arg in ioctl.values())
+
+
+def test_the_watched_syscall_numbers_name_every_refused_call():
+    require(X86_64, "the expected numbers are x86_64's")
+    numbers = seccomp.refused_syscalls()
+    assert set(numbers.values()) == set(seccomp.DENIED) | {"clone", "ioctl", "personality"}
+    assert {name: nr for nr, name in numbers.items() if name in CALLS} == {
+        name: nr for name, (nr, _) in CALLS.items() if name in numbers.values()}
+
+
 async def test_sandbox_processes_run_under_the_filter(sandbox):
     with open(f"/proc/{sandbox.init.pid}/status") as f:
         status = dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)

@@ -6,6 +6,11 @@
  * time; every refusal goes to the `denials` ring buffer. The programs never read kernel
  * structs (the build headers are older than the kernel), only the stable context ABI.
  *
+ * A sandbox with egress has an entry in `dns_redirect`: its IPv4 DNS traffic (port 53, TCP
+ * or UDP, to any address, loopback included) is rewritten to the node's DNS stub before any
+ * other rule is looked at, and recvmsg4 rewrites the stub's replies back to the address the
+ * sandbox asked, so resolvers that check the reply's source accept it.
+ *
  * The loader defines SF_SOCKET_TRACEPOINTS when tracefs is usable: refused socket() calls
  * are then reported at syscall exit, which also sees those the kernel refuses before our
  * hook runs (AF_PACKET, or SOCK_RAW without CAP_NET_RAW). Without it, sock_create
@@ -20,6 +25,7 @@
 #define SF_IPPROTO_UDP 17
 #define SF_EPERM 1
 #define SF_EACCES 13
+#define SF_DNS_PORT_BE 0x3500 /* htons(53) */
 #define SF_ALLOW 1
 #define SF_DENY 0
 
@@ -30,6 +36,8 @@ BPF_HASH(sandboxes, u64, struct sf_sandbox, 65536);
 BPF_LPM_TRIE(allow, struct sf_rule_key, struct sf_rule_val, 262144);
 BPF_LPM_TRIE(blocked, struct sf_rule_key, struct sf_rule_val, 4096);
 BPF_ARRAY(config, struct sf_config, 1);
+BPF_HASH(dns_redirect, u64, struct sf_dns_redirect, 65536);
+BPF_TABLE("lru_hash", u64, struct sf_dns_origin, dns_origin, 65536);
 BPF_PERCPU_ARRAY(lost, u64, 1);
 BPF_RINGBUF_OUTPUT(denials, 64); /* 256 KiB: ~3,600 records before the reader must run */
 #ifdef SF_SOCKET_TRACEPOINTS
@@ -140,7 +148,23 @@ deny:
 
 static __always_inline int decide4(struct bpf_sock_addr *ctx, u8 kind)
 {
-    u32 addr[4] = {0, 0, bpf_htonl(0xffff), ctx->user_ip4};
+    u32 ip4 = ctx->user_ip4;
+    if ((u16)ctx->user_port == SF_DNS_PORT_BE &&
+        (ctx->protocol == SF_IPPROTO_UDP || ctx->protocol == SF_IPPROTO_TCP)) {
+        u64 cgroup_id = bpf_get_current_cgroup_id();
+        struct sf_dns_redirect *to = dns_redirect.lookup(&cgroup_id);
+        if (to) {
+            struct sf_dns_origin origin = {};
+            origin.addr = ip4;
+            origin.port = SF_DNS_PORT_BE;
+            u64 cookie = bpf_get_socket_cookie(ctx);
+            dns_origin.update(&cookie, &origin);
+            ctx->user_ip4 = to->addr;
+            ctx->user_port = to->port;
+            return SF_ALLOW;
+        }
+    }
+    u32 addr[4] = {0, 0, bpf_htonl(0xffff), ip4};
     return decide(ctx, kind, addr);
 }
 
@@ -154,6 +178,22 @@ int sf_connect4(struct bpf_sock_addr *ctx) { return decide4(ctx, SF_KIND_CONNECT
 int sf_connect6(struct bpf_sock_addr *ctx) { return decide6(ctx, SF_KIND_CONNECT); }
 int sf_sendmsg4(struct bpf_sock_addr *ctx) { return decide4(ctx, SF_KIND_SENDMSG); }
 int sf_sendmsg6(struct bpf_sock_addr *ctx) { return decide6(ctx, SF_KIND_SENDMSG); }
+
+/* A reply from the stub shows the source the sandbox sent to (never denies). */
+int sf_recvmsg4(struct bpf_sock_addr *ctx)
+{
+    u64 cgroup_id = bpf_get_current_cgroup_id();
+    struct sf_dns_redirect *to = dns_redirect.lookup(&cgroup_id);
+    if (!to || ctx->user_ip4 != to->addr || (u16)ctx->user_port != to->port)
+        return SF_ALLOW;
+    u64 cookie = bpf_get_socket_cookie(ctx);
+    struct sf_dns_origin *origin = dns_origin.lookup(&cookie);
+    if (origin) {
+        ctx->user_ip4 = origin->addr;
+        ctx->user_port = origin->port;
+    }
+    return SF_ALLOW;
+}
 
 int sf_sock_create(struct bpf_sock *sk)
 {

@@ -43,6 +43,22 @@ struct sf_config {
     __u32 pad;
 };
 
+/* Where a sandbox's DNS goes: every IPv4 connect()/sendmsg() to port 53 (whatever
+ * resolv.conf names, loopback included) is rewritten to the node's DNS stub, and the
+ * reply's source rewritten back, so resolvers that check it accept the answer. */
+struct sf_dns_redirect {
+    __u32 addr; /* network byte order */
+    __u16 port; /* network byte order */
+    __u16 pad;
+};
+
+/* The destination a redirected socket asked for, by socket cookie (for recvmsg4). */
+struct sf_dns_origin {
+    __u32 addr;
+    __u16 port;
+    __u16 pad;
+};
+
 /* One refused attempt, as the ring buffer carries it. */
 struct sf_denial {
     __u64 ts_ns;     /* bpf_ktime_get_ns(): CLOCK_MONOTONIC */

@@ -40,6 +40,7 @@ HOOKS = (
     ("sf_sendmsg4", _PROG_CGROUP_SOCK_ADDR, 14),  # BPF_CGROUP_UDP4_SENDMSG
     ("sf_sendmsg6", _PROG_CGROUP_SOCK_ADDR, 15),  # BPF_CGROUP_UDP6_SENDMSG
     ("sf_sock_create", _PROG_CGROUP_SOCK, 2),  # BPF_CGROUP_INET_SOCK_CREATE
+    ("sf_recvmsg4", _PROG_CGROUP_SOCK_ADDR, 19),  # BPF_CGROUP_UDP4_RECVMSG (DNS replies)
 )
 PROGRAM_NAMES = frozenset(name for name, _, _ in HOOKS)
 Destination = str | IPNetwork | ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -62,6 +63,10 @@ class _RuleKey(ct.Structure):  # struct sf_rule_key
 
 class _Flags(ct.Structure):  # struct sf_rule_val, struct sf_sandbox
     _fields_ = [("flags", ct.c_uint32)]
+
+
+class _DnsRedirect(ct.Structure):  # struct sf_dns_redirect
+    _fields_ = [("addr", ct.c_ubyte * 4), ("port", ct.c_uint16), ("pad", ct.c_uint16)]
 
 
 class _Config(ct.Structure):  # struct sf_config
@@ -122,31 +127,16 @@ class EgressPolicy:
 
     def __init__(self, *, socket_tracepoints: bool | None = None) -> None:
         """Compile and load; socket_tracepoints=None uses them when tracefs is (or can be) mounted."""
-        try:
-            from bcc import BPF  # Debian python3-bpfcc, linked into the venv by infra/bcc-in-venv.sh
-        except ImportError as exc:
-            raise BpfUnavailable("bcc is not importable (python3-bpfcc and infra/bcc-in-venv.sh)") from exc
-        headers = build.kernel_headers()
         self.socket_tracepoints = build.tracefs_ready() if socket_tracepoints is None else socket_tracepoints
-        cflags = [*headers.cflags, f"-I{SOURCE.parent}", "-w"]
-        if self.socket_tracepoints:
-            cflags.append("-DSF_SOCKET_TRACEPOINTS")
-        saved = os.environ.get("BCC_KERNEL_SOURCE")
-        if headers.source:
-            os.environ["BCC_KERNEL_SOURCE"] = headers.source
+        self._bpf = build.compile_program(SOURCE, ["-DSF_SOCKET_TRACEPOINTS"] if self.socket_tracepoints else [])
         try:
-            self._bpf = BPF(src_file=str(SOURCE).encode(), cflags=cflags)
             self._progs = {name: self._bpf.load_func(name.encode(), ptype, attach_type=atype) for name, ptype, atype in HOOKS}
-        except Exception as exc:  # bcc raises bare Exception for compile and load errors
-            raise BpfUnavailable(f"cannot build the egress programs: {exc}") from exc
-        finally:
-            if saved is None:
-                os.environ.pop("BCC_KERNEL_SOURCE", None)
-            else:
-                os.environ["BCC_KERNEL_SOURCE"] = saved
+        except Exception as exc:  # bcc raises bare Exception for load errors
+            raise BpfUnavailable(f"cannot load the egress programs: {exc}") from exc
         self.program_ids = frozenset(cgroup_progs.program_id(fn.fd) for fn in self._progs.values())
         self._allow, self._blocked = self._bpf[b"allow"], self._bpf[b"blocked"]
         self._sandboxes, self._config = self._bpf[b"sandboxes"], self._bpf[b"config"]
+        self._dns_redirect = self._bpf[b"dns_redirect"]
         self._lock = threading.Lock()
         self._attached: dict[int, str] = {}
         self._rules: dict[int, set[Rule]] = {}
@@ -198,10 +188,11 @@ class EgressPolicy:
                     pass  # the cgroup is gone, and the kernel released its programs with it
             self._clear(cgroup)
             self._rules.pop(cgroup, None)
-            try:
-                del self._sandboxes[ct.c_uint64(cgroup)]
-            except KeyError:
-                pass
+            for table in (self._sandboxes, self._dns_redirect):
+                try:
+                    del table[ct.c_uint64(cgroup)]
+                except KeyError:
+                    pass
 
     def detach_all(self) -> None:
         for cg in list(self._attached):
@@ -258,6 +249,23 @@ class EgressPolicy:
     def rules(self, cgroup: int) -> set[Rule]:
         with self._lock:
             return set(self._rules.get(cgroup, ()))
+
+    def redirect_dns(self, cgroup: int, stub: ipaddress.IPv4Address | str, port: int = 53) -> None:
+        """Send the sandbox's IPv4 DNS traffic (port 53, any address) to the stub instead."""
+        stub = ipaddress.IPv4Address(stub)
+        value = _DnsRedirect(port=socket.htons(port), pad=0)
+        ct.memmove(value.addr, stub.packed, 4)
+        with self._lock:
+            if cgroup not in self._attached:
+                raise UnknownCgroup(f"cgroup {cgroup} is not attached")
+            self._dns_redirect[ct.c_uint64(cgroup)] = value
+
+    def stop_redirect_dns(self, cgroup: int) -> None:
+        with self._lock:
+            try:
+                del self._dns_redirect[ct.c_uint64(cgroup)]
+            except KeyError:
+                pass
 
     def block(self, dest: Destination, port: int | None = None, proto: Protocol | int = Protocol.ANY) -> None:
         """Deny dest to every sandbox whatever its allowlist says (the bus, platform services)."""

@@ -9,10 +9,15 @@ import errno
 import os
 import signal
 
+from sandfleet.kernel import landlock
 from sandfleet.kernel import syscalls as linux
 from sandfleet.kernel.process.model import CATATONIT, DEFAULT_ENV
 from sandfleet.kernel.process.reports import READY, report_failure, status_record
 
+_LANDLOCK_ABI = landlock.abi()  # asked once, in the spawner: 0 where the kernel has none
+# Opt every sandbox process in to KSM page merging (inherited over fork and exec); ksmd only
+# merges while the node's reclaimer runs it (services/reclaimer). Needs CAP_SYS_RESOURCE.
+PR_SET_MEMORY_MERGE = 67
 _ENTER_NS = linux.CLONE_NEWNS | linux.CLONE_NEWNET | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS | linux.CLONE_NEWCGROUP
 
 
@@ -25,14 +30,24 @@ def _join_cgroups(paths: list[str]) -> None:
             os.close(fd)
 
 
+def _tag_for_audit(cgroup_procs: list[str]) -> None:
+    """Name the sandbox in the audit records of its processes (see landlock.audit_tag)."""
+    with contextlib.suppress(OSError):  # attribution only: the agent falls back to /proc/<pid>/cgroup
+        landlock.set_audit_tag(landlock.audit_tag(cgroup_procs))
+
+
 def _drop_privileges(last_cap: int, seccomp: bytes) -> None:
     """Keep nothing of the spawner across exec but fds 0-2; no capabilities, no_new_privs,
-    and the sandbox seccomp filter (sandfleet.kernel.seccomp), installed last."""
+    the Landlock policy of the root this process now has (sandfleet.kernel.landlock), and
+    the sandbox seccomp filter (sandfleet.kernel.seccomp), installed last."""
     linux.restore_signals()  # an empty mask (the spawner's may block some)
     linux.close_range_cloexec(3)
     os.umask(0o022)
+    with contextlib.suppress(OSError):  # EINVAL on a kernel without KSM: nothing to merge, nothing lost
+        linux.prctl(PR_SET_MEMORY_MERGE, 1)
     linux.drop_all_capabilities(last_cap)
     linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
+    landlock.confine_sandbox(_LANDLOCK_ABI)
     if seccomp:
         linux.install_seccomp(seccomp)
 
@@ -42,6 +57,7 @@ def init_child(report: int, netns_fd: int, cgroup_procs: list[str], plan, last_c
     step = "join cgroups"
     try:
         _join_cgroups(cgroup_procs)
+        _tag_for_audit(cgroup_procs)
         step = "enter netns"
         linux.setns(netns_fd, linux.CLONE_NEWNET)
         step = "unshare namespaces"
@@ -94,6 +110,7 @@ def exec_child(report: int, pidfd: int, root: int, cgroup_procs: list[str], cwd:
         _close_all_but({report, pidfd, root, *stdio})  # C lives as long as the command: hold nothing else
         step = "join cgroups"
         _join_cgroups(cgroup_procs)
+        _tag_for_audit(cgroup_procs)
         step = "enter namespaces"
         linux.setns(pidfd, _ENTER_NS | linux.CLONE_NEWPID)
         step = "enter root"

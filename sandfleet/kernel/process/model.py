@@ -10,6 +10,9 @@ DEFAULT_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME": "/workspace",
     "LANG": "C.UTF-8",
+    # System content is read-only under Landlock: Python writing .pyc next to /usr modules
+    # would be refused and reported as a `file.landlock` violation on every import.
+    "PYTHONDONTWRITEBYTECODE": "1",
 }
 
 

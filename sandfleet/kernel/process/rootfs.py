@@ -18,7 +18,9 @@ STAGE = "/tmp"  # mount point of the new root inside the child's private mount n
 _HOST_DIRS = ("usr", "bin", "sbin", "lib", "lib64", "lib32", "libx32")
 _ETC_BINDS = ("ssl/certs", "alternatives", "ld.so.cache")
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
-_PROC_MASKED_FILES = ("kcore", "keys", "key-users", "timer_list", "sched_debug", "latency_stats")
+# kpage*: uid 0 may read them without any capability, and a scan of kpagecgroup crashed a host.
+_PROC_MASKED_FILES = ("kcore", "keys", "key-users", "timer_list", "sched_debug", "latency_stats",
+                      "kpagecgroup", "kpageflags", "kpagecount")
 _PROC_MASKED_DIRS = ("acpi", "scsi", "asound")
 _RO = linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
 

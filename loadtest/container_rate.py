@@ -1,0 +1,326 @@
+"""Container create → exec `true` → destroy cycles: the platform end to end, beside plain crun.
+
+    .venv/bin/python -m loadtest.container_rate [--n 200] [--concurrency 8] [--rounds 3]
+
+The platform side is `sandfleet up` on a free port with the SDK creating `container` sandboxes
+over a busybox layer. The baseline is what a person would write to drive crun by hand: a
+separate process in its own mount namespace (on a hybrid cgroup host, with the v2 hierarchy
+unmounted, which crun 1.8 needs) that per cycle mounts an overlay over the very same EROFS
+layer mounts the platform uses, writes its own bundle, and calls `crun run --detach`,
+`crun exec true`, `crun delete --force` as subprocesses. crun manages that container's cgroups
+and network namespace itself, with the same limits and isolation the platform applies. Rounds
+alternate so both sides see the same machine noise; cycles/s is the median over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import sandfleet
+from loadtest.report import percentiles, print_table, write_json
+from sandfleet.kernel.container import ContainerSpec, bundle_config
+from sandfleet.layers_client import Layers
+from sandfleet.supervisor import free_port
+
+LAYER = "bench-busybox"
+APPLETS = ("sh", "true", "sleep", "cat", "echo")
+HYBRID_V2 = "/sys/fs/cgroup/unified"
+
+
+# -- shared by the container benchmarks: a platform and a layer ---------------------------------
+
+@contextlib.contextmanager
+def running_platform(node_id: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, Path]]:
+    """`sandfleet up --detach` in a temporary data dir; yields (url, data dir); `down` after.
+    Placement's CPU-pressure admission is off: the benchmark is what loads the CPU, and on a
+    shared machine other work would make the node refuse sandboxes mid-run."""
+    cli = [sys.executable, "-m", "sandfleet.cli"]
+    # `up --detach` orphans the supervisor: as a subreaper we adopt it and reap it after `down`.
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    with tempfile.TemporaryDirectory(prefix="sandfleet-bench-") as tmp:
+        env = {**os.environ, "SANDFLEET_LOG_LEVEL": "WARNING", "SANDFLEET_CPU_PSI_LIMIT": "0", **(env or {})}
+        up = subprocess.run([*cli, "up", "--detach", "--port", str(free_port()), "--data-dir", tmp,
+                             "--node-id", node_id], capture_output=True, text=True, env=env)
+        if up.returncode != 0:
+            raise RuntimeError(f"sandfleet up failed: {up.stderr}")
+        supervisor = json.loads((Path(tmp) / "supervisor.json").read_text())["pid"]
+        try:
+            yield up.stdout.strip(), Path(tmp)
+        except BaseException:
+            for log in sorted((Path(tmp) / "logs").glob("*.log")):  # why, before the data dir goes
+                print(f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}", file=sys.stderr)
+            raise
+        finally:
+            subprocess.run([*cli, "down", "--data-dir", tmp], capture_output=True)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(supervisor, 0)
+
+
+async def build_busybox_layer(fleet: sandfleet.Fleet, name: str = LAYER) -> None:
+    """A tiny root: the host's static busybox and a few applets, an /etc, a /workspace."""
+    if not os.path.exists("/bin/busybox"):
+        raise RuntimeError("the container benchmarks need busybox-static at /bin/busybox")
+    with tempfile.TemporaryDirectory(prefix="bench-layer-") as tmp:
+        root = Path(tmp) / "root"
+        for d in ("bin", "etc", "workspace", "tmp"):
+            (root / d).mkdir(parents=True)
+        shutil.copy2("/bin/busybox", root / "bin" / "busybox")
+        for applet in APPLETS:
+            os.symlink("busybox", root / "bin" / applet)
+        (root / "etc" / "hostname").write_text("bench\n")
+        await Layers(fleet.bus).build_dir(name, root)
+
+
+# -- the platform side ---------------------------------------------------------------------------
+
+async def platform_round(url: str, n: int, concurrency: int) -> tuple[float, dict[str, list[float]]]:
+    async with sandfleet.connect(url, name="bench") as fleet:
+        async def create(i: int) -> sandfleet.Sandbox:
+            return await fleet.create(isolation="container", layers=[LAYER], memory_mb=64, cpu=0.5)
+
+        async def exec_true(sb: sandfleet.Sandbox) -> int:
+            return (await sb.exec(["true"])).exit_code
+
+        async def destroy(sb: sandfleet.Sandbox) -> None:
+            await sb.destroy()
+
+        return await cycles(create, exec_true, destroy, n, concurrency)
+
+
+async def cycles(create, exec_true, destroy, n: int, concurrency: int) -> tuple[float, dict[str, list[float]]]:  # type: ignore[no-untyped-def]
+    lat: dict[str, list[float]] = {"create": [], "exec": [], "destroy": []}
+    gate = asyncio.Semaphore(concurrency)
+
+    async def cycle(i: int) -> None:
+        async with gate:
+            t0 = time.perf_counter()
+            box = await create(i)
+            t1 = time.perf_counter()
+            try:
+                code = await exec_true(box)
+            finally:
+                t2 = time.perf_counter()
+                await destroy(box)
+            t3 = time.perf_counter()
+            if code != 0:
+                raise RuntimeError(f"`true` exited {code}")
+            lat["create"].append((t1 - t0) * 1000)
+            lat["exec"].append((t2 - t1) * 1000)
+            lat["destroy"].append((t3 - t2) * 1000)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(cycle(i) for i in range(n)))
+    return n / (time.perf_counter() - start), lat
+
+
+# -- the baseline: plain crun, driven by subprocess ----------------------------------------------
+
+def layer_lowerdir(rootfs: str) -> str:
+    """The lowerdir option of the overlay mounted at `rootfs` (the node's shared EROFS mounts)."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields, _, rest = line.partition(" - ")
+            if fields.split()[4] == rootfs:
+                for opt in rest.split()[2].split(","):
+                    if opt.startswith("lowerdir="):
+                        return opt.removeprefix("lowerdir=")
+    raise RuntimeError(f"no overlay mounted at {rootfs}")
+
+
+def crun_config(cgroup_parent: str, sandbox_id: str) -> dict:
+    """The platform's OCI config for the same container, except that crun creates the cgroups
+    (with the same limits) and a fresh network namespace itself, and the root is `rootfs`."""
+    config = bundle_config(ContainerSpec(sandbox_id=sandbox_id, rootfs="rootfs", cgroup_procs=[], netns="",
+                                         tmp_size_mb=32))
+    config["linux"]["namespaces"] = [{"type": t} for t in ("pid", "ipc", "uts", "mount", "cgroup", "network")]
+    config["linux"]["cgroupsPath"] = f"{cgroup_parent}/{sandbox_id}"
+    config["linux"]["resources"] = {"memory": {"limit": 64 << 20}, "cpu": {"quota": 50_000, "period": 100_000},
+                                    "pids": {"limit": 512}}
+    return config
+
+
+class PlainCrun:
+    """One cycle = mount an overlay, write a bundle, `crun run -d`, `crun exec true`, `crun delete -f`."""
+
+    def __init__(self, work: Path, lowerdir: str, cgroup_parent: str) -> None:
+        self.work, self.lowerdir, self.cgroup_parent = work, lowerdir, cgroup_parent
+        self.state = work / "crun-state"
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.libc = ctypes.CDLL(None, use_errno=True)
+
+    def _crun(self, *args: str) -> list[str]:
+        return ["crun", "--root", str(self.state), *args]
+
+    async def _call(self, bundle: Path, *args: str) -> None:
+        # crun's errors go to a log file: a detached container would hold a stderr pipe open.
+        proc = await asyncio.create_subprocess_exec(*self._crun(f"--log={bundle}/crun.log", *args),
+                                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                    stderr=subprocess.DEVNULL)
+        if await proc.wait():
+            log = (bundle / "crun.log").read_text(errors="replace").strip()
+            raise RuntimeError(f"crun {args[0]}: {log or proc.returncode}")
+
+    async def create(self, i: int) -> tuple[str, Path]:
+        cid = f"plain-{os.getpid()}-{i}"
+        bundle = self.work / cid
+        for d in ("upper", "ovl-work", "rootfs"):
+            (bundle / d).mkdir(parents=True)
+        opts = f"lowerdir={self.lowerdir},upperdir={bundle}/upper,workdir={bundle}/ovl-work".encode()
+        if self.libc.mount(b"overlay", str(bundle / "rootfs").encode(), b"overlay", 0, opts) != 0:
+            raise OSError(ctypes.get_errno(), "mount overlay", str(bundle))
+        os.makedirs(bundle / "rootfs" / "workspace", exist_ok=True)
+        (bundle / "config.json").write_text(json.dumps(crun_config(self.cgroup_parent, cid)))
+        await self._call(bundle, "run", "--detach", "--pid-file", str(bundle / "init.pid"), "--bundle", str(bundle), cid)
+        return cid, bundle
+
+    async def exec_true(self, box: tuple[str, Path]) -> int:
+        proc = await asyncio.create_subprocess_exec(*self._crun("exec", "--cwd", "/workspace", box[0], "true"),
+                                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                    stderr=subprocess.DEVNULL)
+        return await proc.wait()
+
+    async def destroy(self, box: tuple[str, Path]) -> None:
+        cid, bundle = box
+        await self._call(bundle, "delete", "--force", cid)
+        if self.libc.umount2(str(bundle / "rootfs").encode(), 0) != 0:
+            raise OSError(ctypes.get_errno(), "umount", str(bundle))
+        await asyncio.to_thread(shutil.rmtree, bundle)
+
+
+def plain_crun_main(args: argparse.Namespace) -> int:
+    """The baseline process (already in its own mount namespace): one round, JSON to stdout."""
+    work = Path(args.work)
+    side = PlainCrun(work, args.lowerdir, args.cgroup_parent)
+    try:
+        rate, lat = asyncio.run(cycles(side.create, side.exec_true, side.destroy, args.n, args.concurrency))
+    finally:
+        for controller in os.listdir("/sys/fs/cgroup"):  # crun leaves the parent it was given
+            for root, _, _ in sorted(os.walk(f"/sys/fs/cgroup/{controller}/{args.cgroup_parent}"), reverse=True):
+                with contextlib.suppress(OSError):
+                    os.rmdir(root)
+    json.dump({"rate": rate, "lat": lat}, sys.stdout)
+    return 0
+
+
+def plain_crun_round(lowerdir: str, n: int, concurrency: int, work: Path, node_id: str) -> tuple[float, dict]:
+    """Run the baseline as its own process: `unshare --mount` (and the v2 unmount on hybrid hosts)."""
+    prelude = f"umount {HYBRID_V2} && " if os.path.ismount(HYBRID_V2) else ""
+    child = [sys.executable, "-m", "loadtest.container_rate", "--plain-crun", "--n", str(n),
+             "--concurrency", str(concurrency), "--lowerdir", lowerdir, "--work", str(work),
+             "--cgroup-parent", f"sandfleet/{node_id}-plain"]
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                          f'{prelude}exec "$@"', "sh", *child], capture_output=True, text=True)
+    # What crun detached (the inits it killed, its helpers) was orphaned to us, a subreaper.
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    if out.returncode != 0:
+        raise RuntimeError(f"the plain crun baseline failed: {out.stderr[-2000:]}")
+    got = json.loads(out.stdout)
+    return got["rate"], got["lat"]
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+async def _prepare(url: str, node_id: str) -> str:
+    """Build the layer, warm the platform, and compose one root so the baseline can find the
+    layer's mounts (the root stays composed, keeping them mounted, until `_release`)."""
+    async with sandfleet.connect(url, name="bench") as fleet:
+        await build_busybox_layer(fleet)
+        rootfs = await Layers(fleet.bus).compose(node_id, "bench-plain-lowers", [LAYER])
+        return layer_lowerdir(rootfs.path)
+
+
+async def _release(url: str, node_id: str) -> None:
+    async with sandfleet.connect(url, name="bench") as fleet:
+        await Layers(fleet.bus).release(node_id, "bench-plain-lowers")
+
+
+def run(n: int, rounds: int, concurrency: int, node_id: str) -> dict:
+    rates: dict[str, list[float]] = {"platform": [], "plain_crun": []}
+    lat: dict[str, dict[str, list[float]]] = {s: {"create": [], "exec": [], "destroy": []} for s in rates}
+    # Memory-pressure admission is off too: this measures the create path, not admission.
+    with running_platform(node_id, {"SANDFLEET_MEMORY_PSI_LIMIT": "0"}) as (url, data_dir):
+        lowerdir = asyncio.run(_prepare(url, node_id))
+        try:
+            asyncio.run(platform_round(url, min(8, n), concurrency))  # warm-up, not counted
+            for r in range(rounds):
+                for side in rates:
+                    if side == "platform":
+                        rate, got = asyncio.run(platform_round(url, n, concurrency))
+                    else:
+                        rate, got = plain_crun_round(lowerdir, n, concurrency, data_dir / "plain-crun", node_id)
+                    rates[side].append(rate)
+                    for k, v in got.items():
+                        lat[side][k].extend(v)
+                    print(f"round {r + 1}/{rounds} {side:<10} {rate:7.1f} cycles/s", flush=True)
+        finally:
+            asyncio.run(_release(url, node_id))
+    results: dict = {
+        side: {
+            "cycles_per_s": round(statistics.median(rates[side]), 1),
+            "rounds_cycles_per_s": [round(x, 1) for x in rates[side]],
+            **{k: percentiles(v) for k, v in lat[side].items()},
+        }
+        for side in rates
+    }
+    results["ratio_platform_over_plain_crun"] = round(
+        results["platform"]["cycles_per_s"] / results["plain_crun"]["cycles_per_s"], 3)
+    results["data_dir"] = str(data_dir)
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=200, help="cycles per round per side")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--node-id", default=os.environ.get("SANDFLEET_NODE_ID", "bench"))
+    ap.add_argument("--out", type=Path, default=Path("results/container_rate.json"))
+    ap.add_argument("--plain-crun", action="store_true", help=argparse.SUPPRESS)  # the baseline process
+    ap.add_argument("--lowerdir", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--cgroup-parent", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanups on the way out
+    if args.plain_crun:
+        return plain_crun_main(args)
+    if shutil.which("crun") is None:
+        print("crun is not installed", file=sys.stderr)
+        return 1
+
+    results = run(args.n, args.rounds, args.concurrency, args.node_id)
+    rows = [
+        [side, results[side]["cycles_per_s"],
+         *(results[side][k][p] for k in ("create", "exec", "destroy") for p in ("p50", "p99"))]
+        for side in ("platform", "plain_crun")
+    ]
+    print_table(
+        f"container create → exec true → destroy, n={args.n} x {args.rounds} rounds, "
+        f"concurrency {args.concurrency} (ms)",
+        ["side", "cycles/s", "create p50", "create p99", "exec p50", "exec p99", "destroy p50", "destroy p99"],
+        rows,
+    )
+    print(f"ratio platform/plain crun: {results['ratio_platform_over_plain_crun']}")
+    params = {k: v for k, v in vars(args).items() if k in ("n", "concurrency", "rounds", "node_id")}
+    out = write_json(args.out, "container_rate", params | {"out": str(args.out)}, results)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Density: how many idle `container` sandboxes (each running `sleep`) this machine holds at once.
+
+    .venv/bin/python -m loadtest.density [--max 3200] [--batch 100]     # --max 50 for a smoke run
+
+Steps up in batches (one `create_many` each, then `sleep` started in every new sandbox) until
+a create fails, memory runs short (MemAvailable under --reserve-mb) or --max is reached. It
+reports the platform's own memory (PSS of the supervisor, nats-server and every service, from
+/proc/<pid>/smaps_rollup) and the memory one idle sandbox costs: the host's used memory
+(MemTotal - MemAvailable) grown per sandbox, split into kernel (slab, page tables, kernel
+stacks) and the PSS of the sandbox's own processes, plus what its memory cgroup is charged.
+Then it destroys everything and checks that no overlay, cgroup, network namespace or
+process of the node is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import sandfleet
+from loadtest.container_rate import LAYER, build_busybox_layer, running_platform
+from loadtest.report import print_table, write_json
+
+KIB = 1024
+SLEEP = ["sh", "-c", "sleep 2147483647 </dev/null >/dev/null 2>&1 &"]
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in KiB."""
+    with open("/proc/meminfo") as f:
+        return {line.split(":")[0]: int(line.split()[1]) for line in f}
+
+
+def used_kib(m: dict[str, int]) -> int:
+    return m["MemTotal"] - m["MemAvailable"]
+
+
+def kernel_kib(m: dict[str, int]) -> int:
+    return m["Slab"] + m["PageTables"] + m["KernelStack"]
+
+
+def pss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def platform_pss_kib(data_dir: Path) -> dict[str, int]:
+    """PSS of each platform process: the supervisor, nats-server and the services."""
+    state = json.loads((data_dir / "supervisor.json").read_text())
+    found = {"supervisor": pss_kib(state["pid"])}
+    found.update({name: pss_kib(pid) for name, pid in state["services"].items()})
+    return found
+
+
+def sandbox_cgroup(node_id: str, sandbox_id: str) -> str:
+    for base in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup"):
+        path = f"{base}/sandfleet/{node_id}/{sandbox_id}"
+        if os.path.isdir(path):
+            return path
+    return ""
+
+
+def sandbox_memory(node_id: str, sandbox_ids: list[str]) -> dict[str, float]:
+    """Per sandbox (mean over the sample): the PSS of its processes and its cgroup's charge."""
+    pss, charged, procs = [], [], []
+    for sid in sandbox_ids:
+        cg = sandbox_cgroup(node_id, sid)
+        if not cg:
+            continue
+        with open(f"{cg}/cgroup.procs") as f:
+            pids = [int(p) for p in f.read().split()]
+        procs.append(len(pids))
+        pss.append(sum(pss_kib(p) for p in pids))
+        usage = f"{cg}/memory.usage_in_bytes" if os.path.exists(f"{cg}/memory.usage_in_bytes") else f"{cg}/memory.current"
+        with open(usage) as f:
+            charged.append(int(f.read()) / KIB)
+    mean = lambda xs: round(statistics.mean(xs), 1) if xs else 0.0  # noqa: E731
+    return {"processes_pss_kib": mean(pss), "cgroup_charged_kib": mean(charged), "processes": mean(procs)}
+
+
+def leftovers(node_id: str, data_dir: Path) -> dict[str, list[str]]:
+    """What of the node's sandboxes the machine still holds (after destroying them all)."""
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split()[4] for line in f if " overlay " in line and str(data_dir) in line
+                  and "/sandboxes/" in line.split()[4]]
+    cgroups = []
+    for hierarchy in os.listdir("/sys/fs/cgroup"):
+        node_dir = f"/sys/fs/cgroup/{hierarchy}/sandfleet/{node_id}"
+        if os.path.isdir(node_dir):
+            cgroups += [f"{node_dir}/{d}" for d in os.listdir(node_dir) if os.path.isdir(f"{node_dir}/{d}")]
+    netns = [n for n in os.listdir("/run/netns") if n.startswith(f"sf-{node_id}.")] if os.path.isdir("/run/netns") else []
+    left = {"overlays": mounts, "cgroups": cgroups, "netns": netns}
+    return {k: v for k, v in left.items() if v}
+
+
+async def _start_sleep(boxes: list[sandfleet.Sandbox], concurrency: int) -> None:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(sb: sandfleet.Sandbox) -> None:
+        async with gate:
+            r = await sb.exec(SLEEP)
+            if r.exit_code != 0:
+                raise RuntimeError(f"starting sleep in {sb.id} exited {r.exit_code}: {r.stderr[-200:]!r}")
+
+    await asyncio.gather(*(one(sb) for sb in boxes))
+
+
+async def _destroy(boxes: list[sandfleet.Sandbox], concurrency: int) -> None:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(sb: sandfleet.Sandbox) -> None:
+        async with gate:
+            await sb.destroy()
+
+    await asyncio.gather(*(one(sb) for sb in boxes))
+
+
+async def step_up(url: str, node_id: str, data_dir: Path, args: argparse.Namespace) -> dict:
+    async with sandfleet.connect(url, name="bench-density") as fleet:
+        await build_busybox_layer(fleet)
+        warm = await fleet.create(isolation="container", layers=[LAYER], memory_mb=args.memory_mb)
+        await warm.exec(["true"])
+        await warm.destroy()
+        await asyncio.sleep(1.0)
+        before, platform_before = meminfo(), platform_pss_kib(data_dir)
+        boxes: list[sandfleet.Sandbox] = []
+        steps, limit = [], f"reached --max {args.max}"
+        start = time.perf_counter()
+        try:
+            while len(boxes) < args.max:
+                n = min(args.batch, args.max - len(boxes))
+                t0 = time.perf_counter()
+                try:
+                    made = await fleet.create_many(n, isolation="container", layers=[LAYER],
+                                                   memory_mb=args.memory_mb, cpu=0.1, pids=64)
+                except sandfleet.errors.SandfleetError as exc:
+                    boxes += getattr(exc, "created", [])
+                    limit = f"a create failed at {len(boxes)}: {exc}"
+                    break
+                boxes += made
+                await _start_sleep(made, args.concurrency)
+                m = meminfo()
+                steps.append({"sandboxes": len(boxes), "batch_s": round(time.perf_counter() - t0, 2),
+                              "used_mib": round(used_kib(m) / KIB), "available_mib": round(m["MemAvailable"] / KIB)})
+                print(f"{len(boxes):6d} sandboxes  batch {steps[-1]['batch_s']:6.2f}s  "
+                      f"used {steps[-1]['used_mib']} MiB  available {steps[-1]['available_mib']} MiB", flush=True)
+                if m["MemAvailable"] < args.reserve_mb * KIB:
+                    limit = f"memory: MemAvailable {m['MemAvailable'] // KIB} MiB < reserve {args.reserve_mb} MiB"
+                    break
+            held_s = time.perf_counter() - start
+            after, platform_after = meminfo(), platform_pss_kib(data_dir)
+            sample = sandbox_memory(node_id, [sb.id for sb in boxes[:: max(1, len(boxes) // 20)]])
+        finally:
+            t0 = time.perf_counter()
+            await _destroy(boxes, args.concurrency)
+            destroy_s = time.perf_counter() - t0
+        await asyncio.sleep(1.0)
+        n = max(1, len(boxes))
+        platform_growth = sum(platform_after.values()) - sum(platform_before.values())
+        kernel = (kernel_kib(after) - kernel_kib(before)) / n
+        per_sandbox_used = (used_kib(after) - used_kib(before) - platform_growth) / n
+        return {
+            "sandboxes_held": len(boxes),
+            "limited_by": limit,
+            "seconds_to_fill": round(held_s, 1),
+            "seconds_to_destroy_all": round(destroy_s, 1),
+            "platform_pss_mib": {k: round(v / KIB, 1) for k, v in platform_after.items()},
+            "platform_pss_mib_total": round(sum(platform_after.values()) / KIB, 1),
+            "platform_pss_mib_total_idle": round(sum(platform_before.values()) / KIB, 1),
+            "per_sandbox_kib": {
+                # Host-wide figures: on a machine others share, their memory moves these too.
+                "host_used": round(per_sandbox_used, 1),
+                "kernel": round(kernel, 1),
+                "kernel_plus_processes": round(kernel + sample["processes_pss_kib"], 1),
+                **sample,
+            },
+            "fits_in_available_memory": int(before["MemAvailable"] / per_sandbox_used) if per_sandbox_used > 0 else None,
+            "steps": steps,
+            "left_after_destroy": leftovers(node_id, data_dir),
+            "live_after_destroy": len(await fleet.list()),
+            "data_dir": str(data_dir),
+        }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max", type=int, default=3200, help="stop at this many sandboxes")
+    ap.add_argument("--batch", type=int, default=100, help="sandboxes per create_many")
+    ap.add_argument("--concurrency", type=int, default=16, help="parallel execs and destroys")
+    ap.add_argument("--memory-mb", type=int, default=64, help="each sandbox's memory limit")
+    ap.add_argument("--reserve-mb", type=int, default=1024, help="stop when MemAvailable falls below this")
+    ap.add_argument("--node-id", default=os.environ.get("SANDFLEET_NODE_ID", "bench"))
+    ap.add_argument("--out", type=Path, default=Path("results/density.json"))
+    args = ap.parse_args()
+    # The node's sandbox capacity (2000 by default) must not be what stops the count.
+    capacity = {"SANDFLEET_CAPACITY": str(max(args.max, 2000))}
+    with running_platform(args.node_id, capacity) as (url, data_dir):
+        results = asyncio.run(step_up(url, args.node_id, data_dir, args))
+    per = results["per_sandbox_kib"]
+    print_table(
+        f"idle container sandboxes (each running sleep), batches of {args.batch}",
+        ["held", "limited by", "platform PSS MiB", "per sandbox KiB: host used", "kernel", "processes PSS",
+         "kernel + processes", "cgroup charge"],
+        [[results["sandboxes_held"], results["limited_by"], results["platform_pss_mib_total"], per["host_used"],
+          per["kernel"], per["processes_pss_kib"], per["kernel_plus_processes"], per["cgroup_charged_kib"]]],
+    )
+    print(f"fill {results['seconds_to_fill']} s, destroy all {results['seconds_to_destroy_all']} s; "
+          f"left after destroy: {results['left_after_destroy'] or 'nothing'}, live records: {results['live_after_destroy']}")
+    out = write_json(args.out, "density", {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                     results)
+    print(f"wrote {out}")
+    return 0 if not results["left_after_destroy"] and not results["live_after_destroy"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
