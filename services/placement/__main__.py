@@ -1,4 +1,5 @@
-"""Composition root of placement: bus, store, node registry watch, endpoints."""
+"""Composition root of placement: bus, store, node registry and booking watches, quota
+release, the stuck and lost sweeps, endpoints."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from sandfleet.store import SandboxStore
 from schemas import node as node_schema
 from schemas import sandbox
 from services.placement import handlers
-from services.placement.policy import NodeView
+from services.placement.ledger import Ledger
+from services.placement.policy import Limits, NodeView
+from services.placement.quotas import Quotas
 
 log = logging.getLogger("sandfleet.placement")
 
@@ -49,10 +52,28 @@ async def sweep_stuck(deps: handlers.Deps, period_s: float = 30.0) -> None:
         await asyncio.sleep(period_s)
 
 
+async def sweep_lost(deps: handlers.Deps) -> None:
+    # A replica that just started has not heard every node yet: wait one lost period first.
+    await asyncio.sleep(deps.nodes.limits.node_lost_s)
+    while True:
+        try:
+            for node_id, n in (await handlers.fail_lost(deps, time.time())).items():
+                log.warning("node %s is lost; %d sandbox(es) reported failed", node_id, n)
+        except Exception:
+            log.exception("lost-node sweep failed")
+        await asyncio.sleep(min(node_schema.HEARTBEAT_S, deps.nodes.limits.node_lost_s / 2))
+
+
 async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
     async with runner.service_bus("placement", config) as bus:
-        deps = handlers.Deps(bus=bus, store=await SandboxStore.open(bus), nodes=NodeView())
-        tasks = [asyncio.create_task(watch_nodes(bus, deps.nodes)), asyncio.create_task(sweep_stuck(deps))]
+        view = NodeView(limits=Limits.from_env())
+        deps = handlers.Deps(bus=bus, store=await SandboxStore.open(bus), nodes=view,
+                             ledger=await Ledger.open(bus, view), quotas=await Quotas.open(bus))
+        assert deps.ledger is not None and deps.quotas is not None
+        tasks = [asyncio.create_task(c) for c in (
+            watch_nodes(bus, view), deps.ledger.watch(), deps.quotas.watch_limits(), deps.quotas.release_ended(),
+            sweep_stuck(deps), sweep_lost(deps),
+        )]
         h = functools.partial
         await bus.serve(
             "placement",
@@ -61,10 +82,12 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
                 Endpoint("create_many", sandbox.CREATE_MANY, sandbox.CreateManyRequest, h(handlers.create_many, deps)),
                 Endpoint("get", sandbox.GET, sandbox.GetRequest, h(handlers.get, deps)),
                 Endpoint("list", sandbox.LIST, sandbox.ListRequest, h(handlers.list_sandboxes, deps)),
+                Endpoint("quota_set", sandbox.QUOTA_SET, sandbox.Quota, h(handlers.set_quota, deps)),
+                Endpoint("quota_get", sandbox.QUOTA_GET, sandbox.QuotaGetRequest, h(handlers.get_quota, deps)),
             ],
             queue_group=sandbox.QUEUE_GROUP,
         )
-        log.info("placement serving")
+        log.info("placement serving (%s)", view.limits)
         await stop.wait()
         for task in tasks:
             task.cancel()

@@ -1,7 +1,10 @@
-"""Placement's handlers: create one or many sandboxes, look them up, list them.
+"""Placement's handlers: create one or many sandboxes, look them up, list them, set quotas.
 
-A create writes the record (`scheduled`) before asking the node to launch, so a sandbox
-that was accepted is never lost: if the node cannot be reached its record ends `failed`.
+A create is admitted by the quotas, booked on the nodes through the shared ledger, written
+as records (`scheduled`) and only then handed to the nodes, so a sandbox that was accepted
+is never lost: if its node cannot be reached its record ends `failed`. A gang batch
+(`wait=False`) is answered as soon as every sandbox is placed and recorded; its launches go
+on per node, in parallel, and the caller follows their events.
 """
 
 from __future__ import annotations
@@ -10,32 +13,40 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sandfleet import errors
+from sandfleet.allow_rules import parse_allow
 from sandfleet.bus import Bus
 from sandfleet.errors import ServiceError
 from sandfleet.store import SandboxStore
 from schemas import node as node_schema
 from schemas.errors import ErrorCode
 from schemas.sandbox import (
+    ENDED,
     CreateManyReply,
     CreateManyRequest,
     CreateReply,
     CreateRequest,
     GetRequest,
     ListRequest,
+    NodePlacement,
+    Quota,
+    QuotaGetRequest,
+    QuotaState,
     Reason,
     SandboxList,
     SandboxRecord,
     SandboxSpec,
     State,
 )
+from services.placement.ledger import Ledger
 from services.placement.policy import NoCapacity, NodeView, NoEligibleNode
+from services.placement.quotas import Quotas
 
 log = logging.getLogger("sandfleet.placement")
 
-LAUNCH_CHUNK = 200  # sandboxes per launch request, to keep messages well under the payload limit
+LAUNCH_CHUNK = 500  # sandboxes per launch request: ~150 KB, well under the payload limit
 
 
 @dataclass
@@ -43,15 +54,20 @@ class Deps:
     bus: Bus
     store: SandboxStore
     nodes: NodeView
+    ledger: Ledger | None = None  # None: book in this replica's view only (tests of one replica)
+    quotas: Quotas | None = None
+    launches: set[asyncio.Task] = field(default_factory=set)  # gang-batch launches still going
 
 
 def new_id() -> str:
     return "sb-" + secrets.token_hex(6)
 
 
-def _plan(deps: Deps, spec: SandboxSpec, count: int) -> dict[str, int]:
+async def _book(deps: Deps, spec: SandboxSpec, count: int) -> dict[str, int]:
     try:
-        return deps.nodes.place(spec.isolation, count, time.time())
+        if deps.ledger is None:
+            return deps.nodes.place(spec, count, time.time())
+        return await deps.ledger.book(spec, count, time.time())
     except NoEligibleNode as exc:
         raise ServiceError(ErrorCode.UNSUPPORTED, str(exc)) from None
     except NoCapacity as exc:
@@ -62,12 +78,68 @@ def _spec_of(req: CreateRequest) -> SandboxSpec:
     return SandboxSpec(**{f: getattr(req, f) for f in SandboxSpec.__struct_fields__})
 
 
+def _check_allow(spec: SandboxSpec) -> None:
+    """A bad egress rule is the creator's error: refuse it before a record or a node is
+    involved, whoever sent the request (the SDK checks too, but any NATS client may call)."""
+    try:
+        parse_allow(spec.allow)
+    except ValueError as exc:
+        raise ServiceError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+
+
+Stored = tuple[SandboxRecord, int]  # a record and its KV revision
+
+
+async def _place(deps: Deps, spec: SandboxSpec, count: int) -> dict[str, list[Stored]]:
+    """Admit, book and record `count` sandboxes: node → its `scheduled` records and revisions."""
+    _check_allow(spec)
+    now = time.time()
+    quota_keys = await deps.quotas.admit(spec, count, now) if deps.quotas else []
+    try:
+        plan = await _book(deps, spec, count)
+    except ServiceError:
+        if deps.quotas:
+            await deps.quotas.give_back(quota_keys, count)
+        raise
+    placed = {
+        node_id: [
+            SandboxRecord(id=new_id(), node=node_id, spec=spec, state=State.SCHEDULED, created_at=now, updated_at=now)
+            for _ in range(k)
+        ]
+        for node_id, k in plan.items()
+    }
+    records = [r for rs in placed.values() for r in rs]
+    try:
+        if deps.quotas and quota_keys:
+            await deps.quotas.remember([r.id for r in records], quota_keys)
+        stored = await deps.store.create_many(records)
+    except (ServiceError, errors.SandfleetError, OSError) as exc:
+        await _unplace(deps, spec, plan, records, quota_keys, exc)
+        raise ServiceError(ErrorCode.INTERNAL, f"could not record the batch: {exc}") from None
+    by_id = {r.id: (r, revision) for r, revision in stored}
+    return {n: [by_id[r.id] for r in rs] for n, rs in placed.items()}
+
+
+async def _unplace(deps: Deps, spec, plan, records, quota_keys, exc) -> None:  # type: ignore[no-untyped-def]
+    """Nothing was handed to a node: give every booking back and end whatever got recorded."""
+    log.warning("recording a batch of %d failed: %s", len(records), exc)
+    if deps.ledger is not None:
+        await deps.ledger.release(plan, spec)
+    if deps.quotas and quota_keys:
+        await deps.quotas.forget_members([r.id for r in records])
+        await deps.quotas.give_back(quota_keys, len(records))
+    for r in records:
+        try:
+            await deps.store.transition(r.id, State.FAILED, Reason.LAUNCH_FAILED, "placement could not record the batch")
+        except ServiceError:
+            pass  # never stored
+
+
 async def create(deps: Deps, req: CreateRequest) -> CreateReply:
     spec = _spec_of(req)
-    (node_id,) = _plan(deps, spec, 1)
-    created = await _launch_on(deps, node_id, [await _schedule(deps, node_id, spec)])
-    if not created:
-        raise ServiceError(ErrorCode.CAPACITY, "the node could not start the sandbox")
+    placed = await _place(deps, spec, 1)
+    ((node_id, records),) = placed.items()
+    created = await _launch_on(deps, node_id, records)
     result = created[0]
     if not result.ok:
         raise ServiceError(result.code, f"launch failed on {node_id}: {result.error}")
@@ -75,12 +147,18 @@ async def create(deps: Deps, req: CreateRequest) -> CreateReply:
 
 
 async def create_many(deps: Deps, req: CreateManyRequest) -> CreateManyReply:
-    plan = _plan(deps, req.spec, req.count)
-    launches = []
-    for node_id, count in plan.items():
-        records = await asyncio.gather(*(_schedule(deps, node_id, req.spec) for _ in range(count)))
-        for start in range(0, len(records), LAUNCH_CHUNK):
-            launches.append((node_id, _launch_on(deps, node_id, records[start : start + LAUNCH_CHUNK])))
+    placed = await _place(deps, req.spec, req.count)
+    launches = [
+        (node_id, _launch_on(deps, node_id, records[start : start + LAUNCH_CHUNK]))
+        for node_id, records in placed.items()
+        for start in range(0, len(records), LAUNCH_CHUNK)
+    ]
+    if not req.wait:
+        for _, coro in launches:
+            task = asyncio.create_task(coro)
+            deps.launches.add(task)
+            task.add_done_callback(deps.launches.discard)
+        return CreateManyReply(placements=[NodePlacement(node=n, ids=[r.id for r, _ in rs]) for n, rs in placed.items()])
     done = await asyncio.gather(*(coro for _, coro in launches))
     sandboxes, failures = [], []
     for (node_id, _), results in zip(launches, done):
@@ -92,18 +170,11 @@ async def create_many(deps: Deps, req: CreateManyRequest) -> CreateManyReply:
     return CreateManyReply(sandboxes=sandboxes, failed=len(failures), errors=failures[:20])
 
 
-async def _schedule(deps: Deps, node_id: str, spec: SandboxSpec) -> SandboxRecord:
-    now = time.time()
-    record = SandboxRecord(
-        id=new_id(), node=node_id, spec=spec, state=State.SCHEDULED, created_at=now, updated_at=now
-    )
-    return await deps.store.create(record)
-
-
-async def _launch_on(deps: Deps, node_id: str, records: list[SandboxRecord]) -> list[node_schema.LaunchResult]:
+async def _launch_on(deps: Deps, node_id: str, stored: list[Stored]) -> list[node_schema.LaunchResult]:
     request = node_schema.LaunchRequest(
-        sandboxes=[node_schema.LaunchItem(id=r.id, spec=r.spec) for r in records]
+        sandboxes=[node_schema.LaunchItem(id=r.id, spec=r.spec, record=r, revision=rev) for r, rev in stored]
     )
+    records = [r for r, _ in stored]
     try:
         reply = await deps.bus.request(
             node_schema.subject(node_id, node_schema.LAUNCH),
@@ -115,12 +186,18 @@ async def _launch_on(deps: Deps, node_id: str, records: list[SandboxRecord]) -> 
     except errors.SandfleetError as exc:
         # The node never took them (or never answered): they must not stay `scheduled` forever.
         log.warning("launch on %s failed: %s", node_id, exc)
-        for r in records:
-            try:
-                await deps.store.transition(r.id, State.FAILED, Reason.LAUNCH_FAILED, f"node {node_id}: {exc}")
-            except ServiceError:
-                pass  # the node did act on it after all; its record says what happened
+        if isinstance(exc, errors.NoResponders) and deps.ledger is not None:
+            await deps.ledger.release({node_id: len(records)}, records[0].spec)  # it surely took none
+        await asyncio.gather(*(_fail(deps, r.id, f"node {node_id}: {exc}", Reason.LAUNCH_FAILED) for r in records))
         return [node_schema.LaunchResult(id=r.id, ok=False, error=str(exc)) for r in records]
+
+
+async def _fail(deps: Deps, sandbox_id: str, detail: str, reason: Reason) -> bool:
+    try:
+        await deps.store.transition(sandbox_id, State.FAILED, reason, detail)
+        return True
+    except ServiceError:
+        return False  # the node did act on it, or it ended meanwhile; its record says what happened
 
 
 STUCK_AFTER_S = 120.0
@@ -132,12 +209,30 @@ async def fail_stuck(deps: Deps, now: float) -> list[str]:
     stuck = [r for r in await deps.store.all() if r.state is State.SCHEDULED and now - r.updated_at > STUCK_AFTER_S]
     failed = []
     for r in stuck:
-        try:
-            await deps.store.transition(r.id, State.FAILED, Reason.LAUNCH_FAILED, "never launched")
+        if await _fail(deps, r.id, "never launched", Reason.LAUNCH_FAILED):
             failed.append(r.id)
-        except ServiceError:
-            pass  # launched or ended meanwhile, or another replica got there first
     return failed
+
+
+async def fail_lost(deps: Deps, now: float) -> dict[str, int]:
+    """Nodes whose heartbeats stopped: the one replica that marks each lost fails its sandboxes
+    (reason `node_lost`); a node heard from again loses the mark."""
+    if deps.ledger is None:
+        return {}
+    alive = set(deps.nodes.alive(now))
+    reported: dict[str, int] = {}
+    for node_id, booking in list(deps.nodes.bookings.items()):
+        if node_id in alive:
+            if booking.lost:
+                await deps.ledger.mark_lost(node_id, False)
+            continue
+        if booking.lost or not await deps.ledger.mark_lost(node_id, True):
+            continue
+        records = [r for r in await deps.store.all(node_id) if r.state not in ENDED]
+        results = await asyncio.gather(*(_fail(deps, r.id, f"node {node_id} stopped sending heartbeats", Reason.NODE_LOST)
+                                         for r in records))
+        reported[node_id] = sum(results)
+    return reported
 
 
 async def get(deps: Deps, req: GetRequest) -> SandboxRecord:
@@ -147,3 +242,15 @@ async def get(deps: Deps, req: GetRequest) -> SandboxRecord:
 
 async def list_sandboxes(deps: Deps, req: ListRequest) -> SandboxList:
     return SandboxList(sandboxes=await deps.store.all(req.node, req.include_ended))
+
+
+async def set_quota(deps: Deps, req: Quota) -> QuotaState:
+    if deps.quotas is None:
+        raise ServiceError(ErrorCode.UNSUPPORTED, "this placement keeps no quotas")
+    return await deps.quotas.set(req)
+
+
+async def get_quota(deps: Deps, req: QuotaGetRequest) -> QuotaState:
+    if deps.quotas is None:
+        raise ServiceError(ErrorCode.UNSUPPORTED, "this placement keeps no quotas")
+    return await deps.quotas.get(req)

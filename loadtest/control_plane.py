@@ -1,0 +1,153 @@
+"""Control-plane benchmark on SIMULATED nodes: placements/s, request → running latency, a gang batch.
+
+    .venv/bin/python -m loadtest.control_plane [--nodes 160] [--n 20000] [--batch 100]
+        [--concurrency 4] [--gang 32000] [--replicas 1] [--min-share 16]
+
+A private nats-server and `--replicas` real placement processes; `--nodes` simulated nodes
+(loadtest/simnode.py: they register and heartbeat, take launches and write their records'
+`starting`/`running` transitions and events after a modelled 5-20 ms, and create nothing).
+Three measurements, side by side in one run:
+  1. raw NATS request/reply on the same machine (an echo responder, same concurrency);
+  2. steady creation: batches of `--batch` via `create_many`, `--concurrency` in flight, until
+     `--n` sandboxes run; placements/s and latency from the request to each `started` event;
+  3. one gang batch of `--gang` sandboxes on fresh nodes: time until placement has answered
+     (every sandbox placed and recorded) and until every one is running.
+SANDFLEET_PROFILE_PLACEMENT=/tmp/p.prof writes a cProfile of the first placement replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+
+import sandfleet
+from loadtest.report import percentiles, print_table, write_json
+from loadtest.simnode import ControlPlane, SimulatedNode
+from sandfleet.bus import Bus, decode
+from sandfleet.store import SandboxStore
+from schemas import events
+from schemas.events import AnySandboxEvent
+
+
+async def raw_request_reply(url: str, n: int, concurrency: int) -> dict:
+    server, client = await Bus.connect(url, "echo-server"), await Bus.connect(url, "echo-client")
+
+    async def echo(msg) -> None:  # type: ignore[no-untyped-def]
+        await msg.respond(msg.data)
+
+    await server.nc.subscribe("bench.echo", cb=echo)
+    await server.nc.flush()  # the server has the subscription before the first request
+    payload = b"x" * 256
+    left = n
+
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            await client.nc.request("bench.echo", payload, timeout=10)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    await client.close()
+    await server.close()
+    return {"requests": n, "concurrency": concurrency, "per_s": round(n / elapsed)}
+
+
+async def steady(fleet: sandfleet.Fleet, n: int, batch: int, concurrency: int) -> dict:
+    started: dict[str, float] = {}
+
+    async def on_started(msg) -> None:  # type: ignore[no-untyped-def]
+        started.setdefault(decode(msg.data, AnySandboxEvent).sandbox_id, time.perf_counter())
+
+    sub = await fleet.bus.nc.subscribe(events.sandbox_subject("*", "started"), cb=on_started,
+                                       pending_msgs_limit=4 * n, pending_bytes_limit=-1)
+    latencies: list[float] = []
+    left = n
+
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            k = min(batch, left)
+            left -= k
+            sent = time.perf_counter()
+            boxes = await fleet.create_many(k, memory_mb=64, cpu=0.1, request_timeout_s=120)
+            latencies.extend((started.get(b.id, time.perf_counter()) - sent) * 1000 for b in boxes)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    await sub.unsubscribe()
+    return {"sandboxes": n, "batch": batch, "concurrency": concurrency, "elapsed_s": round(elapsed, 2),
+            "placements_per_s": round(n / elapsed), "latency_ms": percentiles(latencies)}
+
+
+async def gang(fleet: sandfleet.Fleet, n: int) -> dict:
+    placed_at: list[float] = []
+
+    def progress(p) -> None:  # type: ignore[no-untyped-def]
+        if not placed_at and p.placed == n:
+            placed_at.append(time.perf_counter())
+
+    start = time.perf_counter()
+    boxes = await fleet.create_many(n, memory_mb=64, cpu=0.1, request_timeout_s=600, progress=progress)
+    running = time.perf_counter() - start
+    return {"sandboxes": len(boxes), "placed_s": round(placed_at[0] - start, 3), "all_running_s": round(running, 3)}
+
+
+async def run(args: argparse.Namespace) -> dict:
+    cp = await ControlPlane(replicas=args.replicas, env={"SANDFLEET_PLACEMENT_MIN_SHARE": str(args.min_share)}).start()
+    try:
+        raw = await raw_request_reply(cp.url, args.raw_n, args.raw_concurrency)
+        sims_bus = await Bus.connect(cp.url, "simulated-nodes")
+        await cp.wait_for_replicas(sims_bus, timeout=60)
+        store = await SandboxStore.open(sims_bus)
+        per_node = max(args.capacity, (args.n + args.gang) // args.nodes + 1)
+        nodes = [await SimulatedNode(sims_bus, store, f"sim-{i:03d}", capacity=per_node).start()
+                 for i in range(args.nodes)]
+        await asyncio.sleep(1.0)  # every replica has heard every node
+        async with sandfleet.connect(cp.url) as fleet:
+            results = {"raw_request_reply": raw, "nodes": len(nodes), "placement_replicas": args.replicas}
+            if args.n:
+                results["steady"] = await steady(fleet, args.n, args.batch, args.concurrency)
+            if args.gang:
+                results["gang"] = await gang(fleet, args.gang)
+        await sims_bus.close()
+        return results
+    finally:
+        cp.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=160, help="simulated nodes")
+    ap.add_argument("--capacity", type=int, default=2000, help="sandbox slots per simulated node")
+    ap.add_argument("--n", type=int, default=20000, help="sandboxes in the steady phase (0: skip)")
+    ap.add_argument("--batch", type=int, default=100)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--gang", type=int, default=32000, help="sandboxes in the gang batch (0: skip)")
+    ap.add_argument("--replicas", type=int, default=1, help="placement processes")
+    ap.add_argument("--min-share", type=int, default=16,
+                    help="placement's SANDFLEET_PLACEMENT_MIN_SHARE: least sandboxes per node per batch (1: spread over all)")
+    ap.add_argument("--raw-n", type=int, default=20000)
+    ap.add_argument("--raw-concurrency", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=Path("results/control_plane.json"))
+    args = ap.parse_args()
+    results = asyncio.run(run(args))
+    rows = [["raw NATS request/reply (echo)", results["raw_request_reply"]["per_s"], "", "", ""]]
+    if "steady" in results:
+        s = results["steady"]
+        rows.append([f"create_many x{s['batch']}, {s['concurrency']} in flight, {s['sandboxes']} sandboxes",
+                     s["placements_per_s"], s["latency_ms"]["p50"], s["latency_ms"]["p99"], ""])
+    if "gang" in results:
+        g = results["gang"]
+        rows.append([f"gang batch of {g['sandboxes']}", "", "", "", f"placed {g['placed_s']} s, running {g['all_running_s']} s"])
+    print_table(f"control plane on {results['nodes']} SIMULATED nodes, {results['placement_replicas']} placement replica(s)",
+                ["what", "per s", "p50 ms", "p99 ms", "gang"], rows)
+    print(f"written to {write_json(args.out, 'control_plane', vars(args) | {'out': str(args.out)}, results)}")
+
+
+if __name__ == "__main__":
+    main()

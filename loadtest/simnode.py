@@ -1,0 +1,223 @@
+"""SIMULATED nodes and a control plane to run them against: load-test machinery, not a runtime.
+
+A `SimulatedNode` registers in KV `nodes` (with `simulated=True`) and heartbeats like a
+launcher, answers `node.v1.<node>.launch` and `destroy`, and moves each sandbox's record
+through `starting` → `running` (real JetStream writes and lifecycle events) after a modelled
+launch latency, but creates nothing: no process, cgroup, mount or namespace. It exists so
+the control plane (placement, the ledger, the bus) can be measured and tested at cluster
+size on one machine. `ControlPlane` starts a private nats-server and N real placement
+replicas (each its own process) for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sandfleet.bus import Bus, Endpoint, encode
+from sandfleet.errors import ServiceError
+from sandfleet.store import SandboxStore, ensure_state
+from schemas import node as node_schema
+from schemas.errors import ErrorCode
+from schemas.node import DestroyReply, DestroyRequest, LaunchReply, LaunchRequest, LaunchResult, NodeInfo, NodePressure
+from schemas.sandbox import Reason, SandboxSpec, State
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class SimulatedNode:
+    bus: Bus
+    store: SandboxStore
+    id: str
+    capacity: int = 2000
+    cpus: int = 64
+    memory_mb: int = 256 * 1024
+    isolation: tuple[str, ...] = ("process", "container")
+    layers: tuple[str, ...] = ()
+    launch_ms: tuple[float, float] = (5.0, 20.0)  # modelled launch latency, uniform in this range
+    heartbeat_s: float = node_schema.HEARTBEAT_S
+    pressure: NodePressure = field(default_factory=NodePressure)
+    live: dict[str, SandboxSpec] = field(default_factory=dict)
+    starting: dict[str, SandboxSpec] = field(default_factory=dict)
+    instance: str = field(default_factory=lambda: secrets.token_hex(8))
+    accepted: int = 0
+    accepted_cpu: float = 0.0
+    accepted_memory_mb: int = 0
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+    _service: object = None
+
+    def info(self) -> NodeInfo:
+        specs = list(self.live.values()) + list(self.starting.values())
+        return NodeInfo(
+            id=self.id, isolation=list(self.isolation), capacity=self.capacity, running=len(self.live),
+            cpus=self.cpus, memory_mb=self.memory_mb, at=time.time(), starting=len(self.starting),
+            allocated_cpu=sum(s.cpu for s in specs), allocated_memory_mb=sum(s.memory_mb for s in specs),
+            pressure=self.pressure, layers=list(self.layers), instance=self.instance, accepted=self.accepted,
+            accepted_cpu=self.accepted_cpu, accepted_memory_mb=self.accepted_memory_mb, simulated=True,
+        )
+
+    async def start(self) -> SimulatedNode:
+        self._kv = await self.bus.js.key_value(node_schema.KV_BUCKET)
+        await self.beat()
+        self._service = await self.bus.serve(
+            f"simnode-{self.id}",
+            [
+                Endpoint("launch", node_schema.subject(self.id, node_schema.LAUNCH), LaunchRequest, self.launch,
+                         max_bytes=8 << 20),
+                Endpoint("destroy", node_schema.subject(self.id, node_schema.DESTROY), DestroyRequest, self.destroy),
+            ],
+            queue_group=f"launcher-{self.id}",
+        )
+        self._tasks.append(asyncio.create_task(self._heartbeats()))
+        return self
+
+    async def beat(self) -> None:
+        await self._kv.put(self.id, encode(self.info()))
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await self.beat()
+            except Exception:  # a missed beat is what a real node does on a bad moment too
+                pass
+
+    async def silence(self) -> None:
+        """Stop heartbeating and answering, as a node that died would."""
+        for task in self._tasks:
+            task.cancel()
+        self._tasks.clear()
+        service, self._service = self._service, None
+        if service is not None:
+            self.bus._services.remove(service)  # type: ignore[arg-type]  # stopped here, not again at close
+            await service.stop()  # type: ignore[attr-defined]
+
+    async def launch(self, req: LaunchRequest) -> LaunchReply:
+        for item in req.sandboxes:
+            self.accepted += 1
+            self.accepted_cpu += item.spec.cpu
+            self.accepted_memory_mb += item.spec.memory_mb
+            self.starting[item.id] = item.spec
+        ids = [i.id for i in req.sandboxes]
+        known = {i.id: (i.record, i.revision) for i in req.sandboxes if i.record is not None and i.revision}
+        results: dict[str, LaunchResult] = {}
+        try:
+            for new in (State.STARTING, State.RUNNING):
+                outcome = await self.store.transition_many([i for i in ids if i not in results], new, known=known)
+                for item_id, out in zip([i for i in ids if i not in results], outcome):
+                    if isinstance(out, ServiceError):
+                        results[item_id] = LaunchResult(id=item_id, ok=False, error=out.message, code=out.code)
+                if new is State.STARTING:  # the modelled launch: nothing is made
+                    await asyncio.sleep(random.uniform(*self.launch_ms) / 1000)
+        finally:
+            for item in req.sandboxes:
+                self.starting.pop(item.id, None)
+        for item in req.sandboxes:
+            if item.id not in results:
+                self.live[item.id] = item.spec
+                results[item.id] = LaunchResult(id=item.id, ok=True)
+        return LaunchReply(results=[results[i] for i in ids])
+
+    async def destroy(self, req: DestroyRequest) -> DestroyReply:
+        if req.sandbox_id not in self.live:
+            raise ServiceError(ErrorCode.NOT_FOUND, f"no sandbox {req.sandbox_id} on {self.id}")
+        await self.store.transition(req.sandbox_id, State.STOPPING, Reason.REQUESTED)
+        record = await self.store.transition(req.sandbox_id, State.STOPPED, Reason.REQUESTED)
+        self.live.pop(req.sandbox_id, None)
+        return DestroyReply(record=record)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ControlPlane:
+    """A private nats-server (JetStream in a temp dir) and `replicas` real placement processes."""
+
+    replicas: int = 1
+    env: dict[str, str] = field(default_factory=dict)  # e.g. SANDFLEET_NODE_LOST_S for placement
+    url: str = ""
+    _dir: Path | None = None
+    _procs: list[subprocess.Popen] = field(default_factory=list)
+
+    async def start(self) -> ControlPlane:
+        self._dir = Path(tempfile.mkdtemp(prefix="sandfleet-cp-"))
+        port = _free_port()
+        conf = self._dir / "nats.conf"
+        conf.write_text(f'host: 127.0.0.1\nport: {port}\nmax_payload: 8MB\njetstream {{ store_dir: "{self._dir}/js" }}\n')
+        server = shutil.which("nats-server", path=str(Path(sys.executable).parent)) or "nats-server"
+        self._procs.append(subprocess.Popen([server, "-c", str(conf)], stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL))
+        self.url = f"nats://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                bus = await Bus.connect(self.url, "control-plane-setup", deadline_s=1.0)
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        else:
+            raise RuntimeError("private nats-server did not start")
+        await ensure_state(bus)
+        await bus.close()
+        for _ in range(self.replicas):
+            self.add_replica()
+        return self
+
+    def add_replica(self) -> subprocess.Popen:
+        env = {**os.environ, "SANDFLEET_NATS_URL": self.url, "PYTHONPATH": str(ROOT), "SANDFLEET_LOG_LEVEL": "WARNING",
+               **self.env}
+        log = open(self._dir / f"placement-{len(self._procs)}.log", "ab")  # type: ignore[operator]
+        profile = os.environ.get("SANDFLEET_PROFILE_PLACEMENT")  # a path: cProfile output of the first replica
+        wrap = ["-m", "cProfile", "-o", profile] if profile and len(self._procs) == 1 else []
+        proc = subprocess.Popen([sys.executable, *wrap, "-m", "services.placement"], env=env, cwd=ROOT,
+                                stdout=log, stderr=log)
+        self._procs.append(proc)
+        return proc
+
+    async def wait_for_replicas(self, bus: Bus, timeout: float = 30.0) -> None:
+        """Until `replicas` placement processes answer PING."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            inbox = bus.nc.new_inbox()
+            seen: list[bytes] = []
+
+            async def pong(msg) -> None:  # type: ignore[no-untyped-def]
+                if not (msg.headers or {}).get("Status"):  # not the server's "no responders"
+                    seen.append(msg.data)
+
+            sub = await bus.nc.subscribe(inbox, cb=pong)
+            await bus.nc.publish("$SRV.PING.placement", b"", reply=inbox)
+            await asyncio.sleep(0.3)
+            await sub.unsubscribe()
+            if len(seen) >= self.replicas:
+                return
+        raise RuntimeError(f"{self.replicas} placement replicas did not answer within {timeout:g}s")
+
+    def stop(self) -> None:
+        for proc in reversed(self._procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(self._procs):
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._procs.clear()
+        if self._dir is not None and not os.environ.get("SANDFLEET_KEEP_CONTROL_PLANE"):
+            shutil.rmtree(self._dir, ignore_errors=True)

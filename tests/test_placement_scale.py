@@ -1,0 +1,213 @@
+"""Placement at scale against a real nats-server and real placement processes (two replicas, one
+queue group), with SIMULATED nodes (loadtest/simnode.py: they register, heartbeat and move
+records through their states, and create nothing). Each test registers its own nodes and
+removes them at the end, so no test sees another's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import msgspec
+import pytest
+
+import sandfleet
+from loadtest.simnode import ControlPlane, SimulatedNode
+from sandfleet import errors
+from sandfleet.bus import Bus
+from sandfleet.store import SandboxStore
+from schemas import node as node_schema
+from schemas.node import NodePressure
+from schemas.sandbox import Reason, State
+
+LOST_S = 5.0
+
+
+@pytest.fixture(scope="module")
+async def plane():
+    cp = await ControlPlane(replicas=2, env={"SANDFLEET_NODE_LOST_S": str(LOST_S)}).start()
+    bus = await Bus.connect(cp.url, "placement-scale-test")
+    try:
+        await cp.wait_for_replicas(bus, timeout=60)
+        async with sandfleet.connect(cp.url) as fleet:
+            yield cp, bus, await SandboxStore.open(bus), fleet
+    finally:
+        await bus.close()
+        cp.stop()
+
+
+class Nodes:
+    """Simulated nodes for one test; gone from the registry when it ends."""
+
+    def __init__(self, bus: Bus, store: SandboxStore) -> None:
+        self.bus, self.store, self.nodes = bus, store, []
+
+    async def add(self, node_id: str, **kw) -> SimulatedNode:
+        n = await SimulatedNode(self.bus, self.store, f"{node_id}-{time.monotonic_ns() % 10**8}",
+                                heartbeat_s=0.5, **kw).start()
+        self.nodes.append(n)
+        return n
+
+    async def settle(self) -> None:
+        await asyncio.sleep(0.5)  # both replicas' KV watches deliver the registrations
+
+    async def close(self) -> None:
+        kv = await self.bus.js.key_value(node_schema.KV_BUCKET)
+        for n in self.nodes:
+            await n.silence()
+            await kv.delete(n.id)
+
+
+@pytest.fixture
+async def nodes(plane):
+    _, bus, store, _ = plane
+    made = Nodes(bus, store)
+    yield made
+    await made.close()
+
+
+async def replica_requests(bus: Bus, endpoint: str) -> list[int]:
+    """Requests each placement replica has served on `endpoint` (nats.micro STATS)."""
+    inbox, seen = bus.nc.new_inbox(), []
+
+    async def stats(msg) -> None:
+        if not (msg.headers or {}).get("Status"):
+            seen.append(json.loads(msg.data))
+
+    sub = await bus.nc.subscribe(inbox, cb=stats)
+    await bus.nc.publish("$SRV.STATS.placement", b"", reply=inbox)
+    await asyncio.sleep(0.5)
+    await sub.unsubscribe()
+    return [next(e["num_requests"] for e in s["endpoints"] if e["name"] == endpoint) for s in seen]
+
+
+async def test_two_placement_replicas_never_double_book_a_node(plane, nodes):
+    _, bus, _, fleet = plane
+    a, b = await nodes.add("db-a", capacity=30), await nodes.add("db-b", capacity=30)
+    await nodes.settle()
+    before = await replica_requests(bus, "create_many")
+    # 10 batches of 10 at once over 60 free slots: all-or-nothing, so exactly 6 can fit.
+    results = await asyncio.gather(
+        *(fleet.create_many(10, memory_mb=16, cpu=0.01) for _ in range(10)), return_exceptions=True
+    )
+    after = await replica_requests(bus, "create_many")
+    assert len(after) == 2 and all(x > y for x, y in zip(sorted(after), sorted(before))), (before, after)
+    made = [r for r in results if isinstance(r, list)]
+    refused = [r for r in results if not isinstance(r, list)]
+    assert all(isinstance(r, errors.Capacity) for r in refused), refused
+    assert len(a.live) <= 30 and len(b.live) <= 30
+    assert len(a.live) + len(b.live) == 10 * len(made) == 60
+
+
+async def test_a_lost_node_has_its_sandboxes_reported_failed(plane, nodes):
+    _, _, store, fleet = plane
+    doomed = await nodes.add("lost")
+    await nodes.settle()
+    boxes = await fleet.create_many(5, memory_mb=16, cpu=0.01)
+    assert {b.node for b in boxes} == {doomed.id}
+    await doomed.silence()
+    deadline = time.monotonic() + LOST_S + 20
+    while time.monotonic() < deadline:
+        records = [await fleet.get(b.id) for b in boxes]
+        if all(r.state is State.FAILED for r in records):
+            break
+        await asyncio.sleep(0.5)
+    assert [(r.state, r.reason) for r in records] == [(State.FAILED, Reason.NODE_LOST)] * 5
+    history = await fleet.history(boxes[0].id)
+    assert [e.name for e in history].count("failed") == 1  # one replica reported it, once
+
+
+async def test_a_node_under_pressure_receives_no_new_sandboxes(plane, nodes):
+    _, _, _, fleet = plane
+    hot = await nodes.add("hot", pressure=NodePressure(memory=80.0))
+    cool = await nodes.add("cool")
+    await nodes.settle()
+    boxes = await fleet.create_many(20, memory_mb=16, cpu=0.01)
+    assert {b.node for b in boxes} == {cool.id} and not hot.live
+    cool.pressure = NodePressure(memory=80.0)
+    await cool.beat()
+    await nodes.settle()
+    with pytest.raises(errors.Capacity, match="memory pressure"):
+        await fleet.create(memory_mb=16, cpu=0.01)
+
+
+async def test_sandboxes_go_to_the_nodes_that_hold_their_layers(plane, nodes):
+    _, _, _, fleet = plane
+    both = await nodes.add("both", capacity=5, layers=("base", "tools"))
+    base = await nodes.add("base", capacity=5, layers=("base",))
+    await nodes.add("bare", capacity=50)
+    await nodes.settle()
+    one = await fleet.create(memory_mb=16, cpu=0.01, layers=["base", "tools"])
+    assert one.node == both.id
+    boxes = await fleet.create_many(8, memory_mb=16, cpu=0.01, layers=["base", "tools"])
+    assert sorted(b.node for b in boxes) == sorted([both.id] * 4 + [base.id] * 4)
+
+
+async def test_quotas_refuse_with_a_capacity_error_and_give_slots_back(plane, nodes):
+    _, _, _, fleet = plane
+    await nodes.add("quota")
+    await nodes.settle()
+    state = await fleet.set_quota(task="tq", max_concurrent=3)
+    assert state.quota.max_concurrent == 3 and state.active == 0
+    boxes = [await fleet.create(memory_mb=16, cpu=0.01, labels={"task": "tq"}) for _ in range(3)]
+    with pytest.raises(errors.Capacity, match="quota: task 'tq' allows 3 concurrent"):
+        await fleet.create(memory_mb=16, cpu=0.01, labels={"task": "tq"})
+    await fleet.create(memory_mb=16, cpu=0.01, labels={"task": "other"})  # other tasks are not limited
+    await boxes[0].destroy()
+    deadline = time.monotonic() + 20
+    while (await fleet.quota(task="tq")).active != 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    await fleet.create(memory_mb=16, cpu=0.01, labels={"task": "tq"})
+
+    await fleet.set_quota(tenant="acme", max_creates_per_s=0.2)  # a bucket of 1, refilled every 5 s
+    with pytest.raises(errors.Capacity, match="never fits"):
+        await fleet.create_many(2, memory_mb=16, cpu=0.01, labels={"tenant": "acme"})
+    await fleet.create(memory_mb=16, cpu=0.01, labels={"tenant": "acme"})
+    with pytest.raises(errors.Capacity, match="creates/s"):
+        await fleet.create(memory_mb=16, cpu=0.01, labels={"tenant": "acme"})
+
+
+async def test_a_gang_batch_of_2000_on_simulated_nodes_is_all_placed_and_started(plane, nodes):
+    _, _, store, fleet = plane
+    sims = [await nodes.add(f"gang{i}", capacity=125) for i in range(16)]  # 2,000 slots
+    await nodes.settle()
+    seen = []
+    boxes = await fleet.create_many(2000, memory_mb=64, cpu=0.1, progress=seen.append)
+    assert len({b.id for b in boxes}) == 2000
+    deadline = time.monotonic() + 30
+    while sum(len(s.live) for s in sims) < 2000 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)  # a node answers its launch just after the events went out
+    assert all(len(s.live) == 125 for s in sims) and sum(len(s.live) for s in sims) == 2000
+    assert seen[-1].done and seen[-1].running == 2000 and seen[-1].failed == 0
+    assert [p.running for p in seen] == sorted(p.running for p in seen)  # progress only moves forward
+    record, _ = await store.get(boxes[-1].id)
+    assert record.state is State.RUNNING and record.seq == 3  # scheduled, starting, running: once each
+    with pytest.raises(errors.Capacity):  # the nodes are full: the next batch is refused whole
+        await fleet.create_many(10, memory_mb=64, cpu=0.1)
+
+
+async def test_a_gang_reply_of_32000_ids_fits_one_message():
+    from schemas.sandbox import CreateManyReply, NodePlacement
+
+    reply = CreateManyReply(placements=[NodePlacement(node=f"node-{n:03d}", ids=[f"sb-{n:03d}{i:09x}" for i in range(200)])
+                                        for n in range(160)])
+    assert len(msgspec.json.encode(reply)) < 1024 * 1024  # NATS's default max_payload
+
+
+async def test_a_real_node_heartbeat_reports_allocation_pressure_and_what_it_took(fleet):
+    """The real launcher of the session platform (not simulated) fills the fields placement uses."""
+    box = await fleet.create(memory_mb=64, cpu=0.5, host_view=True)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            (info,) = [n for n in await fleet.nodes() if n.id == box.node]
+            if info.allocated_memory_mb >= 64:
+                break
+            await asyncio.sleep(0.5)
+        assert not info.simulated and info.instance and info.accepted >= 1 and info.accepted_memory_mb >= 64
+        assert info.allocated_memory_mb >= 64 and info.allocated_cpu >= 0.5
+        assert 0.0 <= info.pressure.cpu <= 100.0 and 0.0 <= info.pressure.memory <= 100.0
+    finally:
+        await box.destroy()
