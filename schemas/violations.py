@@ -1,9 +1,23 @@
 """Violation events: what a sandbox tried and was refused, on
 `events.v1.violation.<node>.<sandbox>.<kind>` (kept by the EVENTS stream as the audit trail).
 
-`kind` is `<layer>.<what>` (`network.connect`, `network.sendmsg`, `network.socket`); in the
-subject it is one token with `_` for the dot, so `events.v1.violation.*.*.network_connect`
-selects one kind on every node.
+`kind` is `<layer>.<what>`; in the subject it is one token with `_` for the dot, so
+`events.v1.violation.*.*.network_connect` selects one kind on every node. The node agent
+emits (agents/node/violations.py publishes them all):
+- `network.connect`, `network.sendmsg`, `network.socket`: refused by the eBPF allowlist
+  programs (a connect or a UDP send to an address not allowed; a raw, packet or other
+  non-TCP/UDP socket);
+- `network.dns`: a name not allowed, asked of the agent's DNS stub (pid 0: it sees a packet);
+- `syscall.<name>` (`syscall.ptrace`, `syscall.mount`, `syscall.bpf`, `syscall.ioctl`,
+  `syscall.clone`, ...): a syscall the sandbox seccomp filter refused;
+- `file.sensitive`: an open of a sensitive host path (`/proc/kpagecgroup`, `/proc/kcore`...);
+- `limit.pids`: the pids limit refused a fork; `limit.memory`: the OOM killer acted inside
+  the sandbox's memory limit;
+- `file.landlock`, `network.landlock`, `ipc.landlock`, `process.landlock`: a Landlock denial;
+- `<class>.apparmor` (`file.apparmor`, `network.apparmor`, `capability.apparmor`, ...): an
+  AppArmor denial, on a kernel that has AppArmor.
+One sandbox's events are held back beyond a per-second budget; the next event that goes out
+says in `attempted` how many similar attempts were not reported one by one.
 """
 
 from __future__ import annotations

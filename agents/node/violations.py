@@ -56,10 +56,6 @@ class ViolationPublisher:
         """Start publishing (before this, events are dropped: there is nowhere to put them)."""
         self._bus, self._store = bus, store
 
-    def forget(self, sandbox_id: str) -> None:
-        self.labels.pop(sandbox_id, None)
-        self._budgets.pop(sandbox_id, None)
-
     def _admit(self, sandbox_id: str, suppressed: int) -> int | None:
         """How many attempts of the sandbox were held back before this one (`suppressed` of them
         by its source), or None to hold this one back too."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 
 NETLINK_AUDIT = 9
 AUDIT_GET, AUDIT_SET = 1000, 1001
@@ -54,7 +55,7 @@ class Rule:
     action: int
     conditions: tuple[tuple[int, int, int], ...] = ()
     key: str = ""
-    raw: bytes = field(default=b"", repr=False, compare=False)  # as the kernel listed it
+    raw: bytes = dataclasses.field(default=b"", repr=False, compare=False)  # as the kernel listed it
 
     def pack(self) -> bytes:
         if self.raw:
