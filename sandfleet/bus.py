@@ -20,6 +20,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.api import StreamConfig, StreamInfo
 from nats.micro import add_service
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
@@ -27,10 +28,22 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from sandfleet import errors, telemetry
+from sandfleet.config import js_replicas, nats_servers
 from schemas.errors import ErrorBody, ErrorCode
 
 log = logging.getLogger("sandfleet.bus")
 T = TypeVar("T")
+
+# What JetStream answers while a clustered bus fails over (a server gone, a leader being
+# elected): worth asking again, unlike a refusal.
+TRANSIENT = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+)
+FAILOVER_S = 30.0  # a 3-server loopback cluster elects a new leader within ~8 s
 
 _encoder = msgspec.json.Encoder()
 _decoders: dict[Any, msgspec.json.Decoder] = {}
@@ -60,25 +73,62 @@ class Endpoint:
     queue_group: str | None = None
 
 
+async def through_failover(op: Callable[[], Awaitable[T]], what: str, within_s: float = FAILOVER_S) -> T:
+    """Run a JetStream operation, again while the cluster fails over, for up to `within_s`;
+    then a typed TIMEOUT. Only for operations a repeat cannot double (revision-checked or
+    de-duplicated writes, reads)."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    delay = 0.1
+    while True:
+        try:
+            return await op()
+        except TRANSIENT as exc:
+            if asyncio.get_running_loop().time() + delay > deadline:
+                raise errors.ServiceError(
+                    ErrorCode.TIMEOUT, f"JetStream did not answer {what} within {within_s:g}s: {exc}"
+                ) from None
+            log.info("JetStream %s: %s; again in %.1fs", what, type(exc).__name__, delay)
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
+
+
+class ReplicatedJetStream(JetStreamContext):
+    """JetStream whose every new stream, and so every KV bucket and object store, is kept by
+    `replicas` servers, whichever service creates it: on a clustered bus no state lives on
+    one server only (SANDFLEET_JS_REPLICAS, which `sandfleet up --nats-cluster 3` sets to 3)."""
+
+    def __init__(self, nc: nats.NATS, replicas: int) -> None:
+        super().__init__(nc)
+        self.replicas = replicas
+
+    async def add_stream(self, config: StreamConfig | None = None, **params: Any) -> StreamInfo:
+        config = (config or StreamConfig()).evolve(**params)
+        if self.replicas > (config.num_replicas or 1):
+            config = config.evolve(num_replicas=self.replicas)
+        return await super().add_stream(config)
+
+
 class Bus:
     def __init__(self, nc: nats.NATS, name: str) -> None:
         self.nc = nc
         self.name = name
-        self.js: JetStreamContext = nc.jetstream()
+        self.js: JetStreamContext = ReplicatedJetStream(nc, js_replicas())
         self._tasks: set[asyncio.Task] = set()
         self._services: list[Service] = []
         self._tracer = telemetry.tracer(name)
 
     @classmethod
     async def connect(cls, url: str, name: str, deadline_s: float = 5.0, **options: Any) -> Bus:
-        """Connect, or raise NoResponders within `deadline_s` (nats-py alone retries forever)."""
+        """Connect, or raise NoResponders within `deadline_s` (nats-py alone retries forever).
+
+        `url` may list a cluster's servers, comma-separated: the client fails over between them."""
         async def quiet(exc: Exception) -> None:  # nats-py prints a traceback for every hiccup otherwise
             log.debug("nats: %s", exc)
 
         try:
             nc = await asyncio.wait_for(
                 nats.connect(
-                    url, name=name, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                    nats_servers(url), name=name, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                     error_cb=quiet, **options
                 ),
                 deadline_s,
@@ -126,7 +176,8 @@ class Bus:
     async def publish_durable(self, subject: str, msg: Any, msg_id: str) -> None:
         """JetStream publish, de-duplicated by `msg_id` so a retried publish is stored once."""
         headers = telemetry.inject({"Nats-Msg-Id": msg_id})
-        await self.js.publish(subject, encode(msg), headers=headers)
+        payload = encode(msg)
+        await through_failover(lambda: self.js.publish(subject, payload, headers=headers), f"publish {subject}")
 
     # -- service side -------------------------------------------------------------------
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 DEFAULT_PORT = 4222
+# The node agent's default egress subnet (SANDFLEET_EGRESS_SUBNET); `up --nodes N` splits it.
+DEFAULT_EGRESS_SUBNET = "10.200.0.0/16"
 
 
 def default_data_dir() -> Path:
@@ -17,6 +19,17 @@ def default_data_dir() -> Path:
 
 def nats_url(explicit: str | None = None) -> str:
     return explicit or os.environ.get("SANDFLEET_NATS_URL") or DEFAULT_URL
+
+
+def nats_servers(url: str) -> list[str]:
+    """A NATS URL, or several comma-separated (the servers of one cluster), as a list."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
+def js_replicas() -> int:
+    """SANDFLEET_JS_REPLICAS: how many servers keep each stream, bucket and object store the
+    platform creates (3 on a clustered bus, so it survives losing a server; 1 on one server)."""
+    return int(os.environ.get("SANDFLEET_JS_REPLICAS") or 1)
 
 
 def default_node_id() -> str:
@@ -30,6 +43,10 @@ class ServiceConfig:
     node_id: str
     data_dir: Path
     capacity: int
+    layer_fetch: str = "lazy"  # SANDFLEET_LAYER_FETCH: "lazy" (chunks when read) or "full" (whole images first)
+    # SANDFLEET_DEFAULT_LAYERS ("a,b", bottom first): the root of a sandbox that names no layers
+    # and does not ask for the host view
+    default_layers: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls) -> ServiceConfig:
@@ -38,4 +55,6 @@ class ServiceConfig:
             node_id=os.environ.get("SANDFLEET_NODE_ID") or default_node_id(),
             data_dir=default_data_dir(),
             capacity=int(os.environ.get("SANDFLEET_CAPACITY", "2000")),
+            layer_fetch=os.environ.get("SANDFLEET_LAYER_FETCH") or "lazy",
+            default_layers=tuple(n for n in os.environ.get("SANDFLEET_DEFAULT_LAYERS", "").split(",") if n.strip()),
         )

@@ -7,16 +7,21 @@ publishes its lifecycle event (de-duplicated by `<id>:<seq>`, so a retry is stor
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import nats.js.errors
+from nats.aio.msg import Msg
 from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.kv import KeyValue
 
 from sandfleet import errors
-from sandfleet.bus import Bus, decode, encode
+from sandfleet.bus import Bus, decode, encode, through_failover
 from schemas import events, node, sandbox
 from schemas.errors import ErrorCode
 from schemas.sandbox import ENDED, Reason, SandboxRecord, State
@@ -24,8 +29,38 @@ from schemas.sandbox import ENDED, Reason, SandboxRecord, State
 EVENTS_MAX_AGE_S = 7 * 24 * 3600
 
 
+class _Ack(msgspec.Struct):
+    seq: int = 0
+
+
+class _StoredMsg(msgspec.Struct):
+    data: str = ""
+    seq: int = 0
+
+
+class _MsgGet(msgspec.Struct):
+    message: _StoredMsg | None = None
+
+
+_ack = msgspec.json.Decoder(_Ack)
+_stored_msg = msgspec.json.Decoder(_MsgGet)
+
+
+@dataclass
+class _Burst:
+    replies: list[Msg | None]
+    left: int
+    done: asyncio.Future
+
+
+def _refused(reply: Msg) -> bool:
+    return b'"error"' in reply.data or bool(reply.headers and reply.headers.get("Status"))
+
+
 async def ensure_state(bus: Bus) -> None:
-    """Create the buckets and the stream if they are missing; safe to call from every service."""
+    """Create the buckets and the stream if they are missing; safe to call from every service.
+
+    On a clustered bus the bus adapter gives each the cluster's replica count (`Bus.js`)."""
     js = bus.js
     await js.create_key_value(
         KeyValueConfig(bucket=sandbox.KV_BUCKET, history=1, storage=StorageType.FILE, description="sandbox records")
@@ -57,6 +92,11 @@ class SandboxStore:
         # What this process last wrote, so its next update needs no read first; a stale entry
         # only costs one failed update (the revision check) and a re-read.
         self._written: dict[str, tuple[SandboxRecord, int]] = {}
+        # Batched writes share one reply subscription (created on first use) instead of one each.
+        self._mux: Any = None
+        self._mux_prefix = ""
+        self._bursts = 0
+        self._waiting: dict[str, _Burst] = {}
 
     @classmethod
     async def open(cls, bus: Bus) -> SandboxStore:
@@ -64,7 +104,7 @@ class SandboxStore:
 
     async def get(self, sandbox_id: str) -> tuple[SandboxRecord, int]:
         try:
-            entry = await self.kv.get(sandbox_id)
+            entry = await through_failover(lambda: self.kv.get(sandbox_id), f"get {sandbox_id}")
         except nats.js.errors.KeyNotFoundError:
             raise errors.ServiceError(ErrorCode.NOT_FOUND, f"no sandbox {sandbox_id}") from None
         if entry.value is None:
@@ -74,9 +114,126 @@ class SandboxStore:
     async def create(self, record: SandboxRecord) -> SandboxRecord:
         """Store a new record (state `scheduled`) and publish its first event."""
         record = msgspec.structs.replace(record, seq=1)
-        await self.kv.create(record.id, encode(record))  # placement writes once; not worth caching
+        try:  # placement writes once; not worth caching
+            await through_failover(lambda: self.kv.create(record.id, encode(record)), f"create {record.id}")
+        except nats.js.errors.KeyWrongLastSequenceError:
+            if (await self.get(record.id))[0] != record:  # else: our own write, its ack lost in a failover
+                raise errors.ServiceError(ErrorCode.CONFLICT, f"sandbox {record.id} exists") from None
         await self._publish(record, None)
         return record
+
+    async def create_many(self, records: list[SandboxRecord], timeout: float = 30.0) -> list[tuple[SandboxRecord, int]]:
+        """`create` for a batch: every record, then every first event, each sent as one pipelined
+        burst with one wait for the acks, instead of two round trips per sandbox. Returns each
+        record with its revision (a node may make its first transition without reading it)."""
+        records = [msgspec.structs.replace(r, seq=1) for r in records]
+        new = {"Nats-Expected-Last-Subject-Sequence": "0"}  # what kv.create sends: fail if the key exists
+        acks = await self._burst([(f"$KV.{sandbox.KV_BUCKET}.{r.id}", encode(r), new) for r in records], timeout)
+        refused = [a.data[:200].decode(errors="replace") for a in acks if _refused(a)]
+        if refused:
+            raise errors.ServiceError(ErrorCode.CONFLICT, f"{len(refused)} write(s) refused: {refused[0]}")
+        firsts = [(r, self._event(r, None)) for r in records]
+        await self._pipelined(
+            [(events.sandbox_subject(r.id, e.name), encode(e), {"Nats-Msg-Id": f"{r.id}:{r.seq}"}) for r, e in firsts],
+            timeout,
+        )
+        return [(r, _ack.decode(a.data).seq) for r, a in zip(records, acks)]
+
+    async def _pipelined(self, messages: list[tuple[str, bytes, dict[str, str]]], timeout: float) -> None:
+        """JetStream publishes sent back to back; raises if any is refused or unacknowledged."""
+        refused = [r.data[:200].decode(errors="replace") for r in await self._burst(messages, timeout) if _refused(r)]
+        if refused:
+            raise errors.ServiceError(ErrorCode.CONFLICT, f"{len(refused)} write(s) refused: {refused[0]}")
+
+    async def _burst(self, messages: list[tuple[str, bytes, dict[str, str] | None]], timeout: float) -> list[Msg]:
+        """Requests sent back to back, answered on this store's one reply subscription; their
+        replies, in order."""
+        if not messages:
+            return []
+        nc = self.bus.nc
+        if self._mux is None:
+            self._mux_prefix = nc.new_inbox()
+            self._mux = await nc.subscribe(self._mux_prefix + ".*.*", cb=self._on_reply, pending_msgs_limit=1 << 20,
+                                           pending_bytes_limit=-1)
+        self._bursts += 1
+        token = str(self._bursts)
+        waiting = _Burst(replies=[None] * len(messages), left=len(messages),
+                         done=asyncio.get_running_loop().create_future())
+        self._waiting[token] = waiting
+        try:
+            for n, (subject, payload, headers) in enumerate(messages):
+                await nc.publish(subject, payload, reply=f"{self._mux_prefix}.{token}.{n}", headers=headers)
+            await nc.flush()
+            try:
+                await asyncio.wait_for(asyncio.shield(waiting.done), timeout)
+            except asyncio.TimeoutError:
+                raise errors.ServiceError(
+                    ErrorCode.TIMEOUT, f"{waiting.left} of {len(messages)} writes unanswered") from None
+        finally:
+            self._waiting.pop(token, None)
+        return waiting.replies  # type: ignore[return-value]
+
+    async def _on_reply(self, msg: Msg) -> None:
+        _, token, n = msg.subject.rsplit(".", 2)
+        waiting = self._waiting.get(token)
+        if waiting is None or waiting.replies[int(n)] is not None:
+            return  # a burst that gave up waiting
+        waiting.replies[int(n)] = msg
+        waiting.left -= 1
+        if waiting.left == 0 and not waiting.done.done():
+            waiting.done.set_result(None)
+
+    async def transition_many(self, sandbox_ids: list[str], new: State, reason: Reason = Reason.NONE,
+                              detail: str = "", known: dict[str, tuple[SandboxRecord, int]] | None = None
+                              ) -> list[SandboxRecord | errors.ServiceError]:
+        """`transition` for a batch, pipelined: one burst of reads (for records neither this process
+        wrote last nor `known` gives with their revision), one of revision-checked writes, one of
+        events. A write that loses a race (a stale `known` too) goes through `transition` on its
+        own. Returns, per id, the record or the refusal."""
+        known = {i: known[i] for i in sandbox_ids if i in known} if known else {}
+        known |= {i: self._written.pop(i) for i in sandbox_ids if i in self._written}
+        unknown = [i for i in sandbox_ids if i not in known]
+        reads = await self._burst(
+            [(f"$JS.API.STREAM.MSG.GET.KV_{sandbox.KV_BUCKET}", encode({"last_by_subj": f"$KV.{sandbox.KV_BUCKET}.{i}"}),
+              None) for i in unknown], 30.0)
+        for i, msg in zip(unknown, reads):
+            got = _stored_msg.decode(msg.data).message
+            if got is not None and got.data:
+                known[i] = (decode(base64.b64decode(got.data), SandboxRecord), got.seq)
+        now = time.time()
+        out: dict[str, SandboxRecord | errors.ServiceError] = {}
+        writes: list[tuple[SandboxRecord, SandboxRecord]] = []
+        for i in sandbox_ids:
+            if i not in known:
+                out[i] = errors.ServiceError(ErrorCode.NOT_FOUND, f"no sandbox {i}")
+                continue
+            record, _ = known[i]
+            if record.state is new:
+                out[i] = record
+            elif not sandbox.can_transition(record.state, new):
+                out[i] = errors.ServiceError(
+                    ErrorCode.CONFLICT, f"sandbox {i} is {record.state.value}, cannot become {new.value}")
+            else:
+                writes.append((record, msgspec.structs.replace(
+                    record, state=new, reason=reason, detail=detail, updated_at=now, seq=record.seq + 1)))
+        acks = await self._burst(
+            [(f"$KV.{sandbox.KV_BUCKET}.{u.id}", encode(u), {"Nats-Expected-Last-Subject-Sequence": str(known[u.id][1])})
+             for _, u in writes], 30.0)
+        published = []
+        for (old, updated), ack in zip(writes, acks):
+            if _refused(ack):  # someone else changed it meanwhile: judge it on what the store holds now
+                try:
+                    out[updated.id] = await self.transition(updated.id, new, reason, detail)
+                except errors.ServiceError as exc:
+                    out[updated.id] = exc
+                continue
+            if new not in ENDED:
+                self._written[updated.id] = (updated, _ack.decode(ack.data).seq)
+            out[updated.id] = updated
+            published.append((updated, self._event(updated, old.state)))
+        await self._pipelined([(events.sandbox_subject(r.id, e.name), encode(e), {"Nats-Msg-Id": f"{r.id}:{r.seq}"})
+                               for r, e in published], 30.0)
+        return [out[i] for i in sandbox_ids]
 
     async def transition(
         self,
@@ -85,16 +242,23 @@ class SandboxStore:
         reason: Reason = Reason.NONE,
         detail: str = "",
         change: Callable[[SandboxRecord], SandboxRecord] | None = None,
+        only_from: frozenset[State] | None = None,
     ) -> SandboxRecord:
-        """Move a sandbox to `new`, retrying on concurrent writers; refuses illegal moves."""
+        """Move a sandbox to `new`, retrying on concurrent writers; refuses illegal moves, and
+        moves from a state outside `only_from` (e.g. placement failing a launch whose reply was
+        lost must not fail a sandbox the node did start)."""
+        sent: tuple[SandboxRecord, State] | None = None
         for attempt in range(20):
             cached = self._written.pop(sandbox_id, None) if attempt == 0 else None
             record, revision = cached or await self.get(sandbox_id)
             if cached and (record.state is new or not sandbox.can_transition(record.state, new)):
                 continue  # judge only on what the store holds now
+            if sent is not None and record == sent[0]:  # our write landed; its ack was lost in a failover
+                await self._publish(record, sent[1])
+                return record
             if record.state is new:
                 return record
-            if not sandbox.can_transition(record.state, new):
+            if not sandbox.can_transition(record.state, new) or (only_from and record.state not in only_from):
                 raise errors.ServiceError(
                     ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {record.state.value}, cannot become {new.value}"
                 )
@@ -103,8 +267,9 @@ class SandboxStore:
             )
             if change is not None:
                 updated = change(updated)
+            sent = (updated, record.state)
             try:
-                revision = await self.kv.update(sandbox_id, encode(updated), last=revision)
+                revision = await self._update(sandbox_id, updated, revision)
             except nats.js.errors.KeyWrongLastSequenceError:
                 continue
             if new not in ENDED:
@@ -120,16 +285,20 @@ class SandboxStore:
             record, revision = cached or await self.get(sandbox_id)
             updated = change(record)
             try:
-                revision = await self.kv.update(sandbox_id, encode(updated), last=revision)
+                revision = await self._update(sandbox_id, updated, revision)
             except nats.js.errors.KeyWrongLastSequenceError:
                 continue
             self._written[sandbox_id] = (updated, revision)
             return updated
         raise errors.ServiceError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is being changed by others; retry")
 
+    async def _update(self, sandbox_id: str, record: SandboxRecord, revision: int) -> int:
+        payload = encode(record)
+        return await through_failover(lambda: self.kv.update(sandbox_id, payload, last=revision), f"update {sandbox_id}")
+
     async def all(self, node_id: str | None = None, include_ended: bool = False) -> list[SandboxRecord]:
         try:
-            keys = await self.kv.keys()
+            keys = await through_failover(self.kv.keys, "list sandboxes")
         except nats.js.errors.NoKeysError:
             return []
         records = []
@@ -154,8 +323,14 @@ class SandboxStore:
             pass
 
     async def _publish(self, record: SandboxRecord, previous: State | None) -> None:
+        event = self._event(record, previous)
+        subject = events.sandbox_subject(record.id, event.name)
+        await self.bus.publish_durable(subject, event, msg_id=f"{record.id}:{record.seq}")
+
+    @staticmethod
+    def _event(record: SandboxRecord, previous: State | None) -> events.SandboxEvent:
         kind = events.event_type(previous, record.state)
-        event = kind(
+        return kind(
             sandbox_id=record.id,
             node=record.node,
             state=record.state,
@@ -164,5 +339,3 @@ class SandboxStore:
             reason=record.reason,
             detail=record.detail,
         )
-        subject = events.sandbox_subject(record.id, event.name)
-        await self.bus.publish_durable(subject, event, msg_id=f"{record.id}:{record.seq}")

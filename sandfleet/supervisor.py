@@ -1,4 +1,9 @@
-"""The process behind `sandfleet up`: nats-server plus every service as its own process.
+"""The process behind `sandfleet up` and `sandfleet node`: nats-server(s) and every service, supervised.
+
+`up` runs one bus (one nats-server, or a loopback cluster of three with JetStream replicas 3),
+the cluster services once, and the node services once per node, each node with its own node
+id, data dir (so its layer mounts and crun state), cgroup root and egress subnet; `node` runs
+one node's services against a bus that already runs elsewhere.
 
 It restarts a service that dies (with back-off), reaps every orphan (it is a child
 subreaper, because sandbox inits outlive a crashed launcher and PID 1 may not reap), and on
@@ -9,6 +14,7 @@ while the node agent is still there to take back their cgroups and namespaces.
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import json
 import os
 import shutil
@@ -17,8 +23,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from sandfleet.config import DEFAULT_EGRESS_SUBNET, default_node_id
 
 PR_SET_CHILD_SUBREAPER = 36
 STOP_TIMEOUT_S = 60.0
@@ -28,8 +38,15 @@ SERVICES: list[tuple[str, str]] = [
     ("placement", "services.placement"),
     ("agent", "agents.node"),
     ("layer-cache", "services.layer_cache"),
+    ("reclaimer", "services.reclaimer"),  # stopped after the launcher: its swap empties as sandboxes go
     ("launcher", "services.launcher"),
+    ("security-monitor", "services.security_monitor"),  # stopped first: no policy acts during shutdown
 ]
+
+
+# Run once per platform; every other service in SERVICES runs once per node.
+CLUSTER_SERVICES = frozenset({"placement", "security-monitor"})
+CLUSTER_NAME = "sandfleet"
 
 
 def nats_server_binary() -> str:
@@ -43,28 +60,92 @@ def nats_server_binary() -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
-def write_nats_config(data_dir: Path, port: int) -> Path:
-    store = data_dir / "jetstream"
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports (held open together, so none is handed out twice)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass(frozen=True)
+class NatsServer:
+    """One nats-server of the platform's bus: where its clients, routes and monitoring listen."""
+
+    name: str
+    port: int
+    cluster_port: int = 0  # 0: a lone server, no routes
+    http_port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+
+def plan_nats(port: int, count: int) -> list[NatsServer]:
+    """One server on `port`, or a cluster on `port`, `port`+1, ... (all free ports for port 0)."""
+    if count == 1:
+        return [NatsServer("nats", port)]
+    ports = free_ports(3 * count)
+    clients = [port + i for i in range(count)] if port else ports[2 * count:]
+    return [NatsServer(f"nats-{i + 1}", clients[i], ports[i], ports[count + i]) for i in range(count)]
+
+
+def write_nats_config(data_dir: Path, port: int, server: NatsServer | None = None,
+                      cluster: list[NatsServer] | None = None) -> Path:
+    """A lone server's config, or (with `server` and `cluster`) one clustered server's: routes
+    to every server of the cluster (its own is ignored), JetStream on each, monitoring on loopback."""
+    name = server.name if server else "nats"
+    store = data_dir / "jetstream" / name if cluster else data_dir / "jetstream"
     store.mkdir(parents=True, exist_ok=True)
-    conf = data_dir / "nats.conf"
-    conf.write_text(
-        "\n".join(
-            [
-                "host: 127.0.0.1",
-                f"port: {port}",
-                "max_payload: 8MB",
-                "max_pending: 64MB",
-                f'jetstream {{ store_dir: "{store}" }}',
-                "",
-            ]
-        )
-    )
+    lines = ["host: 127.0.0.1", f"port: {port}", "max_payload: 8MB", "max_pending: 64MB"]
+    if server and cluster:
+        routes = ", ".join(f'"nats-route://127.0.0.1:{s.cluster_port}"' for s in cluster)
+        lines += [
+            f"server_name: {name}",
+            f'http: "127.0.0.1:{server.http_port}"',
+            f"cluster {{ name: {CLUSTER_NAME}, listen: \"127.0.0.1:{server.cluster_port}\", routes: [{routes}] }}",
+        ]
+    lines += [f'jetstream {{ store_dir: "{store}" }}', ""]
+    conf = data_dir / f"{name}.conf"
+    conf.write_text("\n".join(lines))
     return conf
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One node of this supervisor: its id, data dir and (with several nodes) egress subnet."""
+
+    id: str | None  # None: the service's own default (the host name)
+    data_dir: Path
+    egress_subnet: str | None = None
+
+    def env(self) -> dict[str, str]:
+        env = {"SANDFLEET_DATA_DIR": str(self.data_dir)}
+        if self.id:
+            env["SANDFLEET_NODE_ID"] = self.id
+        if self.egress_subnet:
+            env["SANDFLEET_EGRESS_SUBNET"] = self.egress_subnet
+        return env
+
+
+def plan_nodes(data_dir: Path, count: int, base_id: str | None, subnet: str | None = None) -> list[NodePlan]:
+    """Nodes `<base>-1` ... `<base>-N`, each under `<data dir>/nodes/<id>` with its own share
+    of the egress subnet, so two agents never hand out the same /30 or DNS stub address."""
+    if count == 1:
+        return [NodePlan(base_id, data_dir, subnet)]
+    base = base_id or default_node_id()
+    parent = ipaddress.IPv4Network(subnet or DEFAULT_EGRESS_SUBNET)
+    shares = list(parent.subnets(prefixlen_diff=(count - 1).bit_length()))
+    ids = [f"{base}-{i + 1}" for i in range(count)]
+    return [NodePlan(n, data_dir / "nodes" / n, str(shares[i])) for i, n in enumerate(ids)]
 
 
 @dataclass
@@ -72,6 +153,8 @@ class Child:
     name: str
     argv: list[str]
     log: Path
+    group: str = ""  # the service (or "nats"): a group is stopped together
+    env: dict[str, str] = field(default_factory=dict)
     pid: int = 0
     restarts: int = 0
     started_at: float = 0.0
@@ -83,12 +166,19 @@ class Supervisor:
     data_dir: Path
     port: int
     env: dict[str, str] = field(default_factory=dict)
+    nodes: int = 1
+    nats_cluster: int = 1  # nats-servers of the bus: 1, or a loopback cluster (3: JetStream replicas 3)
+    join: str | None = None  # the URL of a bus that runs elsewhere: run only one node (`sandfleet node`)
     children: list[Child] = field(default_factory=list)
+    servers: list[NatsServer] = field(default_factory=list)
+    plan: list[NodePlan] = field(default_factory=list)
     stopping: bool = False
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        if self.join:
+            return self.join
+        return ",".join(s.url for s in self.servers) or f"nats://127.0.0.1:{self.port}"
 
     def run(self) -> int:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -96,15 +186,36 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_stop)
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        conf = write_nats_config(self.data_dir, self.port)
+        self.servers = [] if self.join else plan_nats(self.port, self.nats_cluster)
         env = {**os.environ, **self.env, "SANDFLEET_NATS_URL": self.url, "SANDFLEET_DATA_DIR": str(self.data_dir)}
-        self.children = [Child("nats", [nats_server_binary(), "-c", str(conf)], logs / "nats.log")]
-        self.children += [Child(n, [sys.executable, "-m", m], logs / f"{n}.log") for n, m in SERVICES]
+        if len(self.servers) >= 3:
+            env["SANDFLEET_JS_REPLICAS"] = "3"
+        clustered = len(self.servers) > 1
+        for server in self.servers:
+            conf = write_nats_config(self.data_dir, server.port, server, self.servers if clustered else None)
+            self.children.append(Child(server.name, [nats_server_binary(), "-c", str(conf)],
+                                       logs / f"{server.name}.log", group="nats"))
+        node_id = self.env.get("SANDFLEET_NODE_ID") or os.environ.get("SANDFLEET_NODE_ID")
+        subnet = self.env.get("SANDFLEET_EGRESS_SUBNET") or os.environ.get("SANDFLEET_EGRESS_SUBNET")
+        self.plan = plan_nodes(self.data_dir, self.nodes, node_id, subnet)
+        for name, module in SERVICES:
+            if name in CLUSTER_SERVICES:
+                if not self.join:
+                    self.children.append(Child(name, [sys.executable, "-m", module], logs / f"{name}.log", group=name))
+                continue
+            for node in self.plan:
+                label = name if self.nodes == 1 else f"{name}@{node.id}"
+                self.children.append(Child(label, [sys.executable, "-m", module], logs / f"{label}.log",
+                                           group=name, env=node.env()))
         self._state = self.data_dir / "supervisor.json"
         try:
-            self._start(self.children[0], env)
-            _wait_for_port(self.port, 10.0)
-            for child in self.children[1:]:
+            for child in self.children[: len(self.servers)]:
+                self._start(child, env)
+            for server in self.servers:
+                _wait_for_port(server.port, 10.0)
+                if clustered:  # services create streams and buckets at start: JetStream must have its leader
+                    _wait_for_jetstream(server.http_port, 60.0)
+            for child in self.children[len(self.servers):]:
                 self._start(child, env)
             while not self.stopping:
                 self._reap(env)
@@ -119,7 +230,8 @@ class Supervisor:
 
     def _start(self, child: Child, env: dict[str, str]) -> None:
         with open(child.log, "ab") as log:
-            proc = subprocess.Popen(child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
+            proc = subprocess.Popen(child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    env={**env, **child.env})
         child.pid = proc.pid
         child.started_at = time.monotonic()
         proc.returncode = 0  # we reap with waitpid(-1) ourselves; keep Popen from trying
@@ -132,6 +244,8 @@ class Supervisor:
             "url": self.url,
             "port": self.port,
             "services": {c.name: c.pid for c in self.children},
+            "nats": [{"name": s.name, "url": s.url, "http_port": s.http_port} for s in self.servers],
+            "nodes": {n.id or "": str(n.data_dir) for n in self.plan},
         }
         tmp = self._state.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
@@ -160,9 +274,17 @@ class Supervisor:
                 self._start(child, env)
 
     def _stop_all(self) -> None:
+        # A service's instances (one per node) stop together, so N launchers destroy their
+        # sandboxes at once while every node agent is still there.
+        groups: list[list[Child]] = []
         for child in reversed(self.children):
-            if child.pid:
-                _terminate(child.pid, STOP_TIMEOUT_S)
+            if groups and groups[-1][0].group == child.group:
+                groups[-1].append(child)
+            else:
+                groups.append([child])
+        for group in groups:
+            _terminate([c.pid for c in group if c.pid], STOP_TIMEOUT_S)
+            for child in group:
                 child.pid = 0
         # Anything reparented to us (orphaned sandbox inits) is gone by now; reap the last of it.
         deadline = time.monotonic() + 5
@@ -175,27 +297,35 @@ class Supervisor:
                 time.sleep(0.05)
 
 
-def _terminate(pid: int, timeout: float) -> None:
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _terminate(pids: list[int], timeout: float) -> None:
+    left = set()
+    for pid in pids:
         try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if done:
-            return
+            os.kill(pid, signal.SIGTERM)
+            left.add(pid)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while left and time.monotonic() < deadline:
+        for pid in list(left):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done:
+                left.discard(pid)
         # Keep reaping orphans while we wait, so a zombie never outlives the stop.
         try:
             os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             pass
         time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
 
 
 def _wait_for_port(port: int, timeout: float) -> None:
@@ -207,6 +337,20 @@ def _wait_for_port(port: int, timeout: float) -> None:
         except OSError:
             time.sleep(0.05)
     raise SystemExit(f"nats-server did not listen on port {port} within {timeout:g}s")
+
+
+def _wait_for_jetstream(http_port: int, timeout: float) -> None:
+    """A clustered server answers /healthz with 200 once JetStream has a meta leader and is current."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"JetStream of the nats-server monitored on port {http_port} not ready within {timeout:g}s")
 
 
 def read_state(data_dir: Path) -> dict | None:

@@ -188,13 +188,17 @@ async def _launch_on(deps: Deps, node_id: str, stored: list[Stored]) -> list[nod
         log.warning("launch on %s failed: %s", node_id, exc)
         if isinstance(exc, errors.NoResponders) and deps.ledger is not None:
             await deps.ledger.release({node_id: len(records)}, records[0].spec)  # it surely took none
-        await asyncio.gather(*(_fail(deps, r.id, f"node {node_id}: {exc}", Reason.LAUNCH_FAILED) for r in records))
+        await asyncio.gather(*(_fail(deps, r.id, f"node {node_id}: {exc}", Reason.LAUNCH_FAILED, only_scheduled=True)
+                               for r in records))
         return [node_schema.LaunchResult(id=r.id, ok=False, error=str(exc)) for r in records]
 
 
-async def _fail(deps: Deps, sandbox_id: str, detail: str, reason: Reason) -> bool:
+async def _fail(deps: Deps, sandbox_id: str, detail: str, reason: Reason, only_scheduled: bool = False) -> bool:
+    """`only_scheduled`: a launch whose reply was lost may still have started the sandbox; the
+    node owns it from `starting` on, so placement must not fail a running one."""
     try:
-        await deps.store.transition(sandbox_id, State.FAILED, reason, detail)
+        await deps.store.transition(sandbox_id, State.FAILED, reason, detail,
+                                    only_from=frozenset({State.SCHEDULED}) if only_scheduled else None)
         return True
     except ServiceError:
         return False  # the node did act on it, or it ended meanwhile; its record says what happened
@@ -209,7 +213,7 @@ async def fail_stuck(deps: Deps, now: float) -> list[str]:
     stuck = [r for r in await deps.store.all() if r.state is State.SCHEDULED and now - r.updated_at > STUCK_AFTER_S]
     failed = []
     for r in stuck:
-        if await _fail(deps, r.id, "never launched", Reason.LAUNCH_FAILED):
+        if await _fail(deps, r.id, "never launched", Reason.LAUNCH_FAILED, only_scheduled=True):
             failed.append(r.id)
     return failed
 

@@ -1,0 +1,395 @@
+"""Several nodes on one machine, and a clustered bus: each test starts its own platform.
+
+`sandfleet up --nodes 2` runs two complete nodes (own node id, data dir, cgroup root, egress
+subnet) against one bus; `sandfleet up --nats-cluster 3` runs three clustered nats-servers with
+every stream and bucket replicated on all three. After each test the platform is brought down
+and nothing of it may be left on the machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import nats
+import pytest
+
+import sandfleet
+from sandfleet import errors
+from schemas import node as node_schema
+from schemas.node import ConfinedList, Empty
+from schemas.sandbox import ENDED, State
+from sandfleet.config import DEFAULT_EGRESS_SUBNET
+from sandfleet.supervisor import nats_server_binary, plan_nats, plan_nodes, write_nats_config
+from tests.conftest import CLI, NODE_ID, ROOT, Platform, platform_env, stop_platform
+from tests.kernel import require
+from tests.leaks import Snapshot
+
+
+def _up(data_dir: Path, node_id: str, *args: str) -> Platform:
+    # This machine is shared (parallel test sessions): its CPU pressure says nothing about these nodes.
+    # A small batch would go to one node whole (at least 16 a node): spread it to see both at work.
+    env = platform_env(None, node_id) | {"SANDFLEET_CPU_PSI_LIMIT": "101", "SANDFLEET_MEMORY_PSI_LIMIT": "101",
+                                         "SANDFLEET_PLACEMENT_MIN_SHARE": "1"}
+    out = subprocess.run(
+        [*CLI, "up", "--detach", "--port", "0", "--data-dir", str(data_dir), "--node-id", node_id, *args],
+        env=env, capture_output=True, text=True, timeout=240, cwd=ROOT,
+    )
+    if out.returncode != 0:
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((data_dir / "logs").glob("*.log")))
+        raise RuntimeError(f"sandfleet up {' '.join(args)} failed: {out.stderr}\n{logs}")
+    return Platform(url=out.stdout.strip(), data_dir=data_dir, node_id=node_id, env=env)
+
+
+def _ours(data_dir: Path) -> list[str]:
+    """Processes started for this platform (the supervisor hands its data dir to every one)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if str(data_dir).encode() in environ or str(data_dir).encode() in argv:
+            found.append(f"{pid}:{argv[:80].decode(errors='replace')}")
+    return found
+
+
+def _left_behind(before: Snapshot, data_dir: Path, node_ids: list[str]) -> dict[str, list[str]]:
+    """What this platform left: kernel resources naming one of its nodes or its data dir (others
+    may be working on this machine at the same time), and its processes."""
+    marks = [str(data_dir), *(f"/{n}" for n in node_ids), *(f"sf-{n}." for n in node_ids),
+             *(f"sandfleet-{n}" for n in node_ids), *(f"sandfleet:{n}:" for n in node_ids),
+             *(f"sandfleet-dns:{n}" for n in node_ids)]
+    left = {kind: [r for r in found if any(m in r for m in marks)]
+            for kind, found in Snapshot.take().added_since(before).items()}
+    left["processes"] = _ours(data_dir)
+    return {k: v for k, v in left.items() if v}
+
+
+def _assert_nothing_left(before: Snapshot, data_dir: Path, node_ids: list[str]) -> None:
+    deadline = time.monotonic() + 15
+    while (left := _left_behind(before, data_dir, node_ids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"the platform left resources behind: {left}"
+
+
+async def _confined(fleet: sandfleet.Fleet, node_id: str) -> set[str]:
+    """What the node agent holds (cgroups, netns), asked of the node itself."""
+    reply = await fleet.bus.request(node_schema.subject(node_id, node_schema.AGENT_LIST), Empty(), ConfinedList,
+                                    timeout=30)
+    return set(reply.sandbox_ids)
+
+
+def _default_gateway(route_table: bytes) -> ipaddress.IPv4Address:
+    """The default route's gateway from /proc/net/route (hex, little-endian)."""
+    for line in route_table.decode().splitlines()[1:]:
+        fields = line.split()
+        if fields[1] == "00000000":
+            return ipaddress.IPv4Address(socket.inet_ntoa(struct.pack("<I", int(fields[2], 16))))
+    raise AssertionError(f"no default route in {route_table!r}")
+
+
+async def _records(fleet: sandfleet.Fleet, batch: str) -> dict:
+    return {r.id: r for r in await fleet.list(include_ended=True) if r.spec.labels.get("batch") == batch}
+
+
+def test_nodes_on_one_host_get_their_own_ids_dirs_and_egress_subnets(tmp_path):
+    plan = plan_nodes(tmp_path, 3, "g")
+    assert [n.id for n in plan] == ["g-1", "g-2", "g-3"]
+    assert len({n.data_dir for n in plan}) == 3 and all(n.data_dir.parent == tmp_path / "nodes" for n in plan)
+    subnets = [ipaddress.IPv4Network(n.egress_subnet) for n in plan]
+    assert all(a.subnet_of(ipaddress.IPv4Network(DEFAULT_EGRESS_SUBNET)) for a in subnets)
+    assert not any(a.overlaps(b) for i, a in enumerate(subnets) for b in subnets[i + 1:])
+    (one,) = plan_nodes(tmp_path, 1, None)  # one node: as before, the data dir itself and the agent's default
+    assert one.env() == {"SANDFLEET_DATA_DIR": str(tmp_path)}
+
+
+@pytest.mark.parametrize("conf", sorted((ROOT / "infra" / "nats-cluster").glob("*.conf")), ids=lambda p: p.name)
+def test_the_cluster_example_is_a_valid_three_server_config(conf):
+    text = conf.read_text()
+    assert text.count("nats-route://") == 3 and "jetstream" in text
+    out = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_loopback_cluster_configs_route_to_all_three(tmp_path):
+    servers = plan_nats(0, 3)
+    assert len({p for s in servers for p in (s.port, s.cluster_port, s.http_port)}) == 9
+    for s in servers:
+        conf = write_nats_config(tmp_path, s.port, s, servers)
+        text = conf.read_text()
+        assert all(f"nats-route://127.0.0.1:{o.cluster_port}" in text for o in servers)
+        out = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    before = Snapshot.take()
+    base = f"{NODE_ID}m"
+    nodes = [f"{base}-1", f"{base}-2"]
+    p = _up(tmp_path / "data", base, "--nodes", "2")
+    try:
+        yield p, nodes
+    finally:
+        stop_platform(p)
+        _assert_nothing_left(before, tmp_path / "data", nodes)
+
+
+async def test_two_nodes_share_a_batch_and_each_runs_its_share(two_nodes):
+    p, nodes = two_nodes
+    async with sandfleet.connect(p.url) as fleet:
+        assert {n.id for n in await fleet.nodes()} == set(nodes)
+        boxes = await fleet.create_many(8, isolation="process", host_view=True, memory_mb=64,
+                                        labels={"batch": "spread"})
+        by_node = Counter(b.node for b in boxes)
+        assert set(by_node) == set(nodes), f"placement did not use both nodes: {by_node}"
+        for n in nodes:  # each node's own agent holds exactly the sandboxes placed on it
+            assert await _confined(fleet, n) == {b.id for b in boxes if b.node == n}
+        results = await asyncio.gather(*(b.exec(["sh", "-c", "echo $((6*7))"]) for b in boxes))
+        assert [r.stdout for r in results] == [b"42\n"] * len(boxes)
+        for b in boxes:
+            await b.destroy()
+        # Node-wide resources are the node's own: its data dir, its share of the egress subnet
+        # (its veths, /30s, DNS stub address and nft table), all in use on both nodes at once.
+        shares = {}
+        for n in nodes:
+            assert (p.data_dir / "nodes" / n / "layer-cache").is_dir()
+            network = (await fleet.security(n)).mechanisms["egress-network"]
+            require(network.startswith("on:"), f"sandbox egress is off on this machine: {network}")
+            shares[n] = ipaddress.IPv4Network(re.search(r"subnet (\S+),", network).group(1))
+        assert not shares[nodes[0]].overlaps(shares[nodes[1]])
+        egress = await fleet.create_many(4, isolation="process", host_view=True, memory_mb=64,
+                                         allow=["192.0.2.1:80"], labels={"batch": "egress"})
+        assert {b.node for b in egress} == set(nodes)
+        for b in egress:
+            gateway = _default_gateway((await b.exec(["cat", "/proc/net/route"])).stdout)
+            assert gateway in shares[b.node], (b.node, gateway)
+        for b in egress:
+            await b.destroy()
+        for n in nodes:
+            assert await _confined(fleet, n) == set()
+
+
+async def test_a_killed_node_does_not_disturb_the_other(two_nodes):
+    p, (lost, other) = two_nodes
+    async with sandfleet.connect(p.url) as fleet:
+        boxes = await fleet.create_many(6, isolation="process", host_view=True, memory_mb=64,
+                                        labels={"batch": "kill"})
+        survivors = [b for b in boxes if b.node == other]
+        assert survivors and len(survivors) < len(boxes)
+        before = {b.id: await b.info() for b in survivors}
+        state = p.state()
+        victims = {name: pid for name, pid in state["services"].items() if name.endswith(f"@{lost}")}
+        assert {"agent", "launcher", "layer-cache"} <= {name.split("@")[0] for name in victims}
+        for pid in victims.values():  # the whole node at once, no chance to clean up
+            os.kill(pid, signal.SIGKILL)
+        # While it is down, the other node serves: its sandboxes run, and it takes new ones.
+        for b in survivors:
+            assert (await b.exec(["echo", "still here"])).stdout == b"still here\n"
+        try:  # until its heartbeat expires placement may still pick the lost node: then the create says so
+            extra = await fleet.create(isolation="process", host_view=True, memory_mb=64, labels={"batch": "kill"})
+        except errors.ServiceFailure as exc:
+            assert lost in exc.message, exc.message
+        else:
+            assert extra.node == other and (await extra.exec(["true"])).exit_code == 0
+        deadline = time.monotonic() + 60  # the supervisor restarts the lost node's services
+        while time.monotonic() < deadline:
+            if all(p.state()["services"][n] not in (0, victims[n]) for n in victims) and await _answers(fleet, lost):
+                break
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError(f"node {lost} did not come back")
+        # Nothing of the other node's sandboxes changed: no event, no state change.
+        for b in survivors:
+            assert await b.info() == before[b.id]
+        # The lost node's sandboxes were either taken back or ended with a reason: none is left unknown.
+        for r in (await _records(fleet, "kill")).values():
+            if r.node == lost:
+                assert r.state in (State.RUNNING, State.FAILED), r
+        for r in (await _records(fleet, "kill")).values():
+            if r.state is State.RUNNING:
+                await (await fleet.sandbox(r.id)).destroy()
+        for n in (lost, other):
+            assert await _confined(fleet, n) == set()
+
+
+async def _answers(fleet: sandfleet.Fleet, node_id: str) -> bool:
+    """Do the node's agent and launcher answer (the launcher: 'no such sandbox')?"""
+    try:
+        await _confined(fleet, node_id)
+        await fleet.bus.request(node_schema.subject(node_id, node_schema.EXEC),
+                                node_schema.ExecRequest(sandbox_id="sb-none", argv=["true"]), node_schema.ExecReply,
+                                timeout=2)
+    except errors.NotFound:
+        return True
+    except errors.SandfleetError:
+        return False
+    return True
+
+
+async def test_a_node_joins_a_running_bus(tmp_path):
+    """`sandfleet node --nats URL`: how a node on another machine joins (here: the same machine,
+    so its own data dir and egress subnet)."""
+    before = Snapshot.take()
+    first, joined = f"{NODE_ID}j1", f"{NODE_ID}j2"
+    p = _up(tmp_path / "bus", first)
+    try:
+        out = subprocess.run(
+            [*CLI, "node", "--detach", "--nats", p.url, "--node-id", joined, "--data-dir", str(tmp_path / "node"),
+             "--egress-subnet", "10.201.0.0/16"],
+            env=p.env, capture_output=True, text=True, timeout=180, cwd=ROOT,
+        )
+        assert out.returncode == 0, out.stderr
+        try:
+            async with sandfleet.connect(p.url) as fleet:
+                assert {n.id for n in await fleet.nodes()} == {first, joined}
+                boxes = await fleet.create_many(4, isolation="process", host_view=True, memory_mb=64,
+                                                labels={"batch": "join"})
+                assert {b.node for b in boxes} == {first, joined}
+                on_joined = [b for b in boxes if b.node == joined]
+                assert await _confined(fleet, joined) == {b.id for b in on_joined}
+                assert (await on_joined[0].exec(["echo", "joined"])).stdout == b"joined\n"
+        finally:
+            node_state = json.loads((tmp_path / "node" / "supervisor.json").read_text())
+            assert "placement" not in node_state["services"] and node_state["url"] == p.url
+            subprocess.run([*CLI, "down", "--data-dir", str(tmp_path / "node")], env=p.env, timeout=150, check=True,
+                           cwd=ROOT)
+            try:
+                os.waitpid(node_state["pid"], 0)
+            except ChildProcessError:
+                pass
+        async with sandfleet.connect(p.url) as fleet:  # the node went down cleanly: its sandboxes ended
+            records = await _records(fleet, "join")
+            assert all(r.state in ENDED for r in records.values() if r.node == joined)
+            assert joined not in {n.id for n in await fleet.nodes()}
+    finally:
+        stop_platform(p)
+    _assert_nothing_left(before, tmp_path / "bus", [first, joined])
+    _assert_nothing_left(before, tmp_path / "node", [first, joined])
+
+
+# -- a clustered bus ----------------------------------------------------------------------------
+
+
+def _jsz(state: dict, server: str) -> dict:
+    port = next(s["http_port"] for s in state["nats"] if s["name"] == server)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/jsz", timeout=2) as resp:
+        return json.load(resp)
+
+
+def _meta_leader(state: dict) -> str:
+    for s in state["nats"]:
+        try:
+            return _jsz(state, s["name"])["meta_cluster"]["leader"]
+        except (OSError, KeyError):
+            continue
+    raise AssertionError("no nats-server reports a JetStream meta leader")
+
+
+async def _lead_on(url: str, stream: str, server: str) -> str:
+    """Ask `stream`'s leader to step down in favour of `server`; returns the leader after."""
+    nc = await nats.connect(url.split(","))
+    try:
+        js = nc.jetstream()
+        for _ in range(10):
+            leader = (await js.stream_info(stream)).cluster.leader
+            if leader == server:
+                return leader
+            await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}",
+                             json.dumps({"placement": {"preferred": server}}).encode(), timeout=5)
+            await asyncio.sleep(1.0)
+        return (await js.stream_info(stream)).cluster.leader
+    finally:
+        await nc.close()
+
+
+async def _replicas_current(url: str, stream: str) -> bool:
+    nc = await nats.connect(url.split(","))
+    try:
+        info = await nc.jetstream().stream_info(stream)
+        return info.config.num_replicas == 3 and len(info.cluster.replicas) == 2 \
+            and all(r.current for r in info.cluster.replicas)
+    finally:
+        await nc.close()
+
+
+@pytest.fixture
+def nats_cluster(tmp_path):
+    before = Snapshot.take()
+    node_id = f"{NODE_ID}c"
+    p = _up(tmp_path / "data", node_id, "--nats-cluster", "3")
+    try:
+        yield p
+    finally:
+        stop_platform(p)
+        _assert_nothing_left(before, tmp_path / "data", [node_id])
+
+
+async def test_losing_a_nats_server_mid_batch_loses_no_request(nats_cluster):
+    p = nats_cluster
+    state = p.state()
+    assert len(state["nats"]) == 3 and len(p.url.split(",")) == 3
+    count = 24
+    async with sandfleet.connect(p.url) as fleet:
+        victim = _meta_leader(state)
+        # The victim also leads the sandbox records, so losing it loses the leader that writes them.
+        assert await _lead_on(p.url, "KV_sandboxes", victim) == victim
+        first = asyncio.Event()
+
+        async def started(_: object) -> None:
+            first.set()
+
+        sub = await fleet.bus.nc.subscribe("events.v1.sandbox.*.started", cb=started)
+        batch = asyncio.create_task(fleet.create_many(count, isolation="process", host_view=True, memory_mb=64,
+                                                      labels={"batch": "failover"}, request_timeout_s=180))
+        await asyncio.wait_for(first.wait(), 120)  # mid-batch: the first sandbox has just started
+        os.kill(state["services"][victim], signal.SIGKILL)
+        await sub.unsubscribe()
+        try:
+            created = {b.id for b in await batch}
+            assert len(created) == count
+        except errors.SandfleetError as exc:  # an explicit failure is an allowed end, a lost request is not
+            created = {b.id for b in getattr(exc, "created", [])}
+        # Every sandbox of the batch ends running or failed, none stays in between.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            records = await _records(fleet, "failover")
+            if records and all(r.state is State.RUNNING or r.state in ENDED for r in records.values()):
+                break
+            await asyncio.sleep(1)
+        states = Counter(r.state for r in records.values())
+        why = Counter(f"{r.reason.value}: {r.detail[:80]}" for r in records.values() if r.state is State.FAILED)
+        print(f"killed {victim} (meta and KV_sandboxes leader) mid-batch: {len(created)} of {count} created, "
+              f"records {dict(Counter(s.value for s in states.elements()))}; failures: {dict(why)}")
+        assert set(states) <= {State.RUNNING, State.FAILED}, states
+        running = {i for i, r in records.items() if r.state is State.RUNNING}
+        assert created <= running
+        if len(created) == count:
+            assert len(records) == count and running == created
+        # The records agree with the node: it holds exactly the running ones, and each answers.
+        assert await _confined(fleet, p.node_id) == running
+        for sandbox_id in running:
+            assert (await (await fleet.sandbox(sandbox_id)).exec(["true"])).exit_code == 0
+        # The killed server came back (supervised) and caught up: all three replicas current.
+        deadline = time.monotonic() + 60
+        while not await _replicas_current(p.url, "KV_sandboxes") and time.monotonic() < deadline:
+            await asyncio.sleep(1)
+        assert await _replicas_current(p.url, "KV_sandboxes")
+        for sandbox_id in running:
+            await (await fleet.sandbox(sandbox_id)).destroy()
+        assert await _confined(fleet, p.node_id) == set()
