@@ -34,7 +34,7 @@ class PlatformSide:
         self.fleet = fleet
 
     async def create(self, i: int) -> sandfleet.Sandbox:
-        return await self.fleet.create(memory_mb=64, cpu=0.5)
+        return await self.fleet.create(memory_mb=64, cpu=0.5, host_view=True)
 
     async def exec_true(self, sb: sandfleet.Sandbox) -> int:
         return (await sb.exec(["true"])).exit_code

@@ -1,7 +1,7 @@
 """sandfleet: disposable, isolated sandboxes on a NATS bus, for agentic RL.
 
     async with sandfleet.connect("nats://127.0.0.1:4222") as fleet:
-        sb = await fleet.create(isolation="process")
+        sb = await fleet.create(isolation="process", host_view=True)
         r = await sb.exec(["echo", "hi"])
 
 The SDK is imported on first use, so `sandfleet.kernel` loads without the bus client (the

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,9 +15,11 @@ from pathlib import Path
 
 import msgspec
 
-from sandfleet import cli_layers, client, errors
-from sandfleet.config import DEFAULT_PORT, default_data_dir
-from sandfleet.supervisor import Supervisor, free_port, read_state
+from sandfleet import cli_layers, cli_rollout, client, errors
+from sandfleet.config import DEFAULT_PORT, default_data_dir, default_node_id, nats_url
+from sandfleet.supervisor import Supervisor, free_port, plan_nodes, read_state
+from schemas import layers, reclaim
+from schemas import node as node_schema
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,14 +41,33 @@ def _parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help)
         sp.set_defaults(func=func)
         if name not in ("up", "down"):
-            sp.add_argument("--nats", default=None, help="NATS URL (default $SANDFLEET_NATS_URL or nats://127.0.0.1:4222)")
+            sp.add_argument("--nats", default=None, help="NATS URL, or a cluster's URLs comma-separated "
+                            "(default $SANDFLEET_NATS_URL or nats://127.0.0.1:4222)")
         return sp
 
     up = cmd("up", _up, "start nats-server and every service, supervised")
     up.add_argument("--port", type=int, default=DEFAULT_PORT, help="NATS port (0 = pick a free one)")
     up.add_argument("--data-dir", type=Path, default=None)
     up.add_argument("--detach", action="store_true", help="return once every service answers; print the NATS URL")
-    up.add_argument("--node-id", default=None)
+    up.add_argument("--node-id", type=_node_id, default=None)
+    up.add_argument("--fetch", choices=["lazy", "full"], default=None,
+                    help="how the node gets layers: chunks when read (lazy, the default) or whole images first")
+    up.add_argument("--default-layers", default=None, metavar="A,B",
+                    help="layers (bottom first) of a sandbox created with no layers and no host view")
+    up.add_argument("--nodes", type=int, default=1,
+                    help="run N complete nodes (ids <node-id>-1..N, data dirs <data-dir>/nodes/<id>)")
+    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="N clustered nats-servers on loopback (3: JetStream keeps everything on all three)")
+    up.add_argument("--egress-subnet", default=None, help="sandbox egress subnet (split between the nodes)")
+
+    node = cmd("node", _node, "run one node's services (agent, layer-cache, launcher, ...) against a running bus")
+    node.add_argument("--data-dir", type=Path, default=None)
+    node.add_argument("--detach", action="store_true", help="return once the node has registered")
+    node.add_argument("--node-id", type=_node_id, default=None, help="default: the host name")
+    node.add_argument("--fetch", choices=["lazy", "full"], default=None)
+    node.add_argument("--default-layers", default=None, metavar="A,B")
+    node.add_argument("--egress-subnet", default=None,
+                      help="sandbox egress subnet (default 10.200.0.0/16; give a second node on one host its own)")
 
     down = cmd("down", _down, "stop what `up` started and destroy its sandboxes")
     down.add_argument("--data-dir", type=Path, default=None)
@@ -56,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--memory-mb", type=int, default=512)
     create.add_argument("--timeout-s", type=int, default=600)
     create.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    create.add_argument("--layer", action="append", default=[], metavar="LAYER",
+                        help="a layer of its root, bottom first (repeatable; none: the node's default layers)")
+    create.add_argument("--host-view", action="store_true", help="the host's system directories read-only, no layers")
+    create.add_argument("--disk-mb", type=int, default=1024, help="size of its writable upper dir")
     create.add_argument("--json", action="store_true")
 
     ex = cmd("exec", _exec, "run a command in a sandbox")
@@ -68,11 +94,27 @@ def _parser() -> argparse.ArgumentParser:
     ev = cmd("events", _events, "print lifecycle events (history, then live with --follow)")
     ev.add_argument("--follow", "-f", action="store_true")
     ev.add_argument("--id", default=None, help="only this sandbox")
-    ev.add_argument("--violations", action="store_true", help="refused attempts instead of lifecycle events")
+    ev.add_argument("--violations", action="store_true",
+                    help="refused attempts, and the security monitor's actions, instead of lifecycle events")
     ev.add_argument("--task", default=None, help="with --violations: only sandboxes labelled task=TASK")
     cmd("status", _status, "show services and nodes")
+    pol = cmd("policy", _policy, "set or show what the security monitor does to a task's sandboxes")
+    pol.add_argument("verb", choices=["set", "get"])
+    pol.add_argument("--task", default=None, help="the sandboxes' `task` label (get without it: every policy)")
+    pol.add_argument("--action", default="record", help="record (default), kill or quarantine")
+    pol.add_argument("--threshold", action="append", default=[], metavar="PREFIX=N",
+                     help="act on the Nth violation whose kind starts with PREFIX (e.g. network=3; 0: never)")
+    pol.add_argument("--default-threshold", type=int, default=1, help="for kinds no --threshold names")
     cli_layers.register(sub)
+    cli_rollout.register(sub)
     return p
+
+
+def _node_id(text: str) -> str:
+    """A node id is one NATS subject token and a prefix of netns and cgroup names: no dots."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,47}", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: letters, digits, '-' and '_' only (at most 48)")
+    return text
 
 
 def _data_dir(path: Path | None) -> Path:
@@ -84,46 +126,90 @@ def _data_dir(path: Path | None) -> Path:
 
 def _up(args: argparse.Namespace) -> int:
     data_dir = _data_dir(args.data_dir)
+    if _running(data_dir):
+        return 1
+    if args.nodes < 1 or args.nats_cluster < 1:
+        print("sandfleet up: --nodes and --nats-cluster are at least 1", file=sys.stderr)
+        return 2
+    if args.detach:
+        return _detached(args, data_dir)
+    port = args.port or (0 if args.nats_cluster > 1 else free_port())  # a cluster picks its own free ports
+    return Supervisor(data_dir=data_dir, port=port, env=_node_env(args), nodes=args.nodes,
+                      nats_cluster=args.nats_cluster).run()
+
+
+def _node(args: argparse.Namespace) -> int:
+    data_dir = _data_dir(args.data_dir)
+    if _running(data_dir):
+        return 1
+    if args.detach:
+        return _detached(args, data_dir)
+    return Supervisor(data_dir=data_dir, port=0, env=_node_env(args), join=nats_url(args.nats)).run()
+
+
+def _running(data_dir: Path) -> bool:
     data_dir.mkdir(parents=True, exist_ok=True)
     state = read_state(data_dir)
     if state and _alive(state["pid"]):
         print(f"sandfleet is already up at {state['url']} (pid {state['pid']})", file=sys.stderr)
-        return 1
-    port = args.port or free_port()
-    if args.detach:
-        return _up_detached(data_dir, port, args.node_id)
-    env = {"SANDFLEET_NODE_ID": args.node_id} if args.node_id else {}
-    return Supervisor(data_dir=data_dir, port=port, env=env).run()
+        return True
+    (data_dir / "supervisor.json").unlink(missing_ok=True)  # a dead supervisor's: its URL is no more
+    return False
 
 
-def _up_detached(data_dir: Path, port: int, node_id: str | None) -> int:
-    argv = [sys.executable, "-m", "sandfleet.cli", "up", "--port", str(port), "--data-dir", str(data_dir)]
-    if node_id:
-        argv += ["--node-id", node_id]
+def _node_env(args: argparse.Namespace) -> dict[str, str]:
+    names = {"node_id": "SANDFLEET_NODE_ID", "fetch": "SANDFLEET_LAYER_FETCH",
+             "default_layers": "SANDFLEET_DEFAULT_LAYERS", "egress_subnet": "SANDFLEET_EGRESS_SUBNET"}
+    return {env: getattr(args, opt) for opt, env in names.items() if getattr(args, opt, None)}
+
+
+_FORWARDED = ("port", "node_id", "fetch", "default_layers", "nodes", "nats_cluster", "egress_subnet", "nats")
+
+
+def _detached(args: argparse.Namespace, data_dir: Path) -> int:
+    """Run the same command without --detach in its own session; return once it is healthy."""
+    argv = [sys.executable, "-m", "sandfleet.cli", args.command, "--data-dir", str(data_dir)]
+    for opt in _FORWARDED:
+        if getattr(args, opt, None) is not None:
+            argv += ["--" + opt.replace("_", "-"), str(getattr(args, opt))]
+    nodes = getattr(args, "nodes", 1)
+    want = {n.id or default_node_id() for n in plan_nodes(data_dir, nodes, args.node_id)}
     log = open(data_dir / "supervisor.log", "ab")
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
-    url = f"nats://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    wait_s = 60 + 30 * (nodes - 1)
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            print(f"sandfleet up failed; see {data_dir / 'supervisor.log'}", file=sys.stderr)
+            print(f"sandfleet {args.command} failed; see {data_dir / 'supervisor.log'}", file=sys.stderr)
             return 1
-        if asyncio.run(_healthy(url)):
-            print(url)
+        state = read_state(data_dir)
+        if state and asyncio.run(_healthy(state["url"], want)):
+            print(state["url"])
             return 0
         time.sleep(0.2)
-    print(f"services did not become healthy within 60s; see {data_dir / 'logs'}", file=sys.stderr)
+    print(f"services did not become healthy within {wait_s}s; see {data_dir / 'logs'}", file=sys.stderr)
     return 1
 
 
-async def _healthy(url: str) -> bool:
+async def _healthy(url: str, nodes: set[str]) -> bool:
+    """Every service answers, every one of `nodes` has registered (its launcher's heartbeat) and
+    its own agent and layer-cache answer (a ping is answered by any node's)."""
     try:
         fleet = await client.connect(url, name="sandfleet-health")
     except errors.SandfleetError:
         return False
     try:
         answers = await asyncio.gather(*(fleet.ping(s) for s in client.SERVICES))
-        return all(answers) and bool(await fleet.nodes())
+        if not all(answers) or not nodes <= {n.id for n in await fleet.nodes()}:
+            return False
+        for n in nodes:
+            await fleet.bus.request(node_schema.subject(n, node_schema.AGENT_LIST), node_schema.Empty(),
+                                    node_schema.ConfinedList, timeout=2)
+            await fleet.bus.request(node_schema.subject(n, layers.CACHE), layers.CacheRequest(), layers.CacheListing,
+                                    timeout=2)
+        return True
+    except errors.SandfleetError:
+        return False
     finally:
         await fleet.close()
 
@@ -169,7 +255,8 @@ def _create(args: argparse.Namespace) -> int:
 
     async def body(fleet: client.Fleet) -> int:
         sb = await fleet.create(
-            isolation=args.isolation, cpu=args.cpu, memory_mb=args.memory_mb, timeout_s=args.timeout_s, labels=labels
+            isolation=args.isolation, cpu=args.cpu, memory_mb=args.memory_mb, timeout_s=args.timeout_s, labels=labels,
+            layers=args.layer, host_view=args.host_view, disk_mb=args.disk_mb,
         )
         print(json.dumps({"id": sb.id, "node": sb.node}) if args.json else f"{sb.id}\t{sb.node}")
         return 0
@@ -241,7 +328,7 @@ def _events(args: argparse.Namespace) -> int:
 
 def _violations(args: argparse.Namespace) -> int:
     async def body(fleet: client.Fleet) -> int:
-        stream = fleet.violations(args.id, task=args.task, replay=True).__aiter__()
+        stream = fleet.violations(args.id, task=args.task, replay=True, actions=True).__aiter__()
         while True:
             try:  # without --follow: what is stored, until the stream has been quiet for a second
                 v = await (stream.__anext__() if args.follow else asyncio.wait_for(stream.__anext__(), 1.0))
@@ -249,6 +336,29 @@ def _violations(args: argparse.Namespace) -> int:
                 await stream.aclose()
                 return 0
             print(msgspec.json.encode(v).decode(), flush=True)
+
+    return _with_fleet(args, body)
+
+
+def _policy(args: argparse.Namespace) -> int:
+    try:
+        thresholds = {k: int(n) for k, _, n in (t.partition("=") for t in args.threshold)}
+    except ValueError:
+        print(f"sandfleet policy: --threshold takes PREFIX=N, got {args.threshold}", file=sys.stderr)
+        return 2
+    if args.verb == "set" and not args.task:
+        print("sandfleet policy set: --task is required", file=sys.stderr)
+        return 2
+
+    async def body(fleet: client.Fleet) -> int:
+        if args.verb == "set":
+            found = [await fleet.set_policy(task=args.task, action=args.action, thresholds=thresholds,
+                                            default_threshold=args.default_threshold)]
+        else:
+            found = [await fleet.get_policy(args.task)] if args.task else await fleet.policies()
+        for policy in found:
+            print(msgspec.json.encode(policy).decode())
+        return 0
 
     return _with_fleet(args, body)
 
@@ -266,9 +376,22 @@ def _status(args: argparse.Namespace) -> int:
                 mechanisms = {"agent": f"unreachable: {exc.message}"}
             for name, state in mechanisms.items():
                 print(f"        {name:<14} {state}")
+            print(f"        {'reclaim':<14} {await _reclaim_status(fleet, n.id)}")
         return 0 if all(pings) else 1
 
     return _with_fleet(args, body)
+
+
+async def _reclaim_status(fleet: client.Fleet, node_id: str) -> str:
+    """One line of what the node's reclaimer saves (services/reclaimer)."""
+    try:
+        r = await fleet.bus.request(reclaim.savings_subject(node_id), reclaim.SavingsRequest(), reclaim.NodeSavings)
+    except errors.SandfleetError as exc:
+        return f"unreachable: {exc.message}"
+    mib = 1 << 20
+    return (f"{'on' if r.enabled else 'off'}: saved {r.saved_bytes / mib:.1f} MiB (merged {r.merged_bytes / mib:.1f},"
+            f" swapped {r.swapped_bytes / mib:.1f} -> {r.swap_stored_bytes / mib:.1f}); idle {r.idle}/{r.sandboxes},"
+            f" paged out {r.paged_out}, frozen {r.frozen}; ksm {r.ksm}; zram {r.zram}")
 
 
 if __name__ == "__main__":

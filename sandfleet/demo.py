@@ -30,7 +30,7 @@ async def workload(url: str) -> None:
     async with sandfleet.connect(url) as fleet:
         t0 = time.perf_counter()
         boxes = await fleet.create_many(16, isolation="process", cpu=0.5, memory_mb=128, timeout_s=120,
-                                        labels={"task": "demo"})
+                                        labels={"task": "demo"}, host_view=True)
         created = time.perf_counter() - t0
         print(f"created {len(boxes)} sandboxes in one request in {created * 1000:.0f} ms")
 
@@ -62,7 +62,7 @@ async def workload(url: str) -> None:
         print(f"violation on the bus     : {v.kind} {v.attempted!r} by {v.command} (pid {v.pid}) task={v.labels.get('task')}")
         await violations.aclose()
 
-        short = await fleet.create(memory_mb=64, timeout_s=1)
+        short = await fleet.create(memory_mb=64, timeout_s=1, host_view=True)
         await asyncio.sleep(2.5)
         await asyncio.gather(*(sb.destroy() for sb in boxes))
         history = await fleet.history()

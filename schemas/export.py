@@ -8,19 +8,23 @@ from pathlib import Path
 
 import msgspec
 
-from schemas import errors, events, layers, node, sandbox, violations
+from schemas import errors, events, layers, node, reclaim, sandbox, security, violations
 
 MESSAGES: dict[str, object] = {
     "sandbox.CreateRequest": sandbox.CreateRequest,
     "sandbox.CreateReply": sandbox.CreateReply,
     "sandbox.CreateManyRequest": sandbox.CreateManyRequest,
     "sandbox.CreateManyReply": sandbox.CreateManyReply,
+    "sandbox.Quota": sandbox.Quota,
+    "sandbox.QuotaGetRequest": sandbox.QuotaGetRequest,
+    "sandbox.QuotaState": sandbox.QuotaState,
     "sandbox.GetRequest": sandbox.GetRequest,
     "sandbox.ListRequest": sandbox.ListRequest,
     "sandbox.SandboxRecord": sandbox.SandboxRecord,
     "sandbox.SandboxList": sandbox.SandboxList,
     "events.SandboxEvent": events.AnySandboxEvent,
     "node.NodeInfo": node.NodeInfo,
+    "node.NodeBooking": node.NodeBooking,
     "node.LaunchRequest": node.LaunchRequest,
     "node.LaunchReply": node.LaunchReply,
     "node.ExecRequest": node.ExecRequest,
@@ -38,6 +42,25 @@ MESSAGES: dict[str, object] = {
     "node.NodeSecurity": node.NodeSecurity,
     "errors.ErrorBody": errors.ErrorBody,
     "violations.Violation": violations.Violation,
+    "node.QuarantineRequest": node.QuarantineRequest,
+    "node.QuarantineReply": node.QuarantineReply,
+    "node.PauseRequest": node.PauseRequest,
+    "node.PauseReply": node.PauseReply,
+    "node.ResumeRequest": node.ResumeRequest,
+    "node.ResumeReply": node.ResumeReply,
+    "node.SelectedRequest": node.SelectedRequest,
+    "node.SelectedReply": node.SelectedReply,
+    "node.HintRequest": node.HintRequest,
+    "node.HintReply": node.HintReply,
+    "node.CheckpointRequest": node.CheckpointRequest,
+    "node.Checkpoint": node.Checkpoint,
+    "security.Policy": security.Policy,
+    "security.PolicyGetRequest": security.PolicyGetRequest,
+    "security.PolicyListRequest": security.PolicyListRequest,
+    "security.PolicyList": security.PolicyList,
+    "security.SandboxGetRequest": security.SandboxGetRequest,
+    "security.SandboxSecurity": security.SandboxSecurity,
+    "security.SecurityAction": security.SecurityAction,
     "layers.Layer": layers.Layer,
     "layers.BuildRequest": layers.BuildRequest,
     "layers.BuildReply": layers.BuildReply,
@@ -51,6 +74,13 @@ MESSAGES: dict[str, object] = {
     "layers.ReleaseRootfsRequest": layers.ReleaseRootfsRequest,
     "layers.ReleaseRootfsReply": layers.ReleaseRootfsReply,
     "layers.CacheListing": layers.CacheListing,
+    "layers.CacheDropReply": layers.CacheDropReply,
+    "layers.FetchFailed": layers.FetchFailed,
+    "layers.TransferRequest": layers.TransferRequest,
+    "layers.TransferReply": layers.TransferReply,
+    "reclaim.ReclaimAction": reclaim.ReclaimAction,
+    "reclaim.SavingsRequest": reclaim.SavingsRequest,
+    "reclaim.NodeSavings": reclaim.NodeSavings,
 }
 
 

@@ -7,13 +7,13 @@ the sandbox (the create reply names it), so placement is never on the exec path.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
 from schemas.errors import ErrorCode
-from schemas.sandbox import Isolation, SandboxId, SandboxRecord, SandboxSpec
+from schemas.sandbox import Isolation, LabelKey, LabelValue, Reason, SandboxId, SandboxRecord, SandboxSpec
 
 KV_BUCKET = "nodes"
 HEARTBEAT_S = 2.0
@@ -32,10 +32,24 @@ EXEC = "exec"
 WRITE_FILE = "write_file"
 READ_FILE = "read_file"
 DESTROY = "destroy"
+QUARANTINE = "quarantine"
+PAUSE = "pause"  # also what the node's reclaimer sends to freeze an idle sandbox under pressure
+RESUME = "resume"
+PAUSE_SELECTED = "pause_selected"  # every live sandbox of the node with these labels (a rollout)
+RESUME_SELECTED = "resume_selected"
+HINT = "hint"
+CHECKPOINT = "checkpoint"
 CONFINE = "confine"
 RELEASE = "release"
 AGENT_LIST = "confined"
 SECURITY = "security"
+
+
+class NodePressure(msgspec.Struct, frozen=True, kw_only=True):
+    """The node's pressure stall information (`some avg10`, percent of time stalled)."""
+
+    cpu: float = 0.0
+    memory: float = 0.0
 
 
 class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,11 +63,47 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     memory_mb: int
     at: float
     version: str = "1"
+    starting: int = 0  # launches taken and not finished yet
+    allocated_cpu: float = 0.0  # what its live and starting sandboxes asked for
+    allocated_memory_mb: int = 0
+    pressure: NodePressure = NodePressure()
+    layers: list[str] = []  # names and digests of the layers the node has cached
+    # Changes whenever the launcher starts; with `accepted*` (what this instance has taken,
+    # cumulative) placement knows exactly which of its bookings are still on the way.
+    instance: str = ""
+    accepted: int = 0
+    accepted_cpu: float = 0.0
+    accepted_memory_mb: int = 0
+    simulated: bool = False  # a load-test node (loadtest/): it accepts launches and creates nothing
+    criu: str = ""  # process-level checkpoint: "on: <criu version>", or "off: <why>" (`criu check` is run at start)
+
+
+BOOKINGS_BUCKET = "node-bookings"
+
+
+class NodeBooking(msgspec.Struct, frozen=True, kw_only=True):
+    """KV `node-bookings/<node_id>`: what placement has sent a node, updated with a revision check by
+    every placement replica, so two replicas never book the same free room twice.
+
+    For a node that reports `instance`, the counts are cumulative for that instance (compare with
+    its `accepted*`); for one that does not, they count what was sent since its heartbeat `since`.
+    """
+
+    instance: str = ""
+    since: float = 0.0
+    count: int = 0
+    cpu: float = 0.0
+    memory_mb: int = 0
+    lost: bool = False  # a replica has claimed the work of failing this node's sandboxes
 
 
 class LaunchItem(msgspec.Struct, frozen=True, kw_only=True):
     id: SandboxId
     spec: SandboxSpec
+    # The record as placement stored it and its KV revision: the node may make its first
+    # transition without reading it (the write is still revision-checked).
+    record: SandboxRecord | None = None
+    revision: int = 0
 
 
 class LaunchRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -115,10 +165,99 @@ class ReadFileReply(msgspec.Struct, frozen=True, kw_only=True):
 
 class DestroyRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     sandbox_id: SandboxId
+    # `violation` is for the security monitor's kill; the launcher refuses other reasons.
+    reason: Reason = Reason.REQUESTED
+    detail: Annotated[str, Meta(max_length=1024)] = ""
 
 
 class DestroyReply(msgspec.Struct, frozen=True, kw_only=True):
     record: SandboxRecord
+
+
+class QuarantineRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Security monitor → launcher: freeze the sandbox (cgroup.freeze) and keep it, files and
+    all, as `paused` with reason `violation` until someone destroys it or it expires."""
+
+    sandbox_id: SandboxId
+    detail: Annotated[str, Meta(max_length=1024)] = ""
+
+
+class QuarantineReply(msgspec.Struct, frozen=True, kw_only=True):
+    record: SandboxRecord
+
+
+class PauseRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Freeze every process of the sandbox (v2 cgroup.freeze) and keep it `paused` until a
+    resume; `memory_pressure` is the node's reclaimer freezing an idle sandbox."""
+
+    sandbox_id: SandboxId
+    reason: Literal["requested", "memory_pressure"] = "requested"
+    detail: Annotated[str, Meta(max_length=1024)] = ""
+
+
+class PauseReply(msgspec.Struct, frozen=True, kw_only=True):
+    record: SandboxRecord
+
+
+class ResumeRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Thaw a paused sandbox; a quarantined one (reason `violation`) is refused with `conflict`."""
+
+    sandbox_id: SandboxId
+
+
+class ResumeReply(msgspec.Struct, frozen=True, kw_only=True):
+    record: SandboxRecord
+
+
+class SelectedRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`pause_selected` / `resume_selected`: every live sandbox of the node carrying all these labels."""
+
+    labels: Annotated[dict[LabelKey, LabelValue], Meta(min_length=1, max_length=32)]
+
+
+class SelectedReply(msgspec.Struct, frozen=True, kw_only=True):
+    node: str
+    matched: int  # live sandboxes with the labels
+    changed: int  # paused (or resumed) by this request
+    unchanged: int  # already so (or quarantined, for a resume)
+    failed: int = 0
+    errors: list[str] = []
+
+
+class HintRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`idle` lowers the sandbox's CPU weight to the minimum; `active` restores what its spec gives."""
+
+    sandbox_id: SandboxId
+    hint: Literal["idle", "active"]
+
+
+class HintReply(msgspec.Struct, frozen=True, kw_only=True):
+    hint: str
+    file: str  # the cgroup file written (v1 cpu.shares, or v2 cpu.weight)
+    value: int
+
+
+class CheckpointRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    sandbox_id: SandboxId
+    name: Annotated[str, Meta(min_length=1, max_length=63, pattern=r"^(?!sha256$)[a-z0-9][a-z0-9_\-]*$")]
+    keep_paused: bool = False  # true: leave it frozen afterwards (a migration stops the original)
+
+
+class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):
+    """A sandbox's files at one moment: its writable layer, packed as layer `name` (`digest`) in
+    the store on top of `base` (digests, bottom first). `fleet.restore` starts a sandbox with
+    layers base + [digest] and the same spec. Processes are not captured (`processes` false)."""
+
+    sandbox_id: str
+    node: str
+    name: str
+    digest: str
+    base: list[str]
+    spec: SandboxSpec
+    processes: bool = False
+    paused: bool = False  # the original was left frozen
+    created_at: float
+    seconds: float = 0.0
 
 
 class ConfineRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -129,6 +268,8 @@ class ConfineRequest(msgspec.Struct, frozen=True, kw_only=True):
     cpu: float
     memory_mb: int
     pids: int
+    allow: list[str] = []  # SandboxSpec.allow: egress rules (empty: no egress, no veth)
+    labels: dict[str, str] = {}
 
 
 class Confinement(msgspec.Struct, frozen=True, kw_only=True):
@@ -138,6 +279,7 @@ class Confinement(msgspec.Struct, frozen=True, kw_only=True):
     cgroup_procs: list[str]  # every cgroup.procs file to write the pid into (v1 controllers + v2)
     cgroup_v2: str  # the v2 directory: BPF attach point, freeze, kill
     netns: str  # a bind-mounted network namespace file
+    address: str = ""  # the sandbox's egress address (its veth), empty without egress
 
 
 class ReleaseRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -41,6 +41,16 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     labels: Annotated[dict[LabelKey, LabelValue], Meta(max_length=32)] = {}
     layers: Annotated[list[Annotated[str, Meta(min_length=1, max_length=128)]], Meta(max_length=16)] = []
     allow: Annotated[list[Annotated[str, Meta(min_length=1, max_length=253)]], Meta(max_length=256)] = []
+    # The writable upper dir's size (MiB), a tmpfs: a write beyond it fails with ENOSPC in this
+    # sandbox only. Its pages are charged to the sandbox's memory, so they count against memory_mb too.
+    disk_mb: Annotated[int, Meta(ge=16, le=1_048_576)] = 1024
+    # True: the host's system directories read-only instead of layers (process only, for tests).
+    # False with no layers: the node's default layers (`sandfleet up --default-layers`).
+    host_view: bool = False
+
+    def __post_init__(self) -> None:
+        if self.host_view and self.layers:
+            raise ValueError("host_view=True takes no layers")
 
 
 class CreateRequest(SandboxSpec, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -56,12 +66,58 @@ class CreateReply(msgspec.Struct, frozen=True, kw_only=True):
 class CreateManyRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     count: Annotated[int, Meta(ge=1, le=MAX_BATCH)]
     spec: SandboxSpec = SandboxSpec()
+    # True: reply when every launch has answered, listing the started ones in `sandboxes`.
+    # False (a gang batch): reply as soon as every sandbox is placed, recorded and handed to its
+    # node, in the compact `placements`; follow `started`/`failed` events for the rest.
+    wait: bool = True
+
+
+class NodePlacement(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """[node, [ids...]]: one node's share of a batch, compact so 32,000 ids fit in one reply."""
+
+    node: str
+    ids: list[str]
 
 
 class CreateManyReply(msgspec.Struct, frozen=True, kw_only=True):
-    sandboxes: list[CreateReply]
+    sandboxes: list[CreateReply] = []
     failed: int = 0
     errors: list[str] = []
+    placements: list[NodePlacement] = []
+
+
+QUOTA_SET = "sandbox.v1.quota.set"
+QUOTA_GET = "sandbox.v1.quota.get"
+QUOTA_BUCKET = "quotas"
+QuotaScope = Literal["task", "tenant"]  # the label a quota counts by
+
+
+class Quota(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Limits for the sandboxes labelled `<scope>=<name>`; 0 means no limit. A create beyond one
+    fails with a `capacity` error whose message starts with `quota:`."""
+
+    scope: QuotaScope = "task"
+    name: LabelValue
+    max_concurrent: Annotated[int, Meta(ge=0)] = 0
+    max_creates_per_s: Annotated[float, Meta(ge=0)] = 0.0
+
+
+class QuotaGetRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    scope: QuotaScope = "task"
+    name: LabelValue
+
+
+class QuotaState(msgspec.Struct, frozen=True, kw_only=True):
+    quota: Quota
+    active: int = 0  # sandboxes counted against max_concurrent now
+
+
+class QuotaUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """KV `quotas/u.<scope>.<name>`: what a quota has in use, updated with a revision check."""
+
+    active: int = 0
+    tokens: float = 0.0  # creates left in the rate bucket at `at` (refills at max_creates_per_s)
+    at: float = 0.0
 
 
 class GetRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -95,6 +151,8 @@ class Reason(str, enum.Enum):
     LOST_ON_RESTART = "lost_on_restart"  # a restarted service found it gone
     NODE_SHUTDOWN = "node_shutdown"
     NODE_LOST = "node_lost"
+    VIOLATION = "violation"  # the task's security policy killed it (failed) or quarantined it (paused)
+    MEMORY_PRESSURE = "memory_pressure"  # paused by the node's reclaimer (idle under node pressure)
 
 
 ENDED = frozenset({State.STOPPED, State.FAILED})

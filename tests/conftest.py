@@ -67,11 +67,11 @@ def platform_env(otlp: OtlpReceiver | None, node_id: str) -> dict:
     return env
 
 
-def start_platform(data_dir: Path, node_id: str, otlp: OtlpReceiver | None = None) -> Platform:
+def start_platform(data_dir: Path, node_id: str, otlp: OtlpReceiver | None = None, extra: tuple[str, ...] = ()) -> Platform:
     env = platform_env(otlp, node_id)
     port = free_port()
     out = subprocess.run(
-        [*CLI, "up", "--detach", "--port", str(port), "--data-dir", str(data_dir), "--node-id", node_id],
+        [*CLI, "up", "--detach", "--port", str(port), "--data-dir", str(data_dir), "--node-id", node_id, *extra],
         env=env, capture_output=True, text=True, timeout=90, cwd=ROOT,
     )
     if out.returncode != 0:

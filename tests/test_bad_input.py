@@ -10,6 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sandfleet import errors
+from sandfleet.allow_rules import parse_rule
 from schemas import node, sandbox
 from schemas.errors import ErrorBody, ErrorCode
 
@@ -56,6 +58,63 @@ async def test_oversized_payload_gets_invalid_request(nc):
     assert body.code is ErrorCode.INVALID_REQUEST and "exceeds" in body.message
 
 
+BAD_RULES = ["http://evil.test", "127.0.0.1:4222", "10.1.2.3/24", "a.*.example.com", "host:0", "[1.2.3.4]:80"]
+
+
+async def _records(nc) -> set[str]:
+    msg = await nc.request(sandbox.LIST, b'{"include_ended": true}', timeout=10)
+    return {r.id for r in msgspec.json.decode(msg.data, type=sandbox.SandboxList).sandboxes}
+
+
+@pytest.mark.parametrize("rule", BAD_RULES)
+async def test_placement_refuses_a_bad_allow_rule_from_a_raw_request_before_placing(nc, rule):
+    before = await _records(nc)
+    for subject, body in ((sandbox.CREATE, {"allow": ["api.example.com", rule]}),
+                          (sandbox.CREATE_MANY, {"count": 2, "spec": {"allow": [rule]}})):
+        headers, error = await _error(nc, subject, json.dumps(body).encode())
+        assert headers["Nats-Service-Error-Code"] == "400" and error.code is ErrorCode.INVALID_REQUEST
+        assert repr(rule) in error.message, error.message
+        assert "launch failed" not in error.message, "placement itself refuses it, not the node"
+    assert await _records(nc) == before, "a refused create leaves no sandbox record"
+
+
+async def test_generated_bad_allow_rules_all_get_invalid_request_from_placement(nc):
+    rules: list[str] = []
+
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(st.text(min_size=1, max_size=40))
+    def gather(text):
+        try:
+            parse_rule(text)
+        except ValueError:
+            rules.append(text)
+
+    gather()
+    assert len(rules) >= 50
+    for rule in rules:
+        _, error = await _error(nc, sandbox.CREATE, json.dumps({"allow": [rule]}).encode())
+        assert error.code is ErrorCode.INVALID_REQUEST and "launch failed" not in error.message, (rule, error)
+
+
+async def test_the_sdk_sends_nothing_for_a_bad_allow_rule(nc, fleet):
+    sent: list[bytes] = []
+
+    async def seen(msg):
+        sent.append(msg.data)
+
+    subs = [await nc.subscribe(s, cb=seen) for s in (sandbox.CREATE, sandbox.CREATE_MANY)]
+    await nc.flush()
+    with pytest.raises(errors.InvalidRequest, match="http://evil.test"):
+        await fleet.create(allow=["http://evil.test"])
+    with pytest.raises(errors.InvalidRequest, match="host:0"):
+        await fleet.create_many(2, allow=["host:0"])
+    await fleet.bus.nc.flush()
+    await nc.flush()
+    assert sent == []
+    for sub in subs:
+        await sub.unsubscribe()
+
+
 async def test_exec_on_unknown_sandbox_is_not_found(nc, platform):
     req = msgspec.json.encode(node.ExecRequest(sandbox_id="sb-nope", argv=["true"]))
     headers, body = await _error(nc, node.subject(platform.node_id, node.EXEC), req)
@@ -98,6 +157,6 @@ async def test_thousands_of_generated_bad_requests_then_a_valid_create_works(nc,
         msg = await nc.request(sandbox.CREATE, p, timeout=10)
         body = msgspec.json.decode(msg.data, type=ErrorBody)
         assert msg.headers["Nats-Service-Error-Code"] == "400", (p, body)
-    sb = await fleet.create(memory_mb=64)
+    sb = await fleet.create(memory_mb=64, host_view=True)
     assert (await sb.exec(["echo", "ok"])).stdout == b"ok\n"
     await sb.destroy()

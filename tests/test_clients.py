@@ -23,7 +23,7 @@ def test_node_client_creates_execs_and_sees_events(platform):
 
 
 def test_cli_create_exec_ps_rm_events_status(platform):
-    created = json.loads(platform.cli("create", "--memory-mb", "64", "--label", "task=cli", "--json").stdout)
+    created = json.loads(platform.cli("create", "--memory-mb", "64", "--label", "task=cli", "--host-view", "--json").stdout)
     sid = created["id"]
     out = platform.cli("exec", sid, "--", "sh", "-c", "echo from-cli; exit 4", check=False)
     assert out.returncode == 4 and out.stdout == b"from-cli\n"

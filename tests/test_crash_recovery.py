@@ -12,8 +12,8 @@ from schemas.sandbox import Reason, State
 
 
 async def test_launcher_killed_keeps_live_sandboxes_and_fails_the_dead_one(fleet, platform):
-    keep = await fleet.create(memory_mb=64)
-    lose = await fleet.create(memory_mb=64)
+    keep = await fleet.create(memory_mb=64, host_view=True)
+    lose = await fleet.create(memory_mb=64, host_view=True)
     await keep.write_file("/workspace/state", b"before")
     lose_init = (await fleet.get(lose.id)).init_pid
     old = platform.service_pid("launcher")
@@ -29,7 +29,7 @@ async def test_launcher_killed_keeps_live_sandboxes_and_fails_the_dead_one(fleet
 
 
 async def test_agent_killed_keeps_sandboxes_usable_and_reclaims_orphans(fleet, platform):
-    sb = await fleet.create(memory_mb=64)
+    sb = await fleet.create(memory_mb=64, host_view=True)
     # Leave an orphaned namespace as a crashed launch would; the restarted agent must reclaim it.
     orphan = f"sf-{platform.node_id}.orphan-test"
     subprocess.run(["ip", "netns", "add", orphan], check=True)
@@ -39,7 +39,7 @@ async def test_agent_killed_keeps_sandboxes_usable_and_reclaims_orphans(fleet, p
 
     assert (await sb.exec(["echo", "alive"])).stdout == b"alive\n"
     assert not os.path.exists(f"/run/netns/{orphan}")
-    fresh = await fleet.create(memory_mb=64)
+    fresh = await fleet.create(memory_mb=64, host_view=True)
     assert (await fresh.exec(["true"])).exit_code == 0
     await asyncio.gather(sb.destroy(), fresh.destroy())
     assert not os.path.exists(f"/run/netns/sf-{platform.node_id}.{sb.id}")
@@ -53,7 +53,7 @@ async def test_a_sandbox_left_scheduled_by_a_dead_placement_is_failed_not_lost(f
 
     store = await SandboxStore.open(fleet.bus)
     old = time.time() - 3600
-    record = SandboxRecord(id="sb-stuck0001", node="gone", spec=SandboxSpec(), state=State.SCHEDULED,
+    record = SandboxRecord(id="sb-stuck0001", node="gone", spec=SandboxSpec(host_view=True), state=State.SCHEDULED,
                            created_at=old, updated_at=old)
     await store.create(record)
     failed = await handlers.fail_stuck(handlers.Deps(fleet.bus, store, NodeView()), time.time())

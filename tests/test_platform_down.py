@@ -15,7 +15,7 @@ async def test_down_destroys_sandboxes_and_leaves_no_process_cgroup_netns_or_mou
     p = start_platform(tmp_path / "data", "downnode")
     try:
         async with sandfleet.connect(p.url) as fleet:
-            boxes = await fleet.create_many(5, memory_mb=64)
+            boxes = await fleet.create_many(5, memory_mb=64, host_view=True)
             # A background process inside must not keep anything alive.
             await boxes[0].exec(["sh", "-c", "sleep 1000 >/dev/null 2>&1 &"])
             assert Snapshot.take().added_since(before)  # the platform does hold resources now

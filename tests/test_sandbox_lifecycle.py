@@ -25,7 +25,7 @@ async def _collect(fleet, sandbox_id, until: str, timeout: float = 15.0):
 
 
 async def test_created_sandbox_runs_commands_in_its_workspace(fleet):
-    sb = await fleet.create(isolation="process", cpu=1.0, memory_mb=256, timeout_s=600, labels={"task": "t1"})
+    sb = await fleet.create(isolation="process", cpu=1.0, memory_mb=256, timeout_s=600, labels={"task": "t1"}, host_view=True)
     assert sb.id and sb.node
     try:
         r = await sb.exec(["sh", "-c", "echo hi; echo err >&2; pwd; exit 3"], timeout_s=30)
@@ -35,7 +35,7 @@ async def test_created_sandbox_runs_commands_in_its_workspace(fleet):
 
 
 async def test_files_written_are_read_back_and_seen_by_commands(fleet):
-    sb = await fleet.create(memory_mb=128)
+    sb = await fleet.create(memory_mb=128, host_view=True)
     try:
         await sb.write_file("/workspace/a.txt", b"data")
         assert await sb.read_file("/workspace/a.txt") == b"data"
@@ -50,7 +50,7 @@ async def test_files_written_are_read_back_and_seen_by_commands(fleet):
 
 
 async def test_lifecycle_events_follow_the_state_machine(fleet):
-    sb = await fleet.create(memory_mb=128)
+    sb = await fleet.create(memory_mb=128, host_view=True)
     record = await sb.destroy()
     assert record.state is State.STOPPED and record.reason is Reason.REQUESTED
     got = await _collect(fleet, sb.id, "stopped")
@@ -59,7 +59,7 @@ async def test_lifecycle_events_follow_the_state_machine(fleet):
 
 
 async def test_expired_sandbox_is_destroyed_and_its_event_says_so(fleet):
-    sb = await fleet.create(memory_mb=128, timeout_s=1)
+    sb = await fleet.create(memory_mb=128, timeout_s=1, host_view=True)
     got = await _collect(fleet, sb.id, "stopped", timeout=15)
     assert got[-1].reason is Reason.EXPIRED
     with pytest.raises(errors.NotFound):
@@ -67,7 +67,7 @@ async def test_expired_sandbox_is_destroyed_and_its_event_says_so(fleet):
 
 
 async def test_handle_for_an_existing_sandbox_by_id(fleet):
-    sb = await fleet.create(memory_mb=128)
+    sb = await fleet.create(memory_mb=128, host_view=True)
     try:
         again = await fleet.sandbox(sb.id)
         assert again.node == sb.node
@@ -80,7 +80,7 @@ async def test_handle_for_an_existing_sandbox_by_id(fleet):
 
 
 async def test_create_many_is_one_batch_of_usable_sandboxes(fleet):
-    many = await fleet.create_many(40, isolation="process", memory_mb=64)
+    many = await fleet.create_many(40, isolation="process", memory_mb=64, host_view=True)
     try:
         assert len({sb.id for sb in many}) == 40
         outs = await asyncio.gather(*(sb.exec(["hostname"]) for sb in many[:5]))
@@ -90,7 +90,7 @@ async def test_create_many_is_one_batch_of_usable_sandboxes(fleet):
 
 
 async def test_exec_timeout_kills_the_command(fleet):
-    sb = await fleet.create(memory_mb=128)
+    sb = await fleet.create(memory_mb=128, host_view=True)
     try:
         r = await sb.exec(["sh", "-c", "sleep 30"], timeout_s=0.5)
         assert r.timed_out
@@ -105,7 +105,7 @@ async def test_isolation_level_no_node_runs_is_an_explicit_error(fleet):
 
 
 async def test_sandbox_sees_host_system_read_only_and_nothing_private(fleet):
-    sb = await fleet.create(memory_mb=128)
+    sb = await fleet.create(memory_mb=128, host_view=True)
     try:
         r = await sb.exec(["sh", "-c", "ls /; test -e /root || echo noroot; test -e /home || echo nohome; "
                            "touch /usr/x 2>/dev/null || echo rousr; ls /proc | grep -c '^[0-9]'"])

@@ -15,7 +15,7 @@ async def test_one_create_is_one_trace_across_every_service(fleet, otlp):
     memory = InMemorySpanExporter()
     telemetry.setup("trainer", extra_processor=SimpleSpanProcessor(memory))
     with telemetry.tracer("test").start_as_current_span("trainer.step") as root:
-        sb = await fleet.create(memory_mb=64)
+        sb = await fleet.create(memory_mb=64, host_view=True)
     trace_id = format(root.get_span_context().trace_id, "032x")
     await sb.destroy()
 

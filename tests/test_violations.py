@@ -17,7 +17,7 @@ async def _next_violation(fleet, sandbox_id, started: asyncio.Event):
 
 
 async def _attempt(fleet, code: str):
-    sb = await fleet.create(memory_mb=64, labels={"task": "cheat-test"})
+    sb = await fleet.create(memory_mb=64, labels={"task": "cheat-test"}, host_view=True)
     try:
         started = asyncio.Event()
         waiter = asyncio.create_task(_next_violation(fleet, sb.id, started))
@@ -52,7 +52,7 @@ async def test_a_restarted_agent_keeps_policing_and_reporting_sandboxes_that_out
     import os
     import signal
 
-    sb = await fleet.create(memory_mb=64)
+    sb = await fleet.create(memory_mb=64, host_view=True)
     try:
         old = platform.service_pid("agent")
         os.kill(old, signal.SIGKILL)

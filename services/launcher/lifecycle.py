@@ -53,6 +53,10 @@ class Live:
     rootfs: Rootfs | None = None
     ending: bool = False
     pidfd: int = -1
+    quarantined: bool = False  # frozen by the security monitor: files readable, nothing runs
+    paused: bool = False  # frozen by a pause (sb.pause, a rollout pause, the reclaimer): a resume thaws it
+    freezing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one pause/resume/checkpoint at a time
+    execs: set[asyncio.Future] = field(default_factory=set)  # commands running now
 
 
 @dataclass
@@ -62,6 +66,7 @@ class Launcher:
     node_id: str
     runtimes: Runtimes = field(default_factory=Runtimes)
     live: dict[str, Live] = field(default_factory=dict)
+    default_layers: tuple[str, ...] = ()  # `sandfleet up --default-layers`: the root of a sandbox naming none
 
     @property
     def isolation(self) -> list[str]:
@@ -115,22 +120,26 @@ class Launcher:
 
     async def _confine(self, sandbox_id: str, spec: SandboxSpec) -> Confinement:
         request = ConfineRequest(
-            sandbox_id=sandbox_id, isolation=spec.isolation, cpu=spec.cpu, memory_mb=spec.memory_mb, pids=spec.pids
+            sandbox_id=sandbox_id, isolation=spec.isolation, cpu=spec.cpu, memory_mb=spec.memory_mb, pids=spec.pids,
+            allow=list(spec.allow), labels=dict(spec.labels),
         )
         subject = node_schema.subject(self.node_id, node_schema.CONFINE)
         return await self.bus.request(subject, request, Confinement, timeout=AGENT_TIMEOUT_S)
 
     async def _compose(self, sandbox_id: str, spec: SandboxSpec) -> Rootfs | None:
-        if not spec.layers:
-            return None  # the host-system view (process only, for now)
+        if spec.host_view:
+            return None  # the host's system directories, read-only (process only)
+        layers = list(spec.layers or self.default_layers)
+        if not layers:
+            raise LaunchRefused("no layers given and no default layers; pass layers=[...] or host_view=True")
         subject = node_schema.subject(self.node_id, layers_schema.ROOTFS_COMPOSE)
-        request = ComposeRequest(sandbox_id=sandbox_id, layers=list(spec.layers))
+        request = ComposeRequest(sandbox_id=sandbox_id, layers=layers, disk_mb=spec.disk_mb)
         return await self.bus.request(subject, request, Rootfs, timeout=COMPOSE_TIMEOUT_S)
 
     async def _release(self, sandbox_id: str, spec: SandboxSpec) -> None:
         """Give back the confinement and the composed root; the sandbox's processes are gone."""
         await asyncio.gather(self._release_confinement(sandbox_id),
-                             *([self._release_rootfs(sandbox_id)] if spec.layers else []))
+                             *([] if spec.host_view else [self._release_rootfs(sandbox_id)]))
 
     async def _release_confinement(self, sandbox_id: str) -> None:
         subject = node_schema.subject(self.node_id, node_schema.RELEASE)
@@ -173,7 +182,7 @@ class Launcher:
 
     # -- destroy -----------------------------------------------------------------------
 
-    async def destroy(self, sandbox_id: str, reason: Reason) -> SandboxRecord:
+    async def destroy(self, sandbox_id: str, reason: Reason, detail: str = "") -> SandboxRecord:
         live = self.live.get(sandbox_id)
         if live is None:
             record, _ = await self.store.get(sandbox_id)
@@ -186,7 +195,7 @@ class Launcher:
         else:
             live.ending = True
         try:
-            await self.store.transition(sandbox_id, State.STOPPING, reason)
+            await self.store.transition(sandbox_id, State.STOPPING, reason, detail)
         except ServiceError:
             pass  # already stopping (a retry after a crash); finish the job
         if live is not None:
@@ -200,8 +209,27 @@ class Launcher:
                 await self.runtimes.driver(spec.isolation).stop(sandbox_id, _init_of(record))
         await self._release(sandbox_id, spec)
         self.live.pop(sandbox_id, None)
-        failed = reason is Reason.PROCESS_EXITED
-        return await self._end(sandbox_id, State.FAILED if failed else State.STOPPED, reason)
+        # A killed cheater ends `failed` so its record stays readable, like a crashed one.
+        failed = reason in (Reason.PROCESS_EXITED, Reason.VIOLATION)
+        return await self._end(sandbox_id, State.FAILED if failed else State.STOPPED, reason, detail)
+
+    async def quarantine(self, sandbox_id: str, detail: str) -> SandboxRecord:
+        """Freeze every process of the sandbox (SIGKILL still reaches frozen tasks, so destroy
+        works later) and keep it `paused` with reason `violation`; idempotent."""
+        live = self.get_live(sandbox_id)
+        if not live.quarantined:
+            await asyncio.to_thread(_freeze, live.confinement.cgroup_v2)
+            live.quarantined = True
+            for running in list(live.execs):  # frozen mid-command: their callers get an answer now
+                running.cancel()
+        record, _ = await self.store.get(sandbox_id)
+        if record.state is State.PAUSED:
+            if record.reason is Reason.VIOLATION:
+                return record
+            # Paused already (a trainer, the reclaimer): same state, but now no resume may lift it.
+            return await self.store.update(sandbox_id, lambda r: msgspec.structs.replace(
+                r, reason=Reason.VIOLATION, detail=detail, updated_at=time.time()))
+        return await self.store.transition(sandbox_id, State.PAUSED, Reason.VIOLATION, detail)
 
     async def _end(self, sandbox_id: str, state: State, reason: Reason, detail: str = "") -> SandboxRecord:
         try:
@@ -243,7 +271,7 @@ class Launcher:
             alive = init is not None and process_runtime.is_alive(init)
             usable = record.state in (State.RUNNING, State.PAUSED) and alive
             usable = usable and record.spec.isolation in self.runtimes.drivers
-            if usable and record.spec.layers and roots is not None and record.id not in roots:
+            if usable and not record.spec.host_view and roots is not None and record.id not in roots:
                 log.warning("sandbox %s: the layer-cache no longer holds its root", record.id)
                 usable = False
             if usable:
@@ -253,8 +281,10 @@ class Launcher:
                     log.warning("cannot re-confine %s: %s", record.id, exc)
                 else:
                     rootfs = roots.get(record.id) if roots is not None else None
+                    paused = record.state is State.PAUSED  # its cgroup stayed frozen through our restart
                     self._adopt(Live(record.id, record.spec, init, confinement, record.deadline or time.time(),
-                                     rootfs=rootfs))
+                                     rootfs=rootfs, quarantined=paused and record.reason is Reason.VIOLATION,
+                                     paused=paused and record.reason is not Reason.VIOLATION))
                     log.info("re-adopted sandbox %s (pid %d)", record.id, init.pid)
                     continue
             if record.spec.isolation in self.runtimes.drivers:
@@ -292,6 +322,19 @@ class Launcher:
 
 def _init_of(record: SandboxRecord) -> InitProcess | None:
     return InitProcess(pid=record.init_pid, start_time=record.init_start_time) if record.init_pid else None
+
+
+def _freeze(cgroup_v2: str, timeout_s: float = 2.0) -> None:
+    """cgroup.freeze is asynchronous: wait until cgroup.events says every task is frozen."""
+    with open(f"{cgroup_v2}/cgroup.freeze", "w") as f:
+        f.write("1")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"{cgroup_v2}/cgroup.events") as f:
+            if "frozen 1" in f.read():
+                return
+        time.sleep(0.002)
+    raise ServiceError(ErrorCode.INTERNAL, f"{cgroup_v2} did not freeze within {timeout_s:g} s")
 
 
 def _reap(pid: int) -> None:

@@ -64,7 +64,7 @@ class ProcessDriver:
                 cgroup_procs=confinement.cgroup_procs,
                 netns=confinement.netns,
                 tmp_size_mb=_tmp_size_mb(spec),
-                workspace_size_mb=max(64, spec.memory_mb * 2),
+                workspace_size_mb=spec.disk_mb,  # the host view's one writable disk
                 **({"rootfs_dir": rootfs.path} if rootfs is not None else {}),
             )
         )
@@ -94,7 +94,7 @@ class ContainerDriver:
     async def start(self, sandbox_id: str, spec: SandboxSpec, confinement: Confinement,
                     rootfs: Rootfs | None) -> InitProcess:
         if rootfs is None:
-            raise LaunchRefused("a container needs a root filesystem: name its layers, e.g. layers=['base']")
+            raise LaunchRefused("a container has no host view: name its layers, e.g. layers=['base']")
         return await self.crun.start(
             ContainerSpec(sandbox_id=sandbox_id, rootfs=rootfs.path, cgroup_procs=confinement.cgroup_procs,
                           netns=confinement.netns, tmp_size_mb=_tmp_size_mb(spec))

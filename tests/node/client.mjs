@@ -13,7 +13,7 @@ async function call(subject, body, timeout = 30000) {
   return jc.decode(msg.data);
 }
 
-const { id, node } = await call("sandbox.v1.create", { isolation: "process", cpu: 0.5, memory_mb: 64, timeout_s: 60, labels: { from: "node" } });
+const { id, node } = await call("sandbox.v1.create", { isolation: "process", cpu: 0.5, memory_mb: 64, timeout_s: 60, labels: { from: "node" }, host_view: true });
 
 const seen = [];
 const sub = nc.subscribe(`events.v1.sandbox.${id}.>`);
