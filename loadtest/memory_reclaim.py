@@ -145,7 +145,7 @@ def main() -> None:
     p.add_argument("--hold-s", type=float, default=60.0)
     p.add_argument("--data-mib", type=int, default=8, help="identical data each agent holds")
     p.add_argument("--heap", type=int, default=30_000, help="private history items each agent holds")
-    p.add_argument("--out", type=Path, default=Path("loadtest/results/memory_reclaim.json"))
+    p.add_argument("--out", type=Path, default=Path("results/memory_reclaim.json"))
     args = p.parse_args()
     args.ramp_s = args.ramp_s if args.ramp_s is not None else 0.6 * args.n
     results: dict[str, dict] = {}

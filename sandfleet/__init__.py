@@ -1,7 +1,7 @@
 """sandfleet: disposable, isolated sandboxes on a NATS bus, for agentic RL.
 
     async with sandfleet.connect("nats://127.0.0.1:4222") as fleet:
-        sb = await fleet.create(isolation="process", host_view=True)
+        sb = await fleet.create(isolation="process", layers=["base"])
         r = await sb.exec(["echo", "hi"])
 
 The SDK is imported on first use, so `sandfleet.kernel` loads without the bus client (the
@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["ExecResult", "Fleet", "Sandbox", "connect", "errors"]
+__all__ = ["BatchProgress", "ExecResult", "Fleet", "RolloutChange", "Sandbox", "connect", "errors"]
 
 
 def __getattr__(name: str) -> Any:

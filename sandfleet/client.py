@@ -1,35 +1,40 @@
-"""The asyncio SDK: `connect()` → `Fleet` → `Sandbox`.
+"""The asyncio SDK: `connect()` → `Fleet` → `Sandbox`, and the one public surface of its parts.
 
 Creation goes to placement (`sandbox.v1.*`); everything done to a sandbox afterwards goes
 straight to the node that holds it (`node.v1.<node>.*`), the node named in the create reply.
+This module owns the connection, creation (one sandbox or a gang batch) and reads; the rest
+lives in private modules re-exported here: the `Sandbox` handle (`_sandbox`), whole-rollout
+pause/resume and restore (`_rollout`), violations and policies (`_security`), and the
+caller-side request checks (`_requests`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import nats.errors
 import nats.js.api
 from nats.aio.msg import Msg
 from opentelemetry.trace import SpanKind
 
 from sandfleet import errors, telemetry
-from sandfleet.allow_rules import parse_allow
+from sandfleet._requests import _spec
+from sandfleet._rollout import RolloutChange, _FleetRollout
+from sandfleet._sandbox import ExecResult, Sandbox
+from sandfleet._security import _FleetSecurity
 from sandfleet.bus import Bus, decode
 from sandfleet.config import nats_url
-from schemas import events, node, sandbox, security, violations
+from schemas import events, node, sandbox
 from schemas.events import AnySandboxEvent
 from schemas.sandbox import Isolation, SandboxRecord
-from schemas.security import Policy, SandboxSecurity, SecurityAction
-from schemas.violations import Violation
+
+__all__ = ["QUIET_S", "SERVICES", "BatchProgress", "ExecResult", "Fleet", "RolloutChange", "Sandbox", "connect"]
 
 QUIET_S = 30.0  # a gang batch with no event for this long has its records read instead
-SERVICES = ("placement", "agent", "layer-cache", "launcher", "security-monitor")
+SERVICES = ("placement", "agent", "layer-cache", "reclaimer", "launcher", "security-monitor")
 
 
 @dataclass(frozen=True)
@@ -46,97 +51,9 @@ class BatchProgress:
         return self.running + self.failed >= self.placed
 
 
-@dataclass(frozen=True)
-class ExecResult:
-    exit_code: int
-    stdout: bytes
-    stderr: bytes
-    timed_out: bool = False
-    truncated: bool = False
-    duration_ms: float = 0.0
+class Fleet(_FleetRollout, _FleetSecurity):
+    """A connection to the platform; `Sandbox`, rollout and security calls hang off it."""
 
-
-class Sandbox:
-    """A handle on one sandbox; cheap to make, holds no resources of its own."""
-
-    def __init__(self, fleet: Fleet, sandbox_id: str, node_id: str) -> None:
-        self._fleet = fleet
-        self.id = sandbox_id
-        self.node = node_id
-
-    def __repr__(self) -> str:
-        return f"Sandbox(id={self.id!r}, node={self.node!r})"
-
-    def _subject(self, verb: str) -> str:
-        return node.subject(self.node, verb)
-
-    async def exec(
-        self,
-        argv: list[str],
-        *,
-        timeout_s: float = 60.0,
-        env: dict[str, str] | None = None,
-        cwd: str = "/workspace",
-        stdin: bytes = b"",
-    ) -> ExecResult:
-        req = node.ExecRequest(sandbox_id=self.id, argv=argv, env=env or {}, cwd=cwd, stdin=stdin, timeout_s=timeout_s)
-        r = await self._fleet.bus.request(self._subject(node.EXEC), req, node.ExecReply, timeout=timeout_s + 10)
-        return ExecResult(r.exit_code, r.stdout, r.stderr, r.timed_out, r.truncated, r.duration_ms)
-
-    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:
-        req = node.WriteFileRequest(sandbox_id=self.id, path=path, data=data, mode=mode)
-        return (await self._fleet.bus.request(self._subject(node.WRITE_FILE), req, node.WriteFileReply, timeout=30)).size
-
-    async def read_file(self, path: str) -> bytes:
-        req = node.ReadFileRequest(sandbox_id=self.id, path=path)
-        return (await self._fleet.bus.request(self._subject(node.READ_FILE), req, node.ReadFileReply, timeout=30)).data
-
-    async def destroy(self) -> SandboxRecord:
-        req = node.DestroyRequest(sandbox_id=self.id)
-        return (await self._fleet.bus.request(self._subject(node.DESTROY), req, node.DestroyReply, timeout=60)).record
-
-    async def info(self) -> SandboxRecord:
-        return await self._fleet.get(self.id)
-
-    async def pause(self) -> SandboxRecord:
-        """Freeze every process (cgroup.freeze); the sandbox is `paused` until `resume()`."""
-        req = node.PauseRequest(sandbox_id=self.id)
-        return (await self._fleet.bus.request(self._subject(node.PAUSE), req, node.PauseReply, timeout=30)).record
-
-    async def resume(self) -> SandboxRecord:
-        """Thaw a paused sandbox; a quarantined one raises `Conflict`."""
-        req = node.ResumeRequest(sandbox_id=self.id)
-        return (await self._fleet.bus.request(self._subject(node.RESUME), req, node.ResumeReply, timeout=30)).record
-
-    async def hint(self, hint: str) -> node.HintReply:
-        """`idle` lowers the sandbox's CPU weight to the minimum, `active` restores the default."""
-        req = _convert(dict(sandbox_id=self.id, hint=hint), node.HintRequest)
-        return await self._fleet.bus.request(self._subject(node.HINT), req, node.HintReply, timeout=30)
-
-    async def checkpoint(self, name: str | None = None, *, keep_paused: bool = False,
-                         timeout_s: float = 600.0) -> node.Checkpoint:
-        """Pack the sandbox's files (its writable layer, /workspace included) into layer `name`
-        over its layers; pass the result to `Fleet.restore`. Processes are not captured."""
-        name = name or f"ckpt-{self.id[:40]}-{secrets.token_hex(4)}"
-        req = _convert(dict(sandbox_id=self.id, name=name, keep_paused=keep_paused), node.CheckpointRequest)
-        return await self._fleet.bus.request(self._subject(node.CHECKPOINT), req, node.Checkpoint,
-                                             timeout=timeout_s + 10)
-
-
-@dataclass(frozen=True)
-class RolloutChange:
-    """What `Fleet.pause` / `Fleet.resume` did on every node: `matched` sandboxes with the label,
-    `changed` by this call, `unchanged` (already so, or quarantined on a resume), `failed`."""
-
-    matched: int
-    changed: int
-    unchanged: int
-    failed: int
-    nodes: list[node.SelectedReply]
-    errors: list[str]
-
-
-class Fleet:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
 
@@ -305,32 +222,6 @@ class Fleet:
             except nats.errors.Error:
                 pass
 
-    async def violations(
-        self, sandbox_id: str | None = None, *, task: str | None = None, replay: bool = False, actions: bool = False
-    ) -> AsyncIterator[Violation | SecurityAction]:
-        """What sandboxes tried and were refused, as it happens (of one sandbox, or one task label);
-        with `actions=True` also what the security monitor did about it (kill, quarantine), in order."""
-        subject = violations.sandbox_filter(sandbox_id) if sandbox_id else violations.ALL
-        subjects = [subject]
-        if actions:
-            subjects.append(security.actions_filter(sandbox_id) if sandbox_id else security.ALL_ACTIONS)
-        policy = nats.js.api.DeliverPolicy.ALL if replay else nats.js.api.DeliverPolicy.NEW
-        config = nats.js.api.ConsumerConfig(filter_subjects=subjects) if actions else None
-        sub = await self.bus.js.subscribe(
-            subject, stream=events.STREAM, ordered_consumer=True, deliver_policy=policy, config=config
-        )
-        try:
-            async for msg in sub.messages:
-                event = decode(msg.data, Violation | SecurityAction)
-                event_task = event.task if isinstance(event, SecurityAction) else event.labels.get("task")
-                if task is None or event_task == task:
-                    yield event
-        finally:
-            try:
-                await sub.unsubscribe()
-            except nats.errors.Error:
-                pass
-
     async def history(self, sandbox_id: str | None = None, *, idle_s: float = 1.0) -> list[AnySandboxEvent]:
         """Every stored lifecycle event (of one sandbox, or all), oldest first."""
         subject = events.sandbox_filter(sandbox_id) if sandbox_id else events.ALL_SANDBOX
@@ -351,58 +242,6 @@ class Fleet:
             await sub.unsubscribe()
         return found
 
-    async def set_policy(
-        self, *, task: str, action: str = "record", thresholds: dict[str, int] | None = None, default_threshold: int = 1
-    ) -> Policy:
-        """What the security monitor does to a sandbox labelled task=`task` that makes violations:
-        `record`, `kill` or `quarantine` once a kind prefix reaches its threshold (`{"network": 3}`)."""
-        raw = dict(task=task, action=action, thresholds=thresholds or {}, default_threshold=default_threshold)
-        return await self.bus.request(security.POLICY_SET, raw, Policy)  # the monitor validates it
-
-    async def get_policy(self, task: str) -> Policy:
-        return await self.bus.request(security.POLICY_GET, dict(task=task), Policy)
-
-    async def policies(self) -> list[Policy]:
-        return (await self.bus.request(security.POLICY_LIST, {}, security.PolicyList)).policies
-
-    async def security_record(self, sandbox_id: str) -> SandboxSecurity:
-        """The monitor's counts for one sandbox and the action taken: a trainer zeroes the reward
-        of a trajectory whose sandbox has any (`total > 0`)."""
-        return await self.bus.request(security.SANDBOX_GET, dict(sandbox_id=sandbox_id), SandboxSecurity)
-
-    async def pause(self, *, task: str) -> RolloutChange:
-        """Pause every live sandbox labelled `task=<task>` on every node (the trainer's GPUs are preempted)."""
-        return await self._rollout(node.PAUSE_SELECTED, {"task": task})
-
-    async def resume(self, *, task: str) -> RolloutChange:
-        """Resume the sandboxes `pause(task=...)` paused; quarantined ones stay frozen."""
-        return await self._rollout(node.RESUME_SELECTED, {"task": task})
-
-    async def _rollout(self, verb: str, labels: dict[str, str]) -> RolloutChange:
-        req = _convert(dict(labels=labels), node.SelectedRequest)
-        nodes = [n.id for n in await self.nodes() if not n.simulated]
-        replies = await asyncio.gather(
-            *(self.bus.request(node.subject(n, verb), req, node.SelectedReply, timeout=60) for n in nodes),
-            return_exceptions=True)
-        answered = [r for r in replies if isinstance(r, node.SelectedReply)]
-        problems = [f"{n}: {r}" for n, r in zip(nodes, replies) if isinstance(r, BaseException)]
-        return RolloutChange(
-            matched=sum(r.matched for r in answered), changed=sum(r.changed for r in answered),
-            unchanged=sum(r.unchanged for r in answered), failed=sum(r.failed for r in answered),
-            nodes=answered, errors=problems + [e for r in answered for e in r.errors])
-
-    async def restore(self, checkpoint: node.Checkpoint, node: str | None = None, *,
-                      request_timeout_s: float = 120.0) -> Sandbox:
-        """Start a new sandbox from a checkpoint: its spec, with layers base + the checkpoint layer.
-        Placement picks the node (preferring one that caches the layers); `node` pins it where
-        placement supports pinning, which it does not yet: a given `node` raises Unsupported."""
-        if node is not None:
-            raise errors.Unsupported("placement cannot pin a sandbox to a node yet; restore with node=None")
-        spec = msgspec.structs.replace(checkpoint.spec, layers=[*checkpoint.base, checkpoint.digest], host_view=False)
-        reply = await self.bus.request(sandbox.CREATE, msgspec.convert(msgspec.to_builtins(spec), sandbox.CreateRequest),
-                                       sandbox.CreateReply, timeout=request_timeout_s)
-        return Sandbox(self, reply.id, reply.node)
-
     async def nodes(self) -> list[node.NodeInfo]:
         kv = await self.bus.js.key_value(node.KV_BUCKET)
         try:
@@ -416,43 +255,12 @@ class Fleet:
                 found.append(decode(entry.value, node.NodeInfo))
         return found
 
-    async def security(self, node_id: str) -> node.NodeSecurity:
-        """What the node agent of `node_id` enforces (eBPF egress, Landlock, AppArmor ...)."""
-        return await self.bus.request(node.subject(node_id, node.SECURITY), node.Empty(), node.NodeSecurity)
-
     async def ping(self, service: str, timeout: float = 1.0) -> bool:
         try:
             await self.bus.nc.request(f"$SRV.PING.{service}", b"", timeout=timeout)
             return True
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
             return False
-
-
-def _spec(
-    isolation: Isolation = "process",
-    cpu: float = 1.0,
-    memory_mb: int = 512,
-    pids: int = 512,
-    timeout_s: int = 600,
-    labels: dict[str, str] | None = None,
-    layers: list[str] | None = None,
-    allow: list[str] | None = None,
-    disk_mb: int = 1024,
-    host_view: bool = False,
-) -> sandbox.CreateRequest:
-    # Build through JSON so a bad value raises InvalidRequest here, as the service would.
-    import msgspec
-
-    raw = dict(
-        isolation=isolation, cpu=cpu, memory_mb=memory_mb, pids=pids, timeout_s=timeout_s,
-        labels=labels or {}, layers=layers or [], allow=allow or [], disk_mb=disk_mb, host_view=host_view,
-    )
-    try:
-        spec = msgspec.convert(raw, sandbox.CreateRequest)
-        parse_allow(spec.allow)  # a bad rule fails here, before anything is sent
-    except (msgspec.ValidationError, ValueError) as exc:
-        raise errors.InvalidRequest(str(exc)) from None
-    return spec
 
 
 class _Connect:
@@ -480,11 +288,3 @@ class _Connect:
 
 def connect(url: str | None = None, *, name: str = "sandfleet-sdk") -> _Connect:
     return _Connect(url, name)
-
-
-def _convert(raw: dict[str, Any], kind: type[Any]) -> Any:
-    """Check a request here, so bad input raises InvalidRequest before anything is sent."""
-    try:
-        return msgspec.convert(raw, kind)
-    except msgspec.ValidationError as exc:
-        raise errors.InvalidRequest(str(exc)) from None

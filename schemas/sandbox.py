@@ -53,8 +53,12 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise ValueError("host_view=True takes no layers")
 
 
-class CreateRequest(SandboxSpec, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    pass
+class CreateRequest(SandboxSpec, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    # Only this node (a restore onto a chosen node: migration). A placement constraint, not part
+    # of the sandbox's spec: its record and a checkpoint of it do not carry the pin. Defaults are
+    # not sent (the receiver has the same ones), so an unpinned request is also a valid SandboxSpec
+    # (the SDK sends one as a batch's spec).
+    node: NodeId | None = None
 
 
 class CreateReply(msgspec.Struct, frozen=True, kw_only=True):

@@ -29,7 +29,7 @@ def test_cli_create_exec_ps_rm_events_status(platform):
     assert out.returncode == 4 and out.stdout == b"from-cli\n"
     assert sid in platform.cli("ps").stdout.decode()
     status = platform.cli("status").stdout.decode()
-    assert status.count(" up") == 4
+    assert status.count(" up") == 6 and "DOWN" not in status
     assert "egress-ebpf    on" in status and "landlock" in status
     assert b"stopped" in platform.cli("rm", sid).stdout
     events = [json.loads(line) for line in platform.cli("events", "--id", sid).stdout.splitlines()]

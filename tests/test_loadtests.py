@@ -70,3 +70,24 @@ def test_density_steps_up_to_max_and_destroys_everything(kernel, leak_check, tmp
     assert per["processes_pss_kib"] > 0 and per["cgroup_charged_kib"] > 0
     assert results["left_after_destroy"] == {} and results["live_after_destroy"] == 0
     assert _left(node, results["data_dir"]) == []
+
+
+@pytest.mark.parametrize("nodes", [1, 2], ids=["same-node", "migrated"])
+def test_pause_latency_times_every_step_and_restores_the_workspace_intact(kernel, leak_check, tmp_path, nodes):
+    """With two nodes (`up --nodes 2`) the checkpoint taken on one is restored on the other: the
+    benchmark itself fails unless the restored workspace has the original's sha256."""
+    node = f"{NODE_ID}-pause"
+    doc = _run("loadtest.pause_latency", node, tmp_path / "pause.json", "--rounds", "1", "--workspace-mb", "4",
+               "--nodes", str(nodes))
+    assert doc["benchmark"] == "pause_latency" and doc["params"]["workspace_mb"] == 4
+    results = doc["results"]
+    for op in ("pause", "resume", "checkpoint", "restore", "read_restored"):
+        assert results[op]["n"] == 1 and 0 < results[op]["p50"] <= results[op]["p99"] <= results[op]["max"]
+    (move,) = results["moves"]
+    if nodes == 1:
+        assert move["from"] == move["to"] == node and results["restore_on"] == "the same node"
+    else:
+        assert results["nodes"] == [f"{node}-1", f"{node}-2"] and results["restore_on"] == "another node"
+        assert move["from"] != move["to"] and {move["from"], move["to"]} == set(results["nodes"])
+    for n in results["nodes"]:
+        assert _left(n, results["data_dir"]) == []

@@ -207,8 +207,30 @@ async def test_checkpoint_then_restore_keeps_the_files(fleet, tmp_path):
         r = await restored.exec(["sh", "-c", "cat /workspace/d/f; test -e /workspace/old.txt || echo gone"])
         assert (r.exit_code, r.stdout) == (0, b"made\ngone\n")  # a deletion survives as a whiteout
         assert (await restored.info()).spec.labels == {"task": "ckpt"}
-        with pytest.raises(errors.Unsupported):
-            await fleet.restore(handle, node="elsewhere")
+    finally:
+        await sb.destroy()
+        if restored is not None:
+            await restored.destroy()
+
+
+async def test_restore_onto_a_named_node_runs_there_and_an_unknown_node_is_not_found(fleet, platform, tmp_path):
+    require(BUSYBOX.exists(), "busybox-static at /bin/busybox")
+    make_busybox_base(tmp_path / "base")
+    base = "prn-" + secrets.token_hex(3)
+    await Layers(fleet.bus).build_dir(base, tmp_path / "base")
+    sb = await fleet.create(memory_mb=64, layers=[base])
+    restored = None
+    try:
+        await sb.write_file("/workspace/where.txt", b"before the move\n")
+        handle = await sb.checkpoint()
+        restored = await fleet.restore(handle, node=platform.node_id)
+        assert restored.node == (await restored.info()).node == platform.node_id
+        assert await restored.read_file("/workspace/where.txt") == b"before the move\n"
+        with pytest.raises(errors.NotFound, match="'no-such-node' is not registered"):
+            await fleet.restore(handle, node="no-such-node")
+        with pytest.raises(errors.InvalidRequest):
+            await fleet.restore(handle, node="../etc")
+        assert [r.id for r in await fleet.list() if handle.digest in r.spec.layers] == [restored.id]  # the refused made none
     finally:
         await sb.destroy()
         if restored is not None:

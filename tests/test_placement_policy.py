@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from schemas.node import NodeBooking, NodeInfo, NodePressure
-from schemas.sandbox import Quota, QuotaUsage, SandboxSpec
-from services.placement.policy import Limits, NoCapacity, NodeView, booked, in_transit, released, spread
+from schemas.sandbox import CreateRequest, Quota, QuotaUsage, SandboxSpec
+from services.placement.policy import (
+    Limits, NoCapacity, NodeView, NoEligibleNode, UnknownNode, booked, in_transit, released, spread,
+)
 from services.placement.quotas import QuotaExceeded, admit
 
 NOW = 1000.0
@@ -124,3 +127,40 @@ def test_a_small_batch_goes_to_a_few_roomy_nodes_not_one_each_to_all():
     plan = v.plan(SandboxSpec(memory_mb=16, cpu=0.01), 100, NOW)
     assert sum(plan.values()) == 100 and len(plan) == 7
     assert set(plan) == {f"n{i}" for i in range(153, 160)}  # the roomiest
+
+
+def test_a_pinned_create_goes_to_that_node_only_even_when_others_have_more_room():
+    v = view(node("small", capacity=3), node("big", capacity=100, layers=["base"]))
+    spec = SandboxSpec(memory_mb=16, cpu=0.01, layers=["base"])
+    assert v.plan(spec, 2, NOW, node="small") == {"small": 2}
+    assert v.place(spec, 3, NOW, node="small") == {"small": 3}
+    with pytest.raises(NoCapacity, match="room for 0 on 1 node"):  # full: no overflow elsewhere
+        v.plan(spec, 1, NOW, node="small")
+    assert v.plan(spec, 1, NOW) == {"big": 1}
+
+
+def test_a_pinned_create_names_an_unknown_silent_pressured_or_incapable_node():
+    v = view(node("a"), node("quiet", at=NOW - 12), node("hot", pressure=NodePressure(memory=60.0)),
+             node("gone", at=NOW - 100), node_lost_s=30.0, memory_psi_limit=25.0)
+    with pytest.raises(UnknownNode, match="'nowhere' is not registered"):
+        v.plan("process", 1, NOW, node="nowhere")
+    with pytest.raises(UnknownNode, match="'gone'"):  # lost: as good as unknown
+        v.plan("process", 1, NOW, node="gone")
+    with pytest.raises(NoCapacity, match="no heartbeat for 12 s"):
+        v.plan("process", 1, NOW, node="quiet")
+    with pytest.raises(NoCapacity, match="hot \\(memory pressure 60%\\)"):
+        v.plan("process", 1, NOW, node="hot")
+    with pytest.raises(NoEligibleNode, match="'a' cannot run isolation 'container'"):
+        v.plan("container", 1, NOW, node="a")
+
+
+def test_a_cpu_pressured_node_still_takes_a_create_pinned_to_it():
+    v = view(node("busy", pressure=NodePressure(cpu=99.0)), node("calm"), cpu_psi_limit=95.0)
+    assert v.plan(SandboxSpec(memory_mb=16, cpu=0.01), 1, NOW, node="busy") == {"busy": 1}
+
+
+def test_the_create_request_takes_a_node_id_and_refuses_a_malformed_one():
+    assert msgspec.convert({"node": "n-1"}, CreateRequest).node == "n-1"
+    assert msgspec.convert({}, CreateRequest).node is None
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"node": "../etc"}, CreateRequest)

@@ -41,7 +41,7 @@ from schemas.sandbox import (
     State,
 )
 from services.placement.ledger import Ledger
-from services.placement.policy import NoCapacity, NodeView, NoEligibleNode
+from services.placement.policy import NoCapacity, NodeView, NoEligibleNode, UnknownNode
 from services.placement.quotas import Quotas
 
 log = logging.getLogger("sandfleet.placement")
@@ -63,11 +63,13 @@ def new_id() -> str:
     return "sb-" + secrets.token_hex(6)
 
 
-async def _book(deps: Deps, spec: SandboxSpec, count: int) -> dict[str, int]:
+async def _book(deps: Deps, spec: SandboxSpec, count: int, node: str | None = None) -> dict[str, int]:
     try:
         if deps.ledger is None:
-            return deps.nodes.place(spec, count, time.time())
-        return await deps.ledger.book(spec, count, time.time())
+            return deps.nodes.place(spec, count, time.time(), node=node)
+        return await deps.ledger.book(spec, count, time.time(), node=node)
+    except UnknownNode as exc:
+        raise ServiceError(ErrorCode.NOT_FOUND, str(exc)) from None
     except NoEligibleNode as exc:
         raise ServiceError(ErrorCode.UNSUPPORTED, str(exc)) from None
     except NoCapacity as exc:
@@ -90,13 +92,14 @@ def _check_allow(spec: SandboxSpec) -> None:
 Stored = tuple[SandboxRecord, int]  # a record and its KV revision
 
 
-async def _place(deps: Deps, spec: SandboxSpec, count: int) -> dict[str, list[Stored]]:
-    """Admit, book and record `count` sandboxes: node → its `scheduled` records and revisions."""
+async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = None) -> dict[str, list[Stored]]:
+    """Admit, book and record `count` sandboxes (on `node` only, if given): node → its `scheduled`
+    records and revisions."""
     _check_allow(spec)
     now = time.time()
     quota_keys = await deps.quotas.admit(spec, count, now) if deps.quotas else []
     try:
-        plan = await _book(deps, spec, count)
+        plan = await _book(deps, spec, count, node)
     except ServiceError:
         if deps.quotas:
             await deps.quotas.give_back(quota_keys, count)
@@ -137,7 +140,7 @@ async def _unplace(deps: Deps, spec, plan, records, quota_keys, exc) -> None:  #
 
 async def create(deps: Deps, req: CreateRequest) -> CreateReply:
     spec = _spec_of(req)
-    placed = await _place(deps, spec, 1)
+    placed = await _place(deps, spec, 1, req.node)
     ((node_id, records),) = placed.items()
     created = await _launch_on(deps, node_id, records)
     result = created[0]

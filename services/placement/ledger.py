@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 import msgspec
 import nats.errors
@@ -33,6 +34,7 @@ class Ledger:
         self.kv = kv
         self.view = view
         self.revisions: dict[str, int] = {}  # node → revision of the booking in the view
+        self._booking = asyncio.Lock()
 
     @classmethod
     async def open(cls, bus: Bus, view: NodeView) -> Ledger:
@@ -72,13 +74,39 @@ class Ledger:
         self.seen(node_id, booking, new)
         return True
 
-    async def book(self, spec: SandboxSpec, count: int, now: float) -> dict[str, int]:
-        """Book `count` sandboxes over the nodes, all or nothing; returns node → count."""
+    async def book(self, spec: SandboxSpec, count: int, now: float, node: str | None = None) -> dict[str, int]:
+        """Book `count` sandboxes over the nodes (only `node` if given), all or nothing; returns node → count.
+
+        One booking at a time per replica: requests of one replica never race each other for
+        a node's revision, so only another replica can make a write fail. A batch that lost a
+        race and then finds too little room may be seeing another replica's half-booked batch
+        that is about to be given back: it gives back its own share and tries again after a
+        short random pause before it answers NoCapacity."""
+        async with self._booking:
+            raced = False
+            for _ in range(ATTEMPTS):
+                done: dict[str, int] = {}
+                try:
+                    done, left = await self._book_once(spec, count, now, node)
+                except NoCapacity:
+                    if not raced:
+                        raise
+                    left = count
+                if not left:
+                    return done
+                await self.release(done, spec)
+                raced = True
+                await asyncio.sleep(random.uniform(0.002, 0.02))
+        raise NoCapacity(f"nodes kept being booked by other placement replicas; {count} unplaced, retry")
+
+    async def _book_once(self, spec: SandboxSpec, count: int, now: float, node: str | None) -> tuple[dict[str, int], int]:
+        """Book what the plan allows; on losing a race, plan the rest again. Returns the booked
+        shares and how many are left (0: done). NoCapacity gives back what it booked first."""
         done: dict[str, int] = {}
         left = count
         for _ in range(ATTEMPTS):
             try:
-                plan = self.view.plan(spec, left, now)
+                plan = self.view.plan(spec, left, now, node=node)
             except NoCapacity:
                 await self.release(done, spec)
                 raise
@@ -88,9 +116,8 @@ class Ledger:
                     done[node_id] = done.get(node_id, 0) + k
                     left -= k
             if not left:
-                return done
-        await self.release(done, spec)
-        raise NoCapacity(f"nodes kept being booked by other placement replicas; {left} of {count} unplaced, retry")
+                break
+        return done, left
 
     async def _add(self, node_id: str, k: int, spec: SandboxSpec) -> bool:
         info = self.view.nodes.get(node_id)

@@ -8,7 +8,8 @@ A node whose memory PSI is over its limit gets nothing new. CPU is compressible,
 whose CPU PSI is over its limit only gets what calm nodes have no room for: a saturated
 single-node platform keeps working (slower) instead of refusing every create. Nodes holding
 more of the requested layers are filled first; within one such tier a batch is spread in
-proportion to free room.
+proportion to free room. A create pinned to a node (a restore onto a chosen node) is planned
+on that node alone, by the same rules.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ class NoEligibleNode(Exception):
 
 class NoCapacity(Exception):
     pass
+
+
+class UnknownNode(Exception):
+    """A create pinned to a node no heartbeat names."""
 
 
 @dataclass(frozen=True)
@@ -180,11 +185,25 @@ class NodeView:
             raise NoEligibleNode(f"no node can run isolation {isolation!r}; nodes offer {levels}")
         return capable
 
-    def plan(self, spec: SandboxSpec | str, count: int, now: float, exclude: frozenset[str] = frozenset()) -> dict[str, int]:
-        """How many of `count` sandboxes each node gets; all or nothing (raises NoCapacity)."""
+    def pinned(self, node_id: str, isolation: str, now: float) -> list[str]:
+        """The one node a create is pinned to, if it may take sandboxes of `isolation` now."""
+        info = self.nodes.get(node_id)
+        if info is None or node_id not in self.alive(now):
+            raise UnknownNode(f"node {node_id!r} is not registered (known: {sorted(self.alive(now))[:10]})")
+        if node_id not in self.fresh(now):
+            raise NoCapacity(f"node {node_id!r} has sent no heartbeat for {now - info.at:.0f} s")
+        if isolation not in info.isolation:
+            raise NoEligibleNode(f"node {node_id!r} cannot run isolation {isolation!r}; it offers {info.isolation}")
+        return [node_id]
+
+    def plan(self, spec: SandboxSpec | str, count: int, now: float, exclude: frozenset[str] = frozenset(),
+             node: str | None = None) -> dict[str, int]:
+        """How many of `count` sandboxes each node gets; all or nothing (raises NoCapacity).
+        `node`: only that node (UnknownNode if none is registered by that id)."""
         full = spec if isinstance(spec, SandboxSpec) else None
         isolation = full.isolation if full else str(spec)
-        nodes = [n for n in self.eligible(isolation, now) if n not in exclude]
+        candidates = self.pinned(node, isolation, now) if node is not None else self.eligible(isolation, now)
+        nodes = [n for n in candidates if n not in exclude]
         free = {n: self.free(n, full) for n in nodes}
         total = sum(free.values())
         if total < count:
@@ -218,9 +237,9 @@ class NodeView:
             k += 1
         return {n: free[n] for n in ranked[:k]}
 
-    def place(self, spec: SandboxSpec | str, count: int, now: float) -> dict[str, int]:
+    def place(self, spec: SandboxSpec | str, count: int, now: float, node: str | None = None) -> dict[str, int]:
         """Plan and book locally (a replica that works alone, and the unit tests)."""
-        plan = self.plan(spec, count, now)
+        plan = self.plan(spec, count, now, node=node)
         full = spec if isinstance(spec, SandboxSpec) else None
         for node_id, k in plan.items():
             self.bookings[node_id] = booked(self.nodes[node_id], self.bookings.get(node_id), k, full)

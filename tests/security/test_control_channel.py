@@ -224,9 +224,9 @@ async def test_no_process_in_a_sandboxs_cgroup_holds_a_socket_even_during_an_exe
     procs_file = cgroups.SandboxCgroups(cgroups.CgroupLayout.detect(), platform.node_id, sandbox.id).procs_files[-1]
     running = asyncio.create_task(sandbox.exec(["sleep", "3"]))
     pids: list[str] = []
-    for _ in range(200):
+    for _ in range(250):  # until the command has exec'd: before that the helper's child is still python
         pids = Path(procs_file).read_text().split()
-        if len(pids) >= 3:
+        if len(pids) >= 3 and "sleep" in {_comm(pid) for pid in pids}:
             break
         await asyncio.sleep(0.01)
     links = {}
@@ -305,3 +305,10 @@ async def test_a_container_has_no_listener_no_platform_process_and_no_platform_f
         assert present == "", f"platform paths visible in the container: {present}"
     finally:
         await sb.destroy()
+
+
+def _comm(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""

@@ -1,0 +1,92 @@
+"""The `Sandbox` handle: everything done to one sandbox after it exists (exec, files, destroy,
+pause/resume/hint, checkpoint), sent straight to the node that holds it (`node.v1.<node>.*`)."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sandfleet._requests import _convert
+from schemas import node
+from schemas.sandbox import SandboxRecord
+
+if TYPE_CHECKING:
+    from sandfleet.client import Fleet
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool = False
+    truncated: bool = False
+    duration_ms: float = 0.0
+
+
+class Sandbox:
+    """A handle on one sandbox; cheap to make, holds no resources of its own."""
+
+    def __init__(self, fleet: Fleet, sandbox_id: str, node_id: str) -> None:
+        self._fleet = fleet
+        self.id = sandbox_id
+        self.node = node_id
+
+    def __repr__(self) -> str:
+        return f"Sandbox(id={self.id!r}, node={self.node!r})"
+
+    def _subject(self, verb: str) -> str:
+        return node.subject(self.node, verb)
+
+    async def exec(
+        self,
+        argv: list[str],
+        *,
+        timeout_s: float = 60.0,
+        env: dict[str, str] | None = None,
+        cwd: str = "/workspace",
+        stdin: bytes = b"",
+    ) -> ExecResult:
+        req = node.ExecRequest(sandbox_id=self.id, argv=argv, env=env or {}, cwd=cwd, stdin=stdin, timeout_s=timeout_s)
+        r = await self._fleet.bus.request(self._subject(node.EXEC), req, node.ExecReply, timeout=timeout_s + 10)
+        return ExecResult(r.exit_code, r.stdout, r.stderr, r.timed_out, r.truncated, r.duration_ms)
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:
+        req = node.WriteFileRequest(sandbox_id=self.id, path=path, data=data, mode=mode)
+        return (await self._fleet.bus.request(self._subject(node.WRITE_FILE), req, node.WriteFileReply, timeout=30)).size
+
+    async def read_file(self, path: str) -> bytes:
+        req = node.ReadFileRequest(sandbox_id=self.id, path=path)
+        return (await self._fleet.bus.request(self._subject(node.READ_FILE), req, node.ReadFileReply, timeout=30)).data
+
+    async def destroy(self) -> SandboxRecord:
+        req = node.DestroyRequest(sandbox_id=self.id)
+        return (await self._fleet.bus.request(self._subject(node.DESTROY), req, node.DestroyReply, timeout=60)).record
+
+    async def info(self) -> SandboxRecord:
+        return await self._fleet.get(self.id)
+
+    async def pause(self) -> SandboxRecord:
+        """Freeze every process (cgroup.freeze); the sandbox is `paused` until `resume()`."""
+        req = node.PauseRequest(sandbox_id=self.id)
+        return (await self._fleet.bus.request(self._subject(node.PAUSE), req, node.PauseReply, timeout=30)).record
+
+    async def resume(self) -> SandboxRecord:
+        """Thaw a paused sandbox; a quarantined one raises `Conflict`."""
+        req = node.ResumeRequest(sandbox_id=self.id)
+        return (await self._fleet.bus.request(self._subject(node.RESUME), req, node.ResumeReply, timeout=30)).record
+
+    async def hint(self, hint: str) -> node.HintReply:
+        """`idle` lowers the sandbox's CPU weight to the minimum, `active` restores the default."""
+        req = _convert(dict(sandbox_id=self.id, hint=hint), node.HintRequest)
+        return await self._fleet.bus.request(self._subject(node.HINT), req, node.HintReply, timeout=30)
+
+    async def checkpoint(self, name: str | None = None, *, keep_paused: bool = False,
+                         timeout_s: float = 600.0) -> node.Checkpoint:
+        """Pack the sandbox's files (its writable layer, /workspace included) into layer `name`
+        over its layers; pass the result to `Fleet.restore`. Processes are not captured."""
+        name = name or f"ckpt-{self.id[:40]}-{secrets.token_hex(4)}"
+        req = _convert(dict(sandbox_id=self.id, name=name, keep_paused=keep_paused), node.CheckpointRequest)
+        return await self._fleet.bus.request(self._subject(node.CHECKPOINT), req, node.Checkpoint,
+                                             timeout=timeout_s + 10)
