@@ -25,7 +25,7 @@ demo: install
 	$(PY) -m sandfleet.demo
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20
 
 schemas: install
 	$(PY) -m schemas.export schemas/json
