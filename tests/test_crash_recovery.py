@@ -57,7 +57,8 @@ async def test_a_sandbox_left_scheduled_by_a_dead_placement_is_failed_not_lost(f
                            created_at=old, updated_at=old)
     await store.create(record)
     failed = await handlers.fail_stuck(handlers.Deps(fleet.bus, store, NodeView()), time.time())
-    assert "sb-stuck0001" in failed
+    # The platform's own placement sweeps too and may get there first; either way it ends failed.
+    assert "sb-stuck0001" in failed or (await fleet.get("sb-stuck0001")).state is State.FAILED
     got = await fleet.get("sb-stuck0001")
     assert got.state is State.FAILED and got.reason is Reason.LAUNCH_FAILED
     await store.forget("sb-stuck0001")

@@ -231,9 +231,16 @@ async def test_no_process_in_a_sandboxs_cgroup_holds_a_socket_even_during_an_exe
         await asyncio.sleep(0.01)
     links = {}
     for pid in pids:
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            links[f"{pid}:{comm}:{fd}"] = os.readlink(f"/proc/{pid}/fd/{fd}")
+        comm = _comm(pid)
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:  # a short-lived helper already gone
+            continue
+        for fd in fds:
+            try:
+                links[f"{pid}:{comm}:{fd}"] = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except FileNotFoundError:  # closed meanwhile
+                pass
     assert (await running).exit_code == 0
     comms = {key.split(":")[1] for key in links}
     assert {"catatonit", "sleep"} <= comms and len(pids) >= 3, (pids, links)

@@ -148,7 +148,10 @@ async def test_a_container_sandbox_runs_under_the_same_policy(fleet, layers, bas
     sb = await fleet.create(isolation="container", memory_mb=64, layers=bash_layer, labels={"task": "landlock-ct"})
     task, seen = await _violations(fleet, sb.id)
     try:
-        r = await sb.exec(["sh", "-c", "echo 'echo pwned' > /bin/bash"])
+        # The process stays a moment: a container's denial is tied to its sandbox through the
+        # process (containers carry no audit tag), and one that is gone before the agent reads
+        # the record cannot be attributed (a known gap, see agents/node/audit.py).
+        r = await sb.exec(["sh", "-c", "echo 'echo pwned' > /bin/bash || { sleep 1; exit 1; }"])
         assert r.exit_code != 0 and b"Permission denied" in r.stderr
         v = await _first(seen, "path=/bin", 2.0)
         assert v.labels == {"task": "landlock-ct"} and v.command == "sh" and v.pid > 0
