@@ -305,8 +305,10 @@ class SandboxStore:
         for key in keys:
             try:
                 record, _ = await self.get(key)
-            except errors.ServiceError:
-                continue
+            except errors.ServiceError as exc:
+                if exc.code is not ErrorCode.NOT_FOUND:  # unreadable is not absent
+                    raise
+                continue  # purged since the listing
             if node_id is not None and record.node != node_id:
                 continue
             if not include_ended and record.state in ENDED:

@@ -23,6 +23,7 @@ from sandfleet.kernel import cgroups, netns
 from sandfleet.store import SandboxStore
 from schemas.errors import ErrorCode
 from schemas.node import Confinement, ConfineRequest
+from schemas.sandbox import ENDED, SandboxRecord
 
 log = logging.getLogger("sandfleet.agent")
 
@@ -101,7 +102,14 @@ class NodeConfinement:
         """Remove what no live record of this node owns; police what stays."""
         records = {r.id: r for r in await store.all(self.node_id)}
         held = self.held()
-        orphans = sorted(held - set(records))
+        orphans = []
+        for sandbox_id in sorted(held - set(records)):
+            # A KV key listing can miss a key written a moment ago; ask for the record itself
+            # before taking a sandbox's kernel resources away.
+            if (live := await _live_record(store, sandbox_id, self.node_id)) is not None:
+                records[sandbox_id] = live
+            else:
+                orphans.append(sandbox_id)
         for sandbox_id in orphans:
             await asyncio.to_thread(self.release, sandbox_id)
             log.info("reclaimed orphaned confinement of %s", sandbox_id)
@@ -143,3 +151,14 @@ class NodeConfinement:
         for sandbox_id in cgroups.list_sandboxes(self.layout, self.node_id):
             self.release(sandbox_id)
         cgroups.remove_node_root(self.layout, self.node_id)
+
+
+async def _live_record(store: SandboxStore, sandbox_id: str, node_id: str) -> SandboxRecord | None:
+    """The sandbox's record if it is live on this node; None only when the store says so."""
+    try:
+        record, _ = await store.get(sandbox_id)
+    except ServiceError as exc:
+        if exc.code is ErrorCode.NOT_FOUND:
+            return None
+        raise
+    return record if record.node == node_id and record.state not in ENDED else None
