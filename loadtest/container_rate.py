@@ -27,14 +27,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import sandfleet
+from loadtest.platform import running_platform
 from loadtest.report import percentiles, print_table, write_json
 from sandfleet.kernel.container import ContainerSpec, bundle_config
 from sandfleet.layers_client import Layers
-from sandfleet.supervisor import free_port
 
 LAYER = "bench-busybox"
 APPLETS = ("sh", "true", "sleep", "cat", "echo")
@@ -42,33 +41,6 @@ HYBRID_V2 = "/sys/fs/cgroup/unified"
 
 
 # -- shared by the container benchmarks: a platform and a layer ---------------------------------
-
-@contextlib.contextmanager
-def running_platform(node_id: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, Path]]:
-    """`sandfleet up --detach` in a temporary data dir; yields (url, data dir); `down` after.
-    Placement's CPU-pressure admission is off: the benchmark is what loads the CPU, and on a
-    shared machine other work would make the node refuse sandboxes mid-run."""
-    cli = [sys.executable, "-m", "sandfleet.cli"]
-    # `up --detach` orphans the supervisor: as a subreaper we adopt it and reap it after `down`.
-    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-    with tempfile.TemporaryDirectory(prefix="sandfleet-bench-") as tmp:
-        env = {**os.environ, "SANDFLEET_LOG_LEVEL": "WARNING", "SANDFLEET_CPU_PSI_LIMIT": "0", **(env or {})}
-        up = subprocess.run([*cli, "up", "--detach", "--port", str(free_port()), "--data-dir", tmp,
-                             "--node-id", node_id], capture_output=True, text=True, env=env)
-        if up.returncode != 0:
-            raise RuntimeError(f"sandfleet up failed: {up.stderr}")
-        supervisor = json.loads((Path(tmp) / "supervisor.json").read_text())["pid"]
-        try:
-            yield up.stdout.strip(), Path(tmp)
-        except BaseException:
-            for log in sorted((Path(tmp) / "logs").glob("*.log")):  # why, before the data dir goes
-                print(f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}", file=sys.stderr)
-            raise
-        finally:
-            subprocess.run([*cli, "down", "--data-dir", tmp], capture_output=True)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(supervisor, 0)
-
 
 async def build_busybox_layer(fleet: sandfleet.Fleet, name: str = LAYER) -> None:
     """A tiny root: the host's static busybox and a few applets, an /etc, a /workspace."""
@@ -212,6 +184,12 @@ def plain_crun_main(args: argparse.Namespace) -> int:
             for root, _, _ in sorted(os.walk(f"/sys/fs/cgroup/{controller}/{args.cgroup_parent}"), reverse=True):
                 with contextlib.suppress(OSError):
                     os.rmdir(root)
+            # ...and the parents it made in hierarchies the platform does not use (rmdir refuses
+            # any that still hold the platform's node roots).
+            parts = Path(args.cgroup_parent).parts
+            for depth in range(len(parts) - 1, 0, -1):
+                with contextlib.suppress(OSError):
+                    os.rmdir(Path("/sys/fs/cgroup", controller, *parts[:depth]))
     json.dump({"rate": rate, "lat": lat}, sys.stdout)
     return 0
 
@@ -254,7 +232,7 @@ def run(n: int, rounds: int, concurrency: int, node_id: str) -> dict:
     rates: dict[str, list[float]] = {"platform": [], "plain_crun": []}
     lat: dict[str, dict[str, list[float]]] = {s: {"create": [], "exec": [], "destroy": []} for s in rates}
     # Memory-pressure admission is off too: this measures the create path, not admission.
-    with running_platform(node_id, {"SANDFLEET_MEMORY_PSI_LIMIT": "0"}) as (url, data_dir):
+    with running_platform(node_id, {"SANDFLEET_CPU_PSI_LIMIT": "0", "SANDFLEET_MEMORY_PSI_LIMIT": "0"}) as (url, data_dir):
         lowerdir = asyncio.run(_prepare(url, node_id))
         try:
             asyncio.run(platform_round(url, min(8, n), concurrency))  # warm-up, not counted
