@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 import sandfleet
-from loadtest.container_rate import LAYER, build_busybox_layer, running_platform
+from loadtest.container_rate import LAYER, build_busybox_layer
+from loadtest.platform import running_platform
 from loadtest.report import print_table, write_json
 
 KIB = 1024
@@ -205,7 +206,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("results/density.json"))
     args = ap.parse_args()
     # The node's sandbox capacity (2000 by default) must not be what stops the count.
-    capacity = {"SANDFLEET_CAPACITY": str(max(args.max, 2000))}
+    capacity = {"SANDFLEET_CAPACITY": str(max(args.max, 2000)), "SANDFLEET_CPU_PSI_LIMIT": "0"}
     with running_platform(args.node_id, capacity) as (url, data_dir):
         results = asyncio.run(step_up(url, args.node_id, data_dir, args))
     per = results["per_sandbox_kib"]

@@ -18,19 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import sandfleet
+from loadtest.platform import running_platform
 from loadtest.report import print_table, write_json
-from sandfleet.supervisor import free_port
 from schemas import reclaim
 
 MiB = 1 << 20
@@ -51,26 +45,6 @@ WINDOWS = {  # the same on both sides; short, so a benchmark run sees reclamatio
     "SANDFLEET_CPU_PSI_LIMIT": "0",
     "SANDFLEET_MEMORY_PSI_LIMIT": "0",
 }
-
-
-@contextlib.contextmanager
-def running_platform(node_id: str, env_extra: dict[str, str]) -> Iterator[str]:
-    """`sandfleet up --detach` in a temporary data dir with `env_extra`; `down` after."""
-    cli = [sys.executable, "-m", "sandfleet.cli"]
-    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: reap the orphaned supervisor
-    with tempfile.TemporaryDirectory(prefix="sandfleet-bench-") as tmp:
-        env = {**os.environ, "SANDFLEET_LOG_LEVEL": "WARNING", **env_extra}
-        up = subprocess.run([*cli, "up", "--detach", "--port", str(free_port()), "--data-dir", tmp,
-                             "--node-id", node_id], capture_output=True, text=True, env=env)
-        if up.returncode != 0:
-            raise RuntimeError(f"sandfleet up failed: {up.stderr}")
-        supervisor = json.loads((Path(tmp) / "supervisor.json").read_text())["pid"]
-        try:
-            yield up.stdout.strip()
-        finally:
-            subprocess.run([*cli, "down", "--data-dir", tmp], capture_output=True, env=env)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(supervisor, 0)
 
 
 async def savings(fleet: sandfleet.Fleet, node_id: str) -> reclaim.NodeSavings:
@@ -151,7 +125,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     for side, env in (("off", {"SANDFLEET_RECLAIM": "off"}), ("on", {"SANDFLEET_RECLAIM": "on"})):
         node_id = f"bench-reclaim-{side}"
-        with running_platform(node_id, {**WINDOWS, **env}) as url:
+        with running_platform(node_id, {**WINDOWS, **env}) as (url, _):
             results[side] = asyncio.run(run_side(url, node_id, args))
     results["peak_reduction"] = round(1 - results["on"]["peak_node_mib"] / results["off"]["peak_node_mib"], 3)
     params = {k: v for k, v in vars(args).items() if k != "out"} | {"windows": WINDOWS}

@@ -21,22 +21,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ctypes
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import sandfleet
+from loadtest.platform import running_platform
 from loadtest.report import percentiles, print_table, write_json
 from sandfleet.layers_client import Layers
-from sandfleet.supervisor import free_port
 
 LAYER = "bench-pause-busybox"
 APPLETS = ("sh", "dd", "sha256sum", "cut", "cat", "echo", "sleep", "true", "rm")
@@ -44,30 +40,6 @@ OPS = ("pause", "resume", "checkpoint", "restore", "read_restored")
 # Placement's pressure feedback would refuse sandboxes on a busy shared machine: not what this measures.
 ENV = {"SANDFLEET_LOG_LEVEL": "WARNING", "SANDFLEET_CPU_PSI_LIMIT": "0", "SANDFLEET_MEMORY_PSI_LIMIT": "0",
        "SANDFLEET_PLACEMENT_MIN_SHARE": "1"}
-
-
-@contextlib.contextmanager
-def running_platform(node_id: str, nodes: int) -> Iterator[tuple[str, Path]]:
-    """`sandfleet up --detach --nodes N` in a temporary data dir; yields (url, data dir); `down` after."""
-    cli = [sys.executable, "-m", "sandfleet.cli"]
-    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: reap the orphaned supervisor
-    with tempfile.TemporaryDirectory(prefix="sandfleet-bench-") as tmp:
-        env = {**os.environ, **ENV}
-        up = subprocess.run([*cli, "up", "--detach", "--port", str(free_port()), "--data-dir", tmp,
-                             "--node-id", node_id, "--nodes", str(nodes)], capture_output=True, text=True, env=env)
-        if up.returncode != 0:
-            raise RuntimeError(f"sandfleet up failed: {up.stderr}")
-        supervisor = json.loads((Path(tmp) / "supervisor.json").read_text())["pid"]
-        try:
-            yield up.stdout.strip(), Path(tmp)
-        except BaseException:
-            for log in sorted(Path(tmp).rglob("logs/*.log")):  # why, before the data dir goes
-                print(f"--- {log}\n{log.read_text(errors='replace')[-2000:]}", file=sys.stderr)
-            raise
-        finally:
-            subprocess.run([*cli, "down", "--data-dir", tmp], capture_output=True, env=env)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(supervisor, 0)
 
 
 async def build_layer(fleet: sandfleet.Fleet) -> None:
@@ -157,7 +129,7 @@ def main() -> int:
         print("pause_latency: containers need root", file=sys.stderr)
         return 2
     nodes = [args.node_id] if args.nodes == 1 else [f"{args.node_id}-{i}" for i in range(1, args.nodes + 1)]
-    with running_platform(args.node_id, args.nodes) as (url, data_dir):
+    with running_platform(args.node_id, ENV, nodes=args.nodes) as (url, data_dir):
         lat, moves = asyncio.run(run(url, args, nodes))
     results = {
         **{op: {**percentiles(lat[op]), "n": len(lat[op]), "max": round(max(lat[op]), 2)} for op in OPS},
