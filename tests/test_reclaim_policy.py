@@ -189,3 +189,24 @@ def test_a_crashed_reclaimer_no_longer_keeps_ksmd_running(tmp_path):
     assert (sysfs / "run").read_text() == "0"
     b.leave()
     assert (sysfs / "advisor_mode").read_text() == "none"  # the settings found before a ever ran
+
+
+def test_sampling_keeps_to_its_cpu_budget_by_stretching_the_period():
+    from services.reclaimer.node import NodeReclaimer
+    node = NodeReclaimer(bus=None, node_id="n", layout=None, policy=Policy(CFG), ksm=None, zram=None,  # type: ignore[arg-type]
+                         interval_s=2.0, cpu_budget=0.05)
+    node.pass_cpu_s = 0.01  # a few sandboxes: the configured period
+    assert node.next_interval() == 2.0
+    node.pass_cpu_s = 0.5  # thousands: 0.5 s of CPU per pass at 5% of a core is one pass per 10 s
+    assert node.next_interval() == 10.0
+    node.cpu_budget = 0  # no budget: always the configured period
+    assert node.next_interval() == 2.0
+
+
+def test_resident_bytes_of_a_live_process_and_of_a_gone_one():
+    import os
+    from services.reclaimer.memory import resident_bytes
+    with open("/proc/self/status") as f:
+        vmrss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    assert abs(resident_bytes(os.getpid()) - vmrss) < 16 * MiB  # statm and status agree, give or take growth
+    assert resident_bytes(2**22 + 1) == 0

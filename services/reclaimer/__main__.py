@@ -65,7 +65,8 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
         async with runner.service_bus(reclaim.SERVICE, config) as bus:
             node = NodeReclaimer(bus=bus, node_id=config.node_id, layout=CgroupLayout.detect(), policy=Policy(pcfg),
                                  ksm=ksm, zram=zram, enabled=enabled, zram_note=note,
-                                 interval_s=_env("SANDFLEET_RECLAIM_INTERVAL_S", 2))
+                                 interval_s=_env("SANDFLEET_RECLAIM_INTERVAL_S", 2),
+                                 cpu_budget=_env("SANDFLEET_RECLAIM_CPU_BUDGET", 0.05))
             await bus.serve(
                 reclaim.SERVICE,
                 [Endpoint("savings", reclaim.savings_subject(config.node_id), reclaim.SavingsRequest,

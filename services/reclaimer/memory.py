@@ -59,15 +59,13 @@ def charged_bytes(layout: CgroupLayout, cgroups: SandboxCgroups) -> int:
 
 
 def resident_bytes(pid: int) -> int:
-    """VmRSS of one process (0 once it is gone or for a kernel thread)."""
+    """Resident memory of one process (VmRSS; 0 once it is gone or for a kernel thread), from
+    /proc/<pid>/statm: the kernel formats it several times faster than `status`, and a pass
+    over thousands of sandboxes reads it for every process."""
     try:
-        text = _read(f"/proc/{pid}/status")
-    except OSError:
+        return int(_read(f"/proc/{pid}/statm").split()[1]) * PAGE
+    except (OSError, IndexError, ValueError):
         return 0
-    for line in text.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def merged_bytes(pid: int) -> int:

@@ -3,7 +3,10 @@ reads the node's memory pressure (PSI), asks the policy what to do, does it, and
 each action as an event; and it answers `node.v1.<node>.savings`.
 
 Kernel reads and page-outs run in a worker thread: with hundreds of sandboxes a pass reads
-thousands of small files, and a page-out of a large sandbox takes a while.
+thousands of small files, and a page-out of a large sandbox takes a while. The passes keep to a
+CPU budget (`cpu_budget`, a fraction of one core): when a pass costs more than the budget allows
+at `interval_s` (thousands of sandboxes), the next one waits longer, so sampling never competes
+with the sandboxes it is meant to save memory for.
 """
 
 from __future__ import annotations
@@ -52,11 +55,13 @@ class NodeReclaimer:
     zram: ZramSwap
     enabled: bool = True
     interval_s: float = 2.0
+    cpu_budget: float = 0.05
     zram_note: str = "off"  # why the node has no zram, when it has none
     actions: Counter[str] = field(default_factory=Counter)
     reclaimed: Counter[str] = field(default_factory=Counter)
     last: list[Sample] = field(default_factory=list)
     _seq: int = 0
+    pass_cpu_s: float = 0.0  # CPU time of the last sampling pass
 
     async def run(self) -> None:
         while True:
@@ -66,7 +71,13 @@ class NodeReclaimer:
                 raise
             except Exception:  # one bad pass (a sandbox ending under us, a bus hiccup) must not end the loop
                 log.exception("reclaim pass failed")
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(self.next_interval())
+
+    def next_interval(self) -> float:
+        """`interval_s`, stretched so sampling uses at most `cpu_budget` of a core."""
+        if self.cpu_budget <= 0:
+            return self.interval_s
+        return max(self.interval_s, self.pass_cpu_s / self.cpu_budget)
 
     async def tick(self) -> None:
         samples = await asyncio.to_thread(self._sample_all)
@@ -80,11 +91,13 @@ class NodeReclaimer:
             await self._do(action)
 
     def _sample_all(self) -> list[Sample]:
+        started = time.thread_time()
         found = []
         for sandbox_id in list_sandboxes(self.layout, self.node_id):
             s = memory.sample(self.layout, self.node_id, sandbox_id)
             if s is not None:
                 found.append(s)
+        self.pass_cpu_s = time.thread_time() - started
         return found
 
     async def _do(self, action: Action) -> None:
