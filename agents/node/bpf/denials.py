@@ -36,13 +36,19 @@ class Denial(msgspec.Struct, frozen=True, kw_only=True):
     monotonic_ns: int  # CLOCK_MONOTONIC at the refusal (comparable with time.monotonic_ns())
 
 
+# The fields every ring-buffer record of ours starts with (allowlist.bpf.c and syscalls.bpf.c):
+# when, which sandbox (its v2 cgroup id) and which task.
+RECORD_HEADER = [
+    ("ts_ns", ct.c_uint64),
+    ("cgroup_id", ct.c_uint64),
+    ("pid", ct.c_uint32),
+    ("tid", ct.c_uint32),
+    ("comm", ct.c_char * 16),
+]
+
+
 class _Record(ct.Structure):  # struct sf_denial
-    _fields_ = [
-        ("ts_ns", ct.c_uint64),
-        ("cgroup_id", ct.c_uint64),
-        ("pid", ct.c_uint32),
-        ("tid", ct.c_uint32),
-        ("comm", ct.c_char * 16),
+    _fields_ = RECORD_HEADER + [
         ("addr", ct.c_ubyte * 16),
         ("port", ct.c_uint16),
         ("family", ct.c_uint16),

@@ -29,6 +29,7 @@ import msgspec
 
 from agents.node.bpf import build
 from agents.node.bpf.build import BpfUnavailable
+from agents.node.bpf.denials import RECORD_HEADER
 from sandfleet.kernel import seccomp
 
 log = logging.getLogger("sandfleet.agent.bpf")
@@ -81,12 +82,7 @@ class SyscallEvent(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Record(ct.Structure):  # struct sf_syscall_event
-    _fields_ = [
-        ("ts_ns", ct.c_uint64),
-        ("cgroup_id", ct.c_uint64),
-        ("pid", ct.c_uint32),
-        ("tid", ct.c_uint32),
-        ("comm", ct.c_char * 16),
+    _fields_ = RECORD_HEADER + [
         ("ret", ct.c_int64),
         ("arg0", ct.c_uint64),
         ("arg1", ct.c_uint64),
