@@ -25,10 +25,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandfleet.config import DEFAULT_EGRESS_SUBNET, default_node_id
+from sandfleet.kernel.cgroups import CgroupError, CgroupLayout, list_sandboxes
 
 PR_SET_CHILD_SUBREAPER = 36
 STOP_TIMEOUT_S = 60.0
@@ -283,7 +285,7 @@ class Supervisor:
             else:
                 groups.append([child])
         for group in groups:
-            _terminate([c.pid for c in group if c.pid], STOP_TIMEOUT_S)
+            _terminate([c.pid for c in group if c.pid], STOP_TIMEOUT_S, progress=self._sandboxes_left)
             for child in group:
                 child.pid = 0
         # Anything reparented to us (orphaned sandbox inits) is gone by now; reap the last of it.
@@ -297,7 +299,19 @@ class Supervisor:
                 time.sleep(0.05)
 
 
-def _terminate(pids: list[int], timeout: float) -> None:
+    def _sandboxes_left(self) -> int:
+        """Sandbox cgroups of this supervisor's nodes: while launchers destroy thousands of
+        sandboxes at shutdown this falls, and a stop that still makes progress is not cut short."""
+        try:
+            layout = CgroupLayout.detect()
+            return sum(len(list_sandboxes(layout, node.id or default_node_id())) for node in self.plan)
+        except (OSError, CgroupError, ValueError):  # no cgroups here: no sandboxes to wait for
+            return 0
+
+
+def _terminate(pids: list[int], timeout: float, progress: Callable[[], int] | None = None) -> None:
+    """SIGTERM, then SIGKILL for what has not exited within `timeout` of the last progress (a
+    change in `progress()`, checked every second or oftener)."""
     left = set()
     for pid in pids:
         try:
@@ -306,7 +320,12 @@ def _terminate(pids: list[int], timeout: float) -> None:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + timeout
+    seen, checked = (progress() if progress else 0), time.monotonic()
     while left and time.monotonic() < deadline:
+        if progress is not None and time.monotonic() - checked >= min(1.0, timeout / 4):
+            now_seen, checked = progress(), time.monotonic()
+            if now_seen != seen:
+                seen, deadline = now_seen, checked + timeout
         for pid in list(left):
             try:
                 done, _ = os.waitpid(pid, os.WNOHANG)

@@ -113,3 +113,34 @@ def test_committed_json_schemas_match_the_structs():
     folder = Path(__file__).resolve().parent.parent / "schemas" / "json"
     for name, text in render().items():
         assert (folder / name).read_text() == text, f"{name} is stale: run `make schemas`"
+
+
+def test_a_stopping_service_is_not_killed_while_it_still_makes_progress():
+    """`_terminate` waits `timeout` after the last change in progress (a launcher destroying
+    thousands of sandboxes at `down`), and only then kills. Run in a child interpreter: it
+    reaps any child of its caller."""
+    import subprocess
+    import sys
+    script = """
+import signal, subprocess, sys, time
+from sandfleet.supervisor import _terminate
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"],
+    stdout=subprocess.PIPE)
+child.stdout.readline()  # its SIGTERM handler is in place
+start = time.monotonic()
+alive_while_progressing = []
+def progress():
+    elapsed = time.monotonic() - start
+    if elapsed < 3.0:
+        alive_while_progressing.append(subprocess.run(["kill", "-0", str(child.pid)]).returncode == 0)
+        return int(elapsed * 10)  # still falling: keep waiting
+    return -1  # stuck
+_terminate([child.pid], 1.0, progress=progress)
+gone = subprocess.run(["kill", "-0", str(child.pid)], capture_output=True).returncode != 0
+print(len(alive_while_progressing), all(alive_while_progressing), gone)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    checks, alive, gone = int(out[0]), out[1] == "True", out[2] == "True"
+    assert checks >= 2 and alive  # a 1 s timeout did not cut a 3 s stop that kept progressing
+    assert gone  # once progress stopped, it was killed
