@@ -55,8 +55,9 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
             if req.allow and network is not None:
                 node.check_egress(req)  # a bad rule is the caller's error before anything is made
                 await network.ensure_started()  # the first sandbox with egress brings it up
-                return await asyncio.to_thread(node.confine, req)  # netlink work: off the event loop
-            return node.confine(req)
+            # Off the event loop either way: a batch sends hundreds of confines at once, and done
+            # inline they would all be answered only when the last was made (past the caller's timeout).
+            return await asyncio.to_thread(node.confine, req)
 
         async def release(req: ReleaseRequest) -> ReleaseReply:
             return ReleaseReply(released=await asyncio.to_thread(node.release, req.sandbox_id))
