@@ -1,7 +1,7 @@
 """Cold burst: N sandboxes at once from a big image, lazy fetch beside full fetch, empty node cache each time.
 
     .venv/bin/python -m loadtest.cold_burst [--n 64] [--rounds 1] [--isolation container]
-                                            [--packages python3 python3-numpy ...]
+                                            [--packages python3 python3-numpy ...] [--cpu-hogs K]
 
 One data dir (so one JetStream store) for the whole run: the image is built once (a Debian
 root with `--packages`, plus a small task layer holding the script), then for each round
@@ -11,6 +11,8 @@ emptied (`layer cache --drop`), and N sandboxes are created at once; each runs t
 runs, time until every task is done, and the bytes the node fetched from the store and
 wrote to its disk for the two layers (from the layer-cache's own counters). Rounds
 alternate the modes so both see the same machine noise; times are medians over rounds.
+`--cpu-hogs K` keeps K busy processes running through each burst: CPU pressure from outside
+the platform, which every read a lazy layer serves from its FUSE daemon has to get past.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from loadtest.report import print_table, write_json
 from sandfleet.layers_client import connect
 from sandfleet.supervisor import free_port
 
-NODE = "bench-cold"
+NODE = os.environ.get("SANDFLEET_NODE_ID", "bench-cold")  # a run beside other runs needs its own node
 BASE, TASK = "cold-burst-base", "cold-burst-task"
 DEFAULT_PACKAGES = ["python3", "python3-numpy", "python3-scipy", "python3-pandas"]
 TASK_SCRIPT = """\
@@ -125,6 +127,7 @@ def main() -> int:
     ap.add_argument("--isolation", default="container", choices=["container", "process"])
     ap.add_argument("--packages", nargs="+", default=DEFAULT_PACKAGES, help="Debian packages of the base layer")
     ap.add_argument("--data-dir", type=Path, default=None, help="keep the store here (reused: the image is built once)")
+    ap.add_argument("--cpu-hogs", type=int, default=0, help="busy processes running through each burst")
     ap.add_argument("--out", type=Path, default=Path("results/cold_burst.json"))
     args = ap.parse_args()
 
@@ -141,9 +144,13 @@ def main() -> int:
         for r in range(args.rounds):
             for mode in (("lazy", "full") if r % 2 == 0 else ("full", "lazy")):
                 url = up(data_dir, mode)
+                hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.cpu_hogs)]
                 try:
                     got = asyncio.run(burst(url, args.n, args.isolation))
                 finally:
+                    for hog in hogs:
+                        hog.kill()
+                        hog.wait()
                     down(data_dir)
                 runs[mode].append(got)
                 print(f"round {r + 1}/{args.rounds} {mode}: running {got['to_all_running_s']:.2f}s, done "
@@ -162,7 +169,8 @@ def main() -> int:
     results["fetched_saved"] = round(1 - lazy["fetched_bytes"] / full["fetched_bytes"], 3) if full["fetched_bytes"] else 0
     results["written_saved"] = round(1 - lazy["written_bytes"] / full["written_bytes"], 3) if full["written_bytes"] else 0
     print_table(
-        f"cold burst: {args.n} {args.isolation} sandboxes, empty node cache, median of {args.rounds} round(s)",
+        f"cold burst: {args.n} {args.isolation} sandboxes, empty node cache, {args.cpu_hogs} CPU hog(s), "
+        f"median of {args.rounds} round(s)",
         ["fetch", "all running s", "all done s", "fetched MiB", "written MiB"],
         [[m, results[m]["to_all_running_s"], results[m]["to_all_done_s"], results[m]["fetched_bytes"] / 2**20,
           results[m]["written_bytes"] / 2**20] for m in ("lazy", "full")],

@@ -257,6 +257,7 @@ class FetchFailed(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", t
     node: str
     digest: str
     chunk: int  # index of the chunk (CHUNK_BYTES each)
-    reason: str  # "timeout", "no responders", "not found", "short chunk", "lazy daemon died", ...
+    # "timeout", "no responders", "not found", "short chunk", "chunk hash mismatch", "lazy daemon died", ...
+    reason: str
     sandboxes: list[str] = []  # roots on this node over this layer; the readers that got EIO are among them
     at: float

@@ -4,6 +4,7 @@ The module starts its own nats-server and layer-cache (`--fetch lazy`, the defau
 layers from busybox-static and a multi-MB blob, empties the node's cache so the layers must
 come from the store, and reads through composed roots with chroot, the way a sandbox does.
 The store going away is a stopped nats-server (SIGSTOP: nothing answers, nothing is lost).
+What the FUSE daemon did is read from its `<mount>/.stats` counters and the chunk maps.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from sandfleet import errors
 from sandfleet.bus import Bus
 from sandfleet.layers_client import Layers, connect
 from sandfleet.supervisor import free_port, nats_server_binary
-from schemas.layers import FetchFailed, fetch_failed_subject
+from schemas.layers import CHUNK_BYTES, OBJECT_BUCKET, FetchFailed, fetch_failed_subject
 from services.layer_cache import mounts
+from services.layer_cache.store import HASH_BYTES, manifest_name, read_manifest, write_manifest
 from tests.kernel import require
 from tests.layer_trees import BUSYBOX, make_busybox_base
 from tests.leaks import lazy_daemons
@@ -38,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NODE = "lazy-test"
 BLOB_MB = 24
 FETCH_TIMEOUT_S = 2
+READAHEAD = 2  # chunks the daemon fetches after a missed one (set for the service below)
 
 
 def _kernel_ready() -> bool:
@@ -63,7 +66,7 @@ class Service:
         self.env = {
             **os.environ, "SANDFLEET_NATS_URL": self.url, "SANDFLEET_DATA_DIR": str(self.data_dir),
             "SANDFLEET_NODE_ID": NODE, "SANDFLEET_LAYER_FETCH": self.fetch, "PYTHONPATH": str(ROOT),
-            "SANDFLEET_LAZY_FETCH_TIMEOUT_S": str(FETCH_TIMEOUT_S),
+            "SANDFLEET_LAZY_FETCH_TIMEOUT_S": str(FETCH_TIMEOUT_S), "SANDFLEET_LAZY_READAHEAD": str(READAHEAD),
         }
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "services.layer_cache"], env=self.env, cwd=ROOT,
@@ -202,6 +205,33 @@ def _chroot(rootfs: str, script: str, timeout: float = 60) -> subprocess.Complet
     return subprocess.run(["chroot", rootfs, "/bin/sh", "-c", script], capture_output=True, text=True, timeout=timeout)
 
 
+def _daemon_stats(service: Service) -> dict:
+    return json.loads((service.root / "lazy" / ".stats").read_bytes())
+
+
+def _chunk_map(service: Service, digest: str) -> bytes:
+    return (service.root / "images" / (digest.removeprefix("sha256:") + ".lazy.map")).read_bytes()
+
+
+@contextlib.asynccontextmanager
+async def _objects(url: str):
+    """The store's image bucket, on a connection of the test's own."""
+    bus = await Bus.connect(url, "lazy-test-store")
+    try:
+        yield await bus.js.object_store(OBJECT_BUCKET)
+    finally:
+        await bus.close()
+
+
+async def _chunk_holding(url: str, digest: str, data: bytes) -> int:
+    """The chunk of the image (as the store has it) where `data` (random, so stored as is) starts."""
+    async with _objects(url) as objects:
+        image = (await objects.get(digest)).data
+    at = image.find(data)
+    assert at >= 0, "random file data is stored uncompressed in the image"
+    return at // CHUNK_BYTES
+
+
 def _erofs_source(service: Service, digest: str) -> str:
     point = str(service.root / "mnt" / digest.removeprefix("sha256:"))
     return next(e.source for e in mounts.read_mountinfo() if e.mount_point == point and e.fstype == "erofs")
@@ -220,7 +250,12 @@ async def test_a_lazy_layer_fetches_only_what_is_read(layers, service, built):
     big = _image(listing, built["big"])
     assert listing.fetch == "lazy" and big.lazy and not big.complete and big.mounted and big.users == 1
     assert big.size > BLOB_MB << 20
-    assert 0 < big.fetched_bytes <= big.size // 20  # the superblock, a directory and one small file
+    # The superblock, a directory and one small file: a few chunks read, each miss bringing at
+    # most READAHEAD more with it (the only lazy image read so far, so the daemon's counters are its).
+    stats = _daemon_stats(service)
+    demand = stats["fetched"] - stats["readahead"]
+    assert 0 < demand <= 4 and stats["readahead"] <= demand * READAHEAD
+    assert 0 < big.fetched_bytes <= stats["fetched"] * CHUNK_BYTES <= big.size // 10
     assert big.written_bytes == big.fetched_bytes and big.disk_bytes < big.size // 10
     base = _image(listing, built["base"])
     assert not base.lazy and base.complete  # built on this node, so whole
@@ -229,6 +264,55 @@ async def test_a_lazy_layer_fetches_only_what_is_read(layers, service, built):
     assert out.returncode == 0 and out.stdout.split()[0] == built["blob"], out.stderr
     big = _image(await layers.cache(NODE), built["big"])
     assert big.complete and big.fetched_bytes == big.size
+
+
+async def test_a_repeated_read_is_served_by_the_page_cache_not_the_daemon(layers, service, built, tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "blob").write_bytes(os.urandom(4 << 20))
+    digest = (await layers.build_dir("again", tmp_path)).layer.digest
+    await layers.cache_drop(NODE)
+    rootfs = await layers.compose(NODE, "sb-again", ["base", "again"])
+    read = "dd if=/data/blob of=/copy bs=64k 2>/copy.err && echo read"
+    before = _daemon_stats(service)
+    assert _chroot(rootfs.path, read).stdout == "read\n"
+    first = _daemon_stats(service)
+    assert first["reads"] > before["reads"] and first["fetched"] > before["fetched"] + 16  # from the store
+
+    # Drop EROFS's own cached pages of the file: reading it again has to read the image file
+    # again, and the kernel answers that from the FUSE file's page cache.
+    fd = os.open(service.root / "mnt" / digest.removeprefix("sha256:") / "data" / "blob", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    assert _chroot(rootfs.path, read).stdout == "read\n"
+    other = await layers.compose(NODE, "sb-again-2", ["base", "again"])  # and another sandbox over it
+    assert _chroot(other.path, read).stdout == "read\n"
+    again = _daemon_stats(service)
+    assert (again["reads"], again["fetched"]) == (first["reads"], first["fetched"])
+    assert await layers.release(NODE, "sb-again")
+    assert await layers.release(NODE, "sb-again-2")
+
+
+async def test_a_missed_chunk_brings_the_next_chunks_with_it(layers, service, built, tmp_path):
+    blob = os.urandom(4 << 20)
+    (tmp_path / "f").write_bytes(blob)
+    digest = (await layers.build_dir("ahead", tmp_path)).layer.digest
+    middle = 2 << 20
+    chunk = await _chunk_holding(service.url, digest, blob[middle:middle + 4096])
+    await layers.cache_drop(NODE)
+    rootfs = await layers.compose(NODE, "sb-ahead", ["base", "ahead"])
+    before = _daemon_stats(service)
+    out = _chroot(rootfs.path, f"dd if=/f of=/copy bs=4096 skip={middle // 4096} count=1 2>/copy.err && echo read")
+    assert out.stdout == "read\n", out.stderr
+    deadline = time.monotonic() + 15  # readahead is not waited for by the read
+    while not all(_chunk_map(service, digest)[chunk:chunk + 1 + READAHEAD]) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    present = _chunk_map(service, digest)
+    assert all(present[chunk:chunk + 1 + READAHEAD])  # the chunk read and the READAHEAD after it
+    assert not any(present[chunk + 1 + READAHEAD:chunk + 8])  # and not further
+    assert _daemon_stats(service)["readahead"] - before["readahead"] >= READAHEAD
+    assert await layers.release(NODE, "sb-ahead")
 
 
 async def test_fetched_chunks_and_the_daemon_survive_a_layer_cache_restart(layers, service, built, tmp_path):
@@ -310,6 +394,56 @@ async def test_an_image_deleted_from_the_store_fails_unread_chunks_with_an_event
         assert event.reason == "not found" and event.sandboxes == ["sb-doomed"]
     assert _chroot(rootfs.path, "cat /g").stdout == "read before\n"  # what was fetched stays readable
     assert await layers.release(NODE, "sb-doomed")
+
+
+async def test_a_chunk_that_does_not_match_its_manifest_fails_the_read_with_an_event(layers, service, built, tmp_path):
+    blob = os.urandom(2 << 20)
+    (tmp_path / "f").write_bytes(blob)
+    (tmp_path / "g").write_text("fine\n")
+    digest = (await layers.build_dir("tampered", tmp_path)).layer.digest
+    bad = await _chunk_holding(service.url, digest, blob[1 << 20:(1 << 20) + 4096])  # in the middle of f
+    async with _objects(service.url) as objects:  # the store's manifest no longer fits that chunk
+        manifest = bytearray(await read_manifest(objects, digest))
+        assert len(manifest) % HASH_BYTES == 0 and len(manifest) // HASH_BYTES > bad
+        manifest[bad * HASH_BYTES] ^= 0xFF
+        await write_manifest(objects, digest, bytes(manifest))
+    await layers.cache_drop(NODE)
+    rootfs = await layers.compose(NODE, "sb-tampered", ["base", "tampered"])
+    other = await layers.compose(NODE, "sb-untouched", ["base"])
+    bad_before = _daemon_stats(service)["bad_hash"]
+    async with Events(service.url) as events:
+        out = _chroot(rootfs.path, "cat /f > /copy")
+        assert out.returncode != 0 and "Input/output error" in out.stderr
+        event = await events.next_for(digest)
+        assert event.reason == "chunk hash mismatch" and event.chunk == bad and event.sandboxes == ["sb-tampered"]
+    assert _daemon_stats(service)["bad_hash"] > bad_before
+    assert not _chunk_map(service, digest)[bad]  # the bad bytes were never kept
+    assert _chroot(rootfs.path, "cat /g").stdout == "fine\n"  # the rest of the image reads
+    good = _chroot(rootfs.path, "dd if=/f of=/head bs=64k count=4 2>/head.err && echo read")
+    assert good.stdout == "read\n" and (Path(rootfs.upper) / "head").read_bytes() == blob[:256 << 10]
+    assert _chroot(other.path, "cat /etc/hostname").stdout == "base\n"  # other sandboxes are untouched
+    assert await layers.release(NODE, "sb-tampered")
+    assert await layers.release(NODE, "sb-untouched")
+
+
+async def test_an_image_stored_without_a_manifest_is_fetched_whole_once_and_gets_one(layers, service, built, tmp_path):
+    (tmp_path / "f").write_bytes(os.urandom(1 << 20))
+    (tmp_path / "note").write_text("old\n")
+    digest = (await layers.build_dir("legacy", tmp_path)).layer.digest
+    async with _objects(service.url) as objects:  # as if stored before manifests existed
+        await objects.delete(manifest_name(digest))
+        assert await read_manifest(objects, digest) is None
+    await layers.cache_drop(NODE)
+    rootfs = await layers.compose(NODE, "sb-legacy", ["base", "legacy"])
+    legacy = _image(await layers.cache(NODE), digest)
+    assert legacy.lazy and legacy.complete and legacy.fetched_bytes == legacy.size  # whole, checked by its digest
+    assert _chroot(rootfs.path, "cat /note").stdout == "old\n"
+    async with _objects(service.url) as objects:
+        image = (await objects.get(digest)).data
+        manifest = await read_manifest(objects, digest)
+    assert manifest == b"".join(hashlib.sha256(image[i:i + CHUNK_BYTES]).digest()
+                                for i in range(0, len(image), CHUNK_BYTES))  # now there for the next reader
+    assert await layers.release(NODE, "sb-legacy")
 
 
 async def test_a_dead_daemon_marks_its_roots_broken_and_a_new_one_serves_new_roots(layers, service, built):

@@ -23,12 +23,15 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import msgspec
 from nats.js import JetStreamContext
 
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
+from schemas.layers import OBJECT_BUCKET
 from services.layer_cache import mounts
-from services.layer_cache.lazy import LazyFiles, chunk_index
+from services.layer_cache.lazy import ChunkIndex, LazyFiles, chunk_index
+from services.layer_cache.store import LayerStore, chunk_hashes, write_manifest
 
 log = logging.getLogger("sandfleet.layer_cache")
 
@@ -225,5 +228,24 @@ class LazyLayers:
 
     async def prepare(self, digest: str) -> None:
         index = await chunk_index(self.js, digest)
-        await asyncio.to_thread(self.files(digest).create, index)
+        if index.hashes:
+            await asyncio.to_thread(self.files(digest).create, index)
+        else:
+            await self._whole(index)
         await self.ready()
+
+    async def _whole(self, index: ChunkIndex) -> None:
+        """An image the store has no chunk manifest for (stored before manifests existed): its
+        chunks cannot be checked one by one, so it is fetched whole (the store checks it against
+        its digest), served complete, and its manifest is made from it and put beside it, so the
+        next node (or this one after eviction) reads it lazily."""
+        log.warning("image %s has no chunk manifest in the store: fetching it whole once", index.digest)
+        files = self.files(index.digest)
+        store = LayerStore(None, await self.js.object_store(OBJECT_BUCKET), None)  # type: ignore[arg-type]
+        await store.fetch_image(index.digest, files.data)
+        manifest = await asyncio.to_thread(chunk_hashes, files.data, index.chunk_bytes)
+        try:
+            await write_manifest(store.images, index.digest, manifest)
+        except Exception as exc:  # the image is good here either way; the next one tries again
+            log.warning("could not store the chunk manifest of %s: %s", index.digest, exc)
+        await asyncio.to_thread(files.create, msgspec.structs.replace(index, hashes=manifest), True)

@@ -3,8 +3,9 @@
 For an image `<hex>` the cache directory holds `<hex>.lazy` (the image's bytes, sparse: only
 the chunks fetched so far take disk), `<hex>.lazy.map` (one byte per chunk, 1 once the chunk
 is in the sparse file; written after the data, so a restart keeps what was fetched) and
-`<hex>.lazy.json` (where each chunk sits in the store's stream, written last and atomically:
-without it the other two are leftovers). The FUSE daemon (`lazyfs.py`) serves these as
+`<hex>.lazy.json` (where each chunk sits in the store's stream and the sha256 each must have,
+from the store's chunk manifest; written last and atomically: without it the other two are
+leftovers). The FUSE daemon (`lazyfs.py`) serves these as
 `<mount>/<hex>.erofs`; the layer-cache creates them (`prepare`) and deletes them on eviction.
 Everything here but `chunk_index` is pure file logic, shared by both processes.
 """
@@ -23,7 +24,8 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
-from schemas.layers import OBJECT_BUCKET
+from schemas.layers import CHUNK_BYTES, OBJECT_BUCKET
+from services.layer_cache.store import HASH_BYTES, read_manifest
 
 DATA = ".lazy"
 MAP = ".lazy.map"
@@ -34,7 +36,8 @@ INDEX_TIMEOUT_S = 30.0
 
 
 class ChunkIndex(msgspec.Struct, frozen=True, kw_only=True):
-    """Where the chunks of one image are: `seqs[i]` is the stream sequence of chunk i."""
+    """Where the chunks of one image are: `seqs[i]` is the stream sequence of chunk i, and
+    `hashes[32*i:32*i+32]` its sha256 (empty: the store had no manifest for the image)."""
 
     digest: str
     size: int
@@ -42,6 +45,10 @@ class ChunkIndex(msgspec.Struct, frozen=True, kw_only=True):
     stream: str
     subject: str
     seqs: list[int]
+    hashes: bytes = b""
+
+    def hash_of(self, i: int) -> bytes:
+        return self.hashes[i * HASH_BYTES:(i + 1) * HASH_BYTES]
 
 
 def chunk_count(size: int, chunk_bytes: int) -> int:
@@ -91,12 +98,17 @@ class LazyFiles:
     def read_index(self) -> ChunkIndex:
         return msgspec.json.decode(self.index.read_bytes(), type=ChunkIndex)
 
-    def create(self, index: ChunkIndex) -> None:
-        """Empty sparse data and map first, the index last: a crash half way leaves no index."""
-        with open(self.data, "wb") as f:
-            f.truncate(index.size)
+    def create(self, index: ChunkIndex, complete: bool = False) -> None:
+        """Empty sparse data and map first (or, `complete`, the data already written whole and
+        a full map), the index last: a crash half way leaves no index."""
+        if not complete:
+            with open(self.data, "wb") as f:
+                f.truncate(index.size)
         with open(self.map, "wb") as f:
-            f.truncate(len(index.seqs))
+            if complete:
+                f.write(b"\1" * len(index.seqs))
+            else:
+                f.truncate(len(index.seqs))
         tmp = self.index.with_name(self.index.name + ".tmp")
         tmp.write_bytes(msgspec.json.encode(index))
         os.replace(tmp, self.index)
@@ -133,7 +145,8 @@ def leftovers(images_dir: Path) -> list[Path]:
 
 async def chunk_index(js: JetStreamContext, digest: str) -> ChunkIndex:
     """Read where each chunk of the image sits: one headers-only pass over its chunk subject
-    (a few bytes per chunk), so a read of chunk i later is one direct get of one message."""
+    (a few bytes per chunk), so a read of chunk i later is one direct get of one message;
+    and the image's chunk manifest, where the store has one that fits."""
     try:
         info = await js.object_store(OBJECT_BUCKET)
         meta = await info.get_info(digest)
@@ -159,5 +172,8 @@ async def chunk_index(js: JetStreamContext, digest: str) -> ChunkIndex:
     if chunk_count(meta.size, chunk_bytes) != want:
         raise ServiceError(ErrorCode.INTERNAL, f"image {digest}: {want} chunks do not fit {meta.size} bytes "
                                                f"in chunks of {chunk_bytes}")
+    manifest = await read_manifest(info, digest) or b""
+    if len(manifest) != want * HASH_BYTES or chunk_bytes != CHUNK_BYTES:
+        manifest = b""  # none, or made for other chunks: the caller falls back to a whole fetch
     return ChunkIndex(digest=digest, size=meta.size, chunk_bytes=chunk_bytes, stream=STREAM, subject=subject,
-                      seqs=seqs)
+                      seqs=seqs, hashes=manifest)

@@ -57,13 +57,21 @@ def umount(target: str) -> None:
 
 
 def mount_erofs(image: Path, target: Path) -> None:
+    # `directio` keeps an image on disk in one page cache (EROFS's). A lazily fetched image is a
+    # FUSE file: read it through its page cache, or every repeated read goes to the FUSE daemon.
+    data = "" if _on_fuse(image) else "directio"
     try:
-        mount(str(image), str(target), "erofs", LAYER_FLAGS, "directio")
+        mount(str(image), str(target), "erofs", LAYER_FLAGS, data)
     except OSError as exc:
         if exc.errno == errno.ENOTBLK:  # e.g. an image on tmpfs: EROFS cannot read it as a file
             raise OSError(exc.errno, f"EROFS cannot mount {image} from its filesystem; "
                                      "keep the data dir on a disk filesystem (ext4, xfs, btrfs)") from None
         raise
+
+
+def _on_fuse(image: Path) -> bool:
+    """Is the image a file in the root of a FUSE mount (the lazy-layer daemon's)?"""
+    return any(e.mount_point == str(image.parent) and e.fstype.startswith("fuse") for e in read_mountinfo())
 
 
 def overlay_options(lowers_top_first: list[str], upper: str, work: str) -> str:

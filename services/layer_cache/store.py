@@ -3,11 +3,15 @@
 Images are named by their digest, so an identical rebuild is stored once. A reference is a
 KV key, `<name>` (the newest build) or `<name>.<tag>`; removing the last reference to an
 image deletes the image from the store (nodes that cache it keep their copy until eviction).
+Beside each image is its chunk manifest, object `<digest>.chunks`: the sha256 of every
+CHUNK_BYTES chunk (32 bytes each, in order), which a lazy reader checks each chunk against.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +66,36 @@ def object_digest(digest: str) -> str:
     return "SHA-256=" + base64.urlsafe_b64encode(raw).decode()
 
 
+MANIFEST_SUFFIX = ".chunks"
+HASH_BYTES = 32
+
+
+def manifest_name(digest: str) -> str:
+    return digest + MANIFEST_SUFFIX
+
+
+def chunk_hashes(path: Path, chunk_bytes: int = CHUNK_BYTES) -> bytes:
+    """The manifest of an image file: sha256 of each chunk, concatenated."""
+    out = bytearray()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            out += hashlib.sha256(chunk).digest()
+    return bytes(out)
+
+
+async def read_manifest(images: ObjectStore, digest: str) -> bytes | None:
+    """The image's chunk manifest, or None where the store has none (an image stored before
+    manifests existed). The Object Store checks the manifest's own sha256 on the way."""
+    try:
+        return (await images.get(manifest_name(digest))).data
+    except nats.js.errors.NotFoundError:
+        return None
+
+
+async def write_manifest(images: ObjectStore, digest: str, manifest: bytes) -> None:
+    await images.put(manifest_name(digest), manifest)
+
+
 async def _bucket(js: JetStreamContext, name: str, config: ObjectStoreConfig) -> ObjectStore:
     try:
         return await js.create_object_store(name, config)
@@ -99,14 +133,19 @@ class LayerStore:
         return info.size
 
     async def put_image(self, digest: str, path: Path) -> bool:
-        """Store the image unless the store has it; true when it was stored now."""
+        """Store the image unless the store has it; true when it was stored now. Its chunk
+        manifest goes first (so an image is never there without one), and is added to an image
+        stored before manifests existed."""
         if await self.image_size(digest) == path.stat().st_size:
+            if await read_manifest(self.images, digest) is None:
+                await write_manifest(self.images, digest, await asyncio.to_thread(chunk_hashes, path))
             return False
+        await write_manifest(self.images, digest, await asyncio.to_thread(chunk_hashes, path))
         meta = ObjectMeta(name=digest, options=ObjectMetaOptions(max_chunk_size=CHUNK_BYTES))
         with open(path, "rb") as f:
             info = await self.images.put(digest, f, meta=meta)
         if info.digest != object_digest(digest):
-            await self.images.delete(digest)
+            await self.delete_image(digest)
             raise ServiceError(ErrorCode.INTERNAL, f"image {digest} changed while it was stored")
         return True
 
@@ -126,10 +165,11 @@ class LayerStore:
                 raise ServiceError(ErrorCode.INTERNAL, f"image {digest} arrived corrupted") from None
 
     async def delete_image(self, digest: str) -> None:
-        try:
-            await self.images.delete(digest)
-        except nats.js.errors.NotFoundError:
-            pass
+        for name in (digest, manifest_name(digest)):
+            try:
+                await self.images.delete(name)
+            except nats.js.errors.NotFoundError:
+                pass
 
     # -- uploads (build sources) ------------------------------------------------------
 
