@@ -10,6 +10,13 @@ layer mounts the platform uses, writes its own bundle, and calls `crun run --det
 `crun exec true`, `crun delete --force` as subprocesses. crun manages that container's cgroups
 and network namespace itself, with the same limits and isolation the platform applies. Rounds
 alternate so both sides see the same machine noise; cycles/s is the median over rounds.
+
+CPU per cycle is reported beside the rate, as it holds up better on a busy machine: for the
+platform, every process under the supervisor (each service, its helpers such as the
+launcher's spawner, and what each reaped: crun, the containers) plus this process (the SDK
+client), summed over the live tree before and after a round (own + reaped children's ticks of
+every process, which is conserved when a process is reaped); for the baseline, its whole
+process tree (what this process reaped from it) less its interpreter's start.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from sandfleet.layers_client import Layers
 LAYER = "bench-busybox"
 APPLETS = ("sh", "true", "sleep", "cat", "echo")
 HYBRID_V2 = "/sys/fs/cgroup/unified"
+TICK = os.sysconf("SC_CLK_TCK")
 
 
 # -- shared by the container benchmarks: a platform and a layer ---------------------------------
@@ -174,7 +182,10 @@ class PlainCrun:
 
 
 def plain_crun_main(args: argparse.Namespace) -> int:
-    """The baseline process (already in its own mount namespace): one round, JSON to stdout."""
+    """The baseline process (already in its own mount namespace): one round, JSON to stdout,
+    with the CPU it took to get here (interpreter start, imports), which is not the cycles'."""
+    me = os.times()
+    startup_s = me.user + me.system + me.children_user + me.children_system
     work = Path(args.work)
     side = PlainCrun(work, args.lowerdir, args.cgroup_parent)
     try:
@@ -190,11 +201,11 @@ def plain_crun_main(args: argparse.Namespace) -> int:
             for depth in range(len(parts) - 1, 0, -1):
                 with contextlib.suppress(OSError):
                     os.rmdir(Path("/sys/fs/cgroup", controller, *parts[:depth]))
-    json.dump({"rate": rate, "lat": lat}, sys.stdout)
+    json.dump({"rate": rate, "lat": lat, "startup_s": startup_s}, sys.stdout)
     return 0
 
 
-def plain_crun_round(lowerdir: str, n: int, concurrency: int, work: Path, node_id: str) -> tuple[float, dict]:
+def plain_crun_round(lowerdir: str, n: int, concurrency: int, work: Path, node_id: str) -> tuple[float, dict, float]:
     """Run the baseline as its own process: `unshare --mount` (and the v2 unmount on hybrid hosts)."""
     prelude = f"umount {HYBRID_V2} && " if os.path.ismount(HYBRID_V2) else ""
     child = [sys.executable, "-m", "loadtest.container_rate", "--plain-crun", "--n", str(n),
@@ -209,7 +220,48 @@ def plain_crun_round(lowerdir: str, n: int, concurrency: int, work: Path, node_i
     if out.returncode != 0:
         raise RuntimeError(f"the plain crun baseline failed: {out.stderr[-2000:]}")
     got = json.loads(out.stdout)
-    return got["rate"], got["lat"]
+    return got["rate"], got["lat"], got["startup_s"]
+
+
+# -- CPU accounting ------------------------------------------------------------------------------
+
+def _ticks(pid: int) -> tuple[int, list[int]]:
+    """(own utime+stime + reaped children's cutime+cstime, live children) of a process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0, []
+    kids: list[int] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(c) for c in f.read().split()]
+    return sum(int(fields[i]) for i in (11, 12, 13, 14)), kids
+
+
+def _tree_ticks(pid: int) -> int:
+    total, queue = 0, [pid]
+    while queue:
+        ticks, kids = _ticks(queue.pop())
+        total += ticks
+        queue += kids
+    return total
+
+
+def platform_ticks(data_dir: Path) -> dict[str, int]:
+    """Clock ticks of each service's process tree, of the supervisor itself, and of this process."""
+    state = json.loads((data_dir / "supervisor.json").read_text())
+    found = {name: _tree_ticks(pid) for name, pid in state["services"].items()}
+    found["supervisor"] = _ticks(state["pid"])[0]
+    me = os.times()
+    found["client"] = round((me.user + me.system) * TICK)
+    return found
+
+
+def _children_ticks() -> int:
+    me = os.times()
+    return round((me.children_user + me.children_system) * TICK)
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -230,6 +282,8 @@ async def _release(url: str, node_id: str) -> None:
 
 def run(n: int, rounds: int, concurrency: int, node_id: str) -> dict:
     rates: dict[str, list[float]] = {"platform": [], "plain_crun": []}
+    cpu_ms: dict[str, list[float]] = {"platform": [], "plain_crun": []}  # per cycle, each round
+    by_service: list[dict[str, float]] = []  # ms per cycle, by process tree, each platform round
     lat: dict[str, dict[str, list[float]]] = {s: {"create": [], "exec": [], "destroy": []} for s in rates}
     # Memory-pressure admission is off too: this measures the create path, not admission.
     with running_platform(node_id, {"SANDFLEET_CPU_PSI_LIMIT": "0", "SANDFLEET_MEMORY_PSI_LIMIT": "0"}) as (url, data_dir):
@@ -239,25 +293,42 @@ def run(n: int, rounds: int, concurrency: int, node_id: str) -> dict:
             for r in range(rounds):
                 for side in rates:
                     if side == "platform":
+                        before = platform_ticks(data_dir)
                         rate, got = asyncio.run(platform_round(url, n, concurrency))
+                        after = platform_ticks(data_dir)
+                        used = {k: (after[k] - before.get(k, 0)) * 1000 / TICK / n for k in after}
+                        by_service.append(used)
+                        cpu = sum(used.values())
                     else:
-                        rate, got = plain_crun_round(lowerdir, n, concurrency, data_dir / "plain-crun", node_id)
+                        before_kids = _children_ticks()
+                        rate, got, startup_s = plain_crun_round(lowerdir, n, concurrency, data_dir / "plain-crun",
+                                                                node_id)
+                        cpu = ((_children_ticks() - before_kids) / TICK - startup_s) * 1000 / n
                     rates[side].append(rate)
+                    cpu_ms[side].append(cpu)
                     for k, v in got.items():
                         lat[side][k].extend(v)
-                    print(f"round {r + 1}/{rounds} {side:<10} {rate:7.1f} cycles/s", flush=True)
+                    print(f"round {r + 1}/{rounds} {side:<10} {rate:7.1f} cycles/s {cpu:6.1f} ms CPU/cycle", flush=True)
         finally:
             asyncio.run(_release(url, node_id))
     results: dict = {
         side: {
             "cycles_per_s": round(statistics.median(rates[side]), 1),
             "rounds_cycles_per_s": [round(x, 1) for x in rates[side]],
+            "cpu_ms_per_cycle": round(statistics.median(cpu_ms[side]), 1),
+            "rounds_cpu_ms_per_cycle": [round(x, 1) for x in cpu_ms[side]],
             **{k: percentiles(v) for k, v in lat[side].items()},
         }
         for side in rates
     }
     results["ratio_platform_over_plain_crun"] = round(
         results["platform"]["cycles_per_s"] / results["plain_crun"]["cycles_per_s"], 3)
+    results["ratio_cpu_plain_crun_over_platform"] = round(
+        results["plain_crun"]["cpu_ms_per_cycle"] / results["platform"]["cpu_ms_per_cycle"], 3)
+    results["platform"]["cpu_ms_per_cycle_by_process"] = {  # medians over rounds
+        k: round(statistics.median(r.get(k, 0.0) for r in by_service), 1) for k in sorted(by_service[0])}
+    results["platform"]["rounds_cpu_ms_per_cycle_by_process"] = [{k: round(v, 1) for k, v in sorted(r.items())}
+                                                                 for r in by_service]
     results["data_dir"] = str(data_dir)
     return results
 
@@ -283,17 +354,20 @@ def main() -> int:
 
     results = run(args.n, args.rounds, args.concurrency, args.node_id)
     rows = [
-        [side, results[side]["cycles_per_s"],
+        [side, results[side]["cycles_per_s"], results[side]["cpu_ms_per_cycle"],
          *(results[side][k][p] for k in ("create", "exec", "destroy") for p in ("p50", "p99"))]
         for side in ("platform", "plain_crun")
     ]
     print_table(
         f"container create → exec true → destroy, n={args.n} x {args.rounds} rounds, "
         f"concurrency {args.concurrency} (ms)",
-        ["side", "cycles/s", "create p50", "create p99", "exec p50", "exec p99", "destroy p50", "destroy p99"],
+        ["side", "cycles/s", "CPU ms/cycle", "create p50", "create p99", "exec p50", "exec p99", "destroy p50", "destroy p99"],
         rows,
     )
-    print(f"ratio platform/plain crun: {results['ratio_platform_over_plain_crun']}")
+    print(f"ratio platform/plain crun: {results['ratio_platform_over_plain_crun']} (cycles/s), "
+          f"{results['ratio_cpu_plain_crun_over_platform']} (CPU per cycle, plain/platform)")
+    print("platform CPU ms/cycle by process tree:",
+          ", ".join(f"{k} {v}" for k, v in results["platform"]["cpu_ms_per_cycle_by_process"].items()))
     params = {k: v for k, v in vars(args).items() if k in ("n", "concurrency", "rounds", "node_id")}
     out = write_json(args.out, "container_rate", params | {"out": str(args.out)}, results)
     print(f"wrote {out}")

@@ -102,6 +102,39 @@ async def test_a_container_runs_commands_and_files_in_its_own_root(fleet, base):
         await sb.destroy()
 
 
+_CONFINEMENT_FIELDS = ("Uid", "Gid", "Groups", "Umask", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb",
+                       "NoNewPrivs", "Seccomp", "Seccomp_filters")
+_NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "time", "user", "uts")
+
+
+def _status_fields(text: str) -> dict[str, str]:
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {k: " ".join(fields[k].split()) for k in _CONFINEMENT_FIELDS}
+
+
+async def test_an_exec_has_the_confinement_crun_gave_the_init(fleet, base):
+    """A command runs without `crun exec` (the spawner joins the container), so it must get what
+    crun gave the container's init from the bundle: capabilities, no_new_privs, seccomp, ids,
+    umask, rlimits, cgroups and every namespace."""
+    sb = await fleet.create(isolation="container", memory_mb=64, layers=[BASE])
+    try:
+        init = (await fleet.get(sb.id)).init_pid
+        script = ("cat /proc/self/status; echo @@; cat /proc/1/status; echo @@; cat /proc/self/cgroup; echo @@; "
+                  "cat /proc/1/cgroup; echo @@; cat /proc/self/limits; echo @@; cat /proc/1/limits; echo @@; "
+                  f"for ns in {' '.join(_NAMESPACES)}; do busybox readlink /proc/self/ns/$ns; done")
+        r = await sb.exec(["sh", "-c", script])
+        assert r.exit_code == 0, r
+        mine, its, my_cg, its_cg, my_limits, its_limits, my_ns = r.stdout.decode().split("@@\n")
+        assert _status_fields(mine) == _status_fields(its)
+        assert _status_fields(mine)["CapBnd"] == "0000000000000000"
+        assert (_status_fields(mine)["NoNewPrivs"], _status_fields(mine)["Seccomp"]) == ("1", "2")
+        assert my_cg == its_cg and my_limits == its_limits
+        assert my_ns.split() == [os.readlink(f"/proc/{init}/ns/{ns}") for ns in _NAMESPACES]
+        assert sum(sb.id in line for line in _cgroup_lines(init)) >= 2  # they are the sandbox's (v1 and v2)
+    finally:
+        await sb.destroy()
+
+
 async def test_a_container_runs_in_its_cgroups_and_its_memory_limit_holds(fleet, base, platform):
     sb = await fleet.create(isolation="container", memory_mb=64, layers=[BASE])
     try:
