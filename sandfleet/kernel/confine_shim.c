@@ -1,7 +1,8 @@
 /* sandfleet-confine: the exec shim that puts a `container` sandbox's processes under the
  * same Landlock policy as a `process` sandbox's (crun has no Landlock support of its own).
- * crun runs it, inside the container after pivot_root and seccomp, in front of the init and
- * of every `crun exec` command; it applies the rules it is given and execs the command.
+ * crun runs it, inside the container after pivot_root and seccomp, in front of the init; it
+ * applies the rules it is given and execs the command. (Commands exec'd later come from the
+ * spawner, which applies the same policy itself, as for a `process` sandbox.)
  * The policy is not here: sandfleet/kernel/landlock.py decides it and passes it as argv:
  *
  *   sandfleet-confine TAG HANDLED FLAGS ACCESS:PATH... -- COMMAND [ARG...]
