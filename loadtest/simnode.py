@@ -6,7 +6,8 @@ through `starting` → `running` (real JetStream writes and lifecycle events) af
 launch latency, but creates nothing: no process, cgroup, mount or namespace. It exists so
 the control plane (placement, the ledger, the bus) can be measured and tested at cluster
 size on one machine. `ControlPlane` starts a private nats-server and N real placement
-replicas (each its own process) for them.
+replicas (each its own process) for them, and can run simulated nodes in processes of their
+own (`python -m loadtest.simnode --url URL --nodes N`), apart from the SDK that drives them.
 """
 
 from __future__ import annotations
@@ -139,6 +140,16 @@ class SimulatedNode:
         return DestroyReply(record=record)
 
 
+# A placement replica under cProfile that writes its profile on SIGUSR1 (a stop may not wait for
+# a clean exit, and `-m cProfile` writes only on one).
+_PROFILED = """import cProfile, runpy, signal
+profile = cProfile.Profile()
+signal.signal(signal.SIGUSR1, lambda *_: profile.dump_stats({path!r}))
+profile.enable()
+runpy.run_module("services.placement", run_name="__main__", alter_sys=True)
+"""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -154,6 +165,8 @@ class ControlPlane:
     url: str = ""
     _dir: Path | None = None
     _procs: list[subprocess.Popen] = field(default_factory=list)
+    _profiled: bool = False
+    _simnodes: list[subprocess.Popen] = field(default_factory=list)
 
     async def start(self) -> ControlPlane:
         self._dir = Path(tempfile.mkdtemp(prefix="sandfleet-cp-"))
@@ -178,14 +191,40 @@ class ControlPlane:
             self.add_replica()
         return self
 
+    @property
+    def server_pid(self) -> int:
+        return self._procs[0].pid
+
+    @property
+    def placement_pids(self) -> list[int]:
+        return [p.pid for p in self._procs[1:] if p.poll() is None]
+
+    @property
+    def simnode_pids(self) -> list[int]:
+        return [p.pid for p in self._simnodes if p.poll() is None]
+
+    def add_simnodes(self, count: int, capacity: int, first: int = 0) -> None:
+        """`count` simulated nodes (`sim-<first>`...) in a process of their own, as nodes run apart
+        from the trainer; returns once all are registered and answering."""
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "loadtest.simnode", "--url", self.url, "--nodes", str(count),
+             "--capacity", str(capacity), "--first", str(first)],
+            env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        self._simnodes.append(proc)
+        if proc.stdout is None or proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("simulated nodes did not start")
+
     def add_replica(self) -> subprocess.Popen:
         env = {**os.environ, "SANDFLEET_NATS_URL": self.url, "PYTHONPATH": str(ROOT), "SANDFLEET_LOG_LEVEL": "WARNING",
                **self.env}
         log = open(self._dir / f"placement-{len(self._procs)}.log", "ab")  # type: ignore[operator]
         profile = os.environ.get("SANDFLEET_PROFILE_PLACEMENT")  # a path: cProfile output of the first replica
-        wrap = ["-m", "cProfile", "-o", profile] if profile and len(self._procs) == 1 else []
-        proc = subprocess.Popen([sys.executable, *wrap, "-m", "services.placement"], env=env, cwd=ROOT,
-                                stdout=log, stderr=log)
+        if profile and len(self._procs) == 1:  # written on SIGUSR1, which stop() sends first
+            argv = ["-c", _PROFILED.format(path=profile)]
+            self._profiled = True
+        else:
+            argv = ["-m", "services.placement"]
+        proc = subprocess.Popen([sys.executable, *argv], env=env, cwd=ROOT, stdout=log, stderr=log)
         self._procs.append(proc)
         return proc
 
@@ -209,6 +248,18 @@ class ControlPlane:
         raise RuntimeError(f"{self.replicas} placement replicas did not answer within {timeout:g}s")
 
     def stop(self) -> None:
+        for proc in self._simnodes:
+            proc.terminate()
+        for proc in self._simnodes:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._simnodes.clear()
+        if self._profiled and self._procs[1].poll() is None:
+            self._procs[1].send_signal(signal.SIGUSR1)
+            time.sleep(2.0)  # the dump of a long run takes a moment
         for proc in reversed(self._procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -221,3 +272,38 @@ class ControlPlane:
         self._procs.clear()
         if self._dir is not None and not os.environ.get("SANDFLEET_KEEP_CONTROL_PLANE"):
             shutil.rmtree(self._dir, ignore_errors=True)
+
+
+async def _serve(url: str, count: int, capacity: int, first: int) -> None:
+    """The body of a simulated-node process: start them, say `ready`, run until SIGTERM."""
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    bus = await Bus.connect(url, "simulated-nodes")
+    store = await SandboxStore.open(bus)
+    nodes = [await SimulatedNode(bus, store, f"sim-{i:03d}", capacity=capacity).start() for i in range(first, first + count)]
+    profile = os.environ.get("SANDFLEET_PROFILE_SIMNODES")  # a path: cProfile output of this process
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    print("ready", flush=True)
+    await stop.wait()
+    if profile:
+        profiler.disable()
+        profiler.dump_stats(f"{profile}.{first}")
+    for node in nodes:
+        await node.silence()
+    await bus.close()
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="SIMULATED nodes in a process of their own (load tests only)")
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--nodes", type=int, default=160)
+    ap.add_argument("--capacity", type=int, default=2000)
+    ap.add_argument("--first", type=int, default=0, help="number of the first node's id")
+    a = ap.parse_args()
+    asyncio.run(_serve(a.url, a.nodes, a.capacity, a.first))

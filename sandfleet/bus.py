@@ -44,6 +44,7 @@ TRANSIENT = (
     nats.js.errors.ServiceUnavailableError,
 )
 FAILOVER_S = 30.0  # a 3-server loopback cluster elects a new leader within ~8 s
+_WRITE_CHUNK = 1 << 20  # publish_many hands the connection frames in pieces of about this size
 
 _encoder = msgspec.json.Encoder()
 _decoders: dict[Any, msgspec.json.Decoder] = {}
@@ -178,6 +179,40 @@ class Bus:
         headers = telemetry.inject({"Nats-Msg-Id": msg_id})
         payload = encode(msg)
         await through_failover(lambda: self.js.publish(subject, payload, headers=headers), f"publish {subject}")
+
+    async def publish_many(self, messages: list[tuple[str, bytes, dict[str, str] | None, str]]) -> None:
+        """Many (subject, payload, headers, reply) publishes handed to the connection in large writes.
+
+        nats-py has no batch publish, and its `publish` costs ~30 µs a message here (validation,
+        header encoding, a buffer check per call): most of a 32,000-sandbox batch's time. These
+        are the same PUB/HPUB frames it writes, built in one pass. Only for subjects, replies and
+        headers this process made (ids, digits: no spaces or newlines). While the connection is
+        down they go through `publish` one by one, so nats-py's reconnect buffering applies."""
+        nc = self.nc
+        if any(len(payload) > nc.max_payload for _, payload, _, _ in messages):  # the server would drop us
+            raise errors.InvalidRequest(f"a message exceeds the bus's maximum payload of {nc.max_payload} bytes")
+        if not nc.is_connected:
+            for subject, payload, headers, reply in messages:
+                await nc.publish(subject, payload, reply=reply, headers=headers)
+            return
+        chunk: list[bytes] = []
+        size = 0
+        for subject, payload, headers, reply in messages:
+            if headers:
+                hdr = ("NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode()
+                frame = b"".join((f"HPUB {subject} {reply} {len(hdr)} {len(hdr) + len(payload)}\r\n".encode(),
+                                  hdr, payload, b"\r\n"))
+            else:
+                frame = b"".join((f"PUB {subject} {reply} {len(payload)}\r\n".encode(), payload, b"\r\n"))
+            chunk.append(frame)
+            size += len(frame)
+            if size >= _WRITE_CHUNK:
+                await nc._send_command(b"".join(chunk))  # its outgoing buffer; flushed when over its limit
+                chunk, size = [], 0
+        if chunk:
+            await nc._send_command(b"".join(chunk))
+        nc.stats["out_msgs"] += len(messages)
+        await nc._flush_pending()
 
     # -- service side -------------------------------------------------------------------
 

@@ -56,6 +56,11 @@ class Fleet(_FleetRollout, _FleetSecurity):
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
+        # Gang batches in flight share one subscription to `started`/`failed`: each event is
+        # delivered and decoded once, not once per batch waiting.
+        self._batch_waiters: list[Callable[[events.SandboxEvent], None]] = []
+        self._batch_subs: list[Any] = []
+        self._batch_subs_lock = asyncio.Lock()
 
     async def close(self) -> None:
         await self.bus.close()
@@ -116,17 +121,8 @@ class Fleet(_FleetRollout, _FleetSecurity):
                     tally[event.state] += 1
                 arrived.set()
 
-        async def on_event(msg: Msg) -> None:
-            event = decode(msg.data, AnySandboxEvent)
-            if event.state in tally:
-                settled(event)
-
         # Subscribed before asking, so no event of the batch can pass unseen.
-        subs = [
-            await self.bus.nc.subscribe(events.sandbox_subject("*", name), cb=on_event,
-                                        pending_msgs_limit=4 * count + 1024, pending_bytes_limit=-1)
-            for name in ("started", "failed")
-        ]
+        await self._follow_batches(settled)
         try:
             reply = await self.bus.request(sandbox.CREATE_MANY, req, sandbox.CreateManyReply, timeout=timeout)
             where.update((i, p.node) for p in reply.placements for i in p.ids)
@@ -153,8 +149,7 @@ class Fleet(_FleetRollout, _FleetSecurity):
                 except asyncio.TimeoutError:  # long silence: an event may have been missed
                     await self._settle(where, outcome, settled)
         finally:
-            for sub in subs:
-                await sub.unsubscribe()
+            await self._unfollow_batches(settled)
         created = [Sandbox(self, i, n) for i, n in where.items() if i in outcome and outcome[i].state is sandbox.State.RUNNING]
         if len(created) < count:
             failed = [f"{i}: {outcome[i].detail if i in outcome else 'no outcome in time'}"
@@ -163,6 +158,30 @@ class Fleet(_FleetRollout, _FleetSecurity):
             failure.created = created  # type: ignore[attr-defined]
             raise failure
         return created
+
+    async def _follow_batches(self, settled: Callable[[events.SandboxEvent], None]) -> None:
+        async with self._batch_subs_lock:
+            if not self._batch_subs:
+                self._batch_subs = [
+                    await self.bus.nc.subscribe(events.sandbox_subject("*", name), cb=self._on_batch_event,
+                                                pending_msgs_limit=8 * sandbox.MAX_BATCH, pending_bytes_limit=-1)
+                    for name in ("started", "failed")
+                ]
+            self._batch_waiters.append(settled)
+
+    async def _unfollow_batches(self, settled: Callable[[events.SandboxEvent], None]) -> None:
+        async with self._batch_subs_lock:
+            self._batch_waiters.remove(settled)
+            if not self._batch_waiters:
+                subs, self._batch_subs = self._batch_subs, []
+                for sub in subs:
+                    await sub.unsubscribe()
+
+    async def _on_batch_event(self, msg: Msg) -> None:
+        event = decode(msg.data, AnySandboxEvent)
+        if event.state in (sandbox.State.RUNNING, sandbox.State.FAILED):
+            for settled in list(self._batch_waiters):
+                settled(event)
 
     async def _settle(self, where: dict[str, str], outcome: dict[str, events.SandboxEvent],
                       settled: Callable[[events.SandboxEvent], None]) -> None:

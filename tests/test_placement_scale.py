@@ -192,6 +192,37 @@ async def test_a_gang_batch_of_2000_on_simulated_nodes_is_all_placed_and_started
         await fleet.create_many(10, memory_mb=64, cpu=0.1)
 
 
+async def test_every_lifecycle_event_of_a_batch_is_stored_once(plane, nodes):
+    # Events go out in pipelined bursts where only the last publish waits for its ack: none of
+    # a batch's may go missing from the stream, nor be stored twice.
+    _, _, _, fleet = plane
+    await nodes.add("events-a", capacity=300)
+    await nodes.add("events-b", capacity=300)
+    await nodes.settle()
+    ids = {b.id for b in await fleet.create_many(500, memory_mb=16, cpu=0.01)}
+    stored: dict[str, list[str]] = {}
+    for event in await fleet.history():
+        if event.sandbox_id in ids:
+            stored.setdefault(event.sandbox_id, []).append(event.name)
+    assert len(stored) == 500
+    assert all(names == ["scheduled", "starting", "started"] for names in stored.values())
+
+
+async def test_simulated_nodes_in_a_process_of_their_own_take_a_gang_batch():
+    cp = await ControlPlane(replicas=1).start()
+    try:
+        cp.add_simnodes(4, capacity=50)
+        async with sandfleet.connect(cp.url) as fleet:
+            await cp.wait_for_replicas(fleet.bus, timeout=60)
+            await asyncio.sleep(0.5)  # placement has heard the nodes
+            boxes = await fleet.create_many(200, memory_mb=16, cpu=0.01)
+            assert sorted({b.node for b in boxes}) == [f"sim-{i:03d}" for i in range(4)]
+            assert len(cp.simnode_pids) == 1
+    finally:
+        cp.stop()
+    assert not cp.simnode_pids
+
+
 async def test_a_gang_reply_of_32000_ids_fits_one_message():
     from schemas.sandbox import CreateManyReply, NodePlacement
 

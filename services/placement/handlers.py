@@ -15,6 +15,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+import nats.errors
+
 from sandfleet import errors
 from sandfleet.allow_rules import parse_allow
 from sandfleet.bus import Bus
@@ -157,10 +159,9 @@ async def create_many(deps: Deps, req: CreateManyRequest) -> CreateManyReply:
         for start in range(0, len(records), LAUNCH_CHUNK)
     ]
     if not req.wait:
-        for _, coro in launches:
-            task = asyncio.create_task(coro)
-            deps.launches.add(task)
-            task.add_done_callback(deps.launches.discard)
+        task = asyncio.create_task(_launch_after_reply(deps, [coro for _, coro in launches]))
+        deps.launches.add(task)
+        task.add_done_callback(deps.launches.discard)
         return CreateManyReply(placements=[NodePlacement(node=n, ids=[r.id for r, _ in rs]) for n, rs in placed.items()])
     done = await asyncio.gather(*(coro for _, coro in launches))
     sandboxes, failures = [], []
@@ -171,6 +172,17 @@ async def create_many(deps: Deps, req: CreateManyRequest) -> CreateManyReply:
             else:
                 failures.append(f"{result.id}: {result.error}")
     return CreateManyReply(sandboxes=sandboxes, failed=len(failures), errors=failures[:20])
+
+
+async def _launch_after_reply(deps: Deps, launches: list) -> None:  # type: ignore[type-arg]
+    """A gang batch's launches, once its reply has left: the reply is queued on the connection
+    when this starts, and the flush (a PING answered after it) keeps up to ~20 MB of launch
+    requests from being encoded and written ahead of it."""
+    try:
+        await deps.bus.nc.flush()
+    except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        log.warning("flush before launching a batch failed (%s); launching anyway", exc)
+    await asyncio.gather(*launches)
 
 
 async def _launch_on(deps: Deps, node_id: str, stored: list[Stored]) -> list[node_schema.LaunchResult]:

@@ -1,9 +1,9 @@
 """The booking ledger every placement replica shares (KV `node-bookings`, one key per node).
 
 A replica plans on its view, then books each node's share with a revision-checked update
-of that node's key; if another replica booked the node meanwhile the update fails, the
-replica re-reads the key and plans the rest again, so two replicas never hand out the same
-room. A batch that cannot be booked whole gives back what it booked. The same key carries
+of that node's key (one for all the requests waiting, see `book`); if another replica booked
+the node meanwhile the update fails, the replica re-reads the key and plans again, so two
+replicas never hand out the same room. A batch that cannot be booked whole gives back what it booked. The same key carries
 the mark of a lost node: the replica whose update sets `lost` fails that node's sandboxes.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from dataclasses import dataclass
 
 import msgspec
 import nats.errors
@@ -22,11 +23,21 @@ from nats.js.kv import KeyValue
 from sandfleet.bus import Bus, decode, encode
 from schemas.node import BOOKINGS_BUCKET, NodeBooking
 from schemas.sandbox import SandboxSpec
-from services.placement.policy import NoCapacity, NodeView, booked, released
+from services.placement.policy import NoCapacity, NodeView, NoEligibleNode, UnknownNode, booked, released
 
 log = logging.getLogger("sandfleet.placement")
 
 ATTEMPTS = 8
+
+
+@dataclass
+class _Request:
+    spec: SandboxSpec
+    count: int
+    now: float
+    node: str | None
+    done: asyncio.Future
+    raced: bool = False
 
 
 class Ledger:
@@ -35,6 +46,7 @@ class Ledger:
         self.view = view
         self.revisions: dict[str, int] = {}  # node → revision of the booking in the view
         self._booking = asyncio.Lock()
+        self._waiting: list[_Request] = []
 
     @classmethod
     async def open(cls, bus: Bus, view: NodeView) -> Ledger:
@@ -77,53 +89,72 @@ class Ledger:
     async def book(self, spec: SandboxSpec, count: int, now: float, node: str | None = None) -> dict[str, int]:
         """Book `count` sandboxes over the nodes (only `node` if given), all or nothing; returns node → count.
 
-        One booking at a time per replica: requests of one replica never race each other for
-        a node's revision, so only another replica can make a write fail. A batch that lost a
-        race and then finds too little room may be seeing another replica's half-booked batch
-        that is about to be given back: it gives back its own share and tries again after a
-        short random pause before it answers NoCapacity."""
-        async with self._booking:
-            raced = False
-            for _ in range(ATTEMPTS):
-                done: dict[str, int] = {}
+        One booking round at a time per replica, so requests of one replica never race each
+        other for a node's revision: only another replica can make a write fail. Requests that
+        arrive while a round's writes are out wait and are booked together in the next round,
+        one revision-checked write per node for all of them (group commit), so a replica books
+        as many batches per round trip as are waiting, not one."""
+        request = _Request(spec, count, now, node, asyncio.get_running_loop().create_future())
+        self._waiting.append(request)
+        try:
+            async with self._booking:
+                if not request.done.done():
+                    group, self._waiting = self._waiting, []
+                    try:
+                        await self._book_group(group)
+                    finally:  # cancelled midway: the others learn it, and none waits for ever
+                        for r in group:
+                            if not r.done.done():
+                                r.done.set_exception(NoCapacity("booking was interrupted; retry"))
+        except asyncio.CancelledError:
+            if request in self._waiting:
+                self._waiting.remove(request)
+            elif request.done.done() and not request.done.exception():
+                asyncio.ensure_future(self.release(request.done.result(), spec))  # booked for nobody
+            raise
+        return request.done.result()
+
+    async def _book_group(self, group: list[_Request]) -> None:
+        """Plan every request in turn on the view (each sees the ones before it as booked), write
+        each node's total once, revision-checked. A request with a share on a node whose write lost
+        a race gives back what it got elsewhere and is planned again after a short random pause;
+        one that then finds too little room may be seeing another replica's half-booked batch
+        that is about to be given back, so it answers NoCapacity only after ATTEMPTS rounds."""
+        left = group
+        for attempt in range(ATTEMPTS):
+            bases = dict(self.view.bookings)  # to put back what a planned request did not write
+            planned: list[tuple[_Request, dict[str, int]]] = []
+            totals: dict[str, NodeBooking] = {}
+            for r in left:
                 try:
-                    done, left = await self._book_once(spec, count, now, node)
-                except NoCapacity:
-                    if not raced:
-                        raise
-                    left = count
-                if not left:
-                    return done
-                await self.release(done, spec)
-                raced = True
-                await asyncio.sleep(random.uniform(0.002, 0.02))
-        raise NoCapacity(f"nodes kept being booked by other placement replicas; {count} unplaced, retry")
-
-    async def _book_once(self, spec: SandboxSpec, count: int, now: float, node: str | None) -> tuple[dict[str, int], int]:
-        """Book what the plan allows; on losing a race, plan the rest again. Returns the booked
-        shares and how many are left (0: done). NoCapacity gives back what it booked first."""
-        done: dict[str, int] = {}
-        left = count
-        for _ in range(ATTEMPTS):
-            try:
-                plan = self.view.plan(spec, left, now, node=node)
-            except NoCapacity:
-                await self.release(done, spec)
-                raise
-            results = await asyncio.gather(*(self._add(n, k, spec) for n, k in plan.items()))
-            for (node_id, k), ok in zip(plan.items(), results):
-                if ok:
-                    done[node_id] = done.get(node_id, 0) + k
-                    left -= k
+                    plan = self.view.plan(r.spec, r.count, r.now, node=r.node)
+                except (NoCapacity, UnknownNode, NoEligibleNode) as exc:  # this request's answer only
+                    if isinstance(exc, NoCapacity) and r.raced and attempt < ATTEMPTS - 1:
+                        planned.append((r, {}))  # again next round: a rival's batch may be given back
+                    else:
+                        r.done.set_exception(exc)
+                    continue
+                for node_id, k in plan.items():  # the next request plans on this one's shares
+                    totals[node_id] = booked(self.view.nodes[node_id], self.view.bookings.get(node_id), k, r.spec)
+                    self.view.bookings[node_id] = totals[node_id]
+                planned.append((r, plan))
+            for node_id in totals:
+                self.view.set_booking(node_id, bases.get(node_id))
+            written = dict(zip(totals, await asyncio.gather(*(self._write(n, b) for n, b in totals.items()))))
+            left = []
+            for r, plan in planned:
+                if plan and all(written[n] for n in plan):
+                    r.done.set_result(plan)
+                    continue
+                await self.release({n: k for n, k in plan.items() if written[n]}, r.spec)
+                r.raced = True
+                left.append(r)
             if not left:
-                break
-        return done, left
-
-    async def _add(self, node_id: str, k: int, spec: SandboxSpec) -> bool:
-        info = self.view.nodes.get(node_id)
-        if info is None:
-            return False
-        return await self._write(node_id, booked(info, self.view.bookings.get(node_id), k, spec))
+                return
+            await asyncio.sleep(random.uniform(0.002, 0.02))
+        for r in left:
+            r.done.set_exception(NoCapacity(
+                f"nodes kept being booked by other placement replicas; {r.count} unplaced, retry"))
 
     async def release(self, counts: dict[str, int], spec: SandboxSpec | None) -> None:
         """Give back bookings that will never reach their nodes (best effort, revision-checked)."""
