@@ -25,7 +25,7 @@ from schemas.layers import CacheListing, CacheRequest
 from schemas.node import MAX_FILE_BYTES, NodeInfo, NodePressure
 from schemas.sandbox import Reason, SandboxSpec
 from sandfleet.kernel import process as process_runtime
-from services.launcher import handlers, pausing
+from services.launcher import fencing, handlers, pausing
 from services.launcher.lifecycle import Launcher
 from services.launcher.runtimes import Runtimes, detect_crun
 
@@ -153,7 +153,8 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
             ],
             queue_group=f"launcher-{n}",
         )
-        tasks = [asyncio.create_task(heartbeat(bus, launcher, intake, config, criu_status)), asyncio.create_task(launcher.expire_loop())]
+        tasks = [asyncio.create_task(heartbeat(bus, launcher, intake, config, criu_status)),
+                 asyncio.create_task(launcher.expire_loop()), asyncio.create_task(fencing.fence_loop(launcher))]
         log.info("launcher serving node %s with %s (%d sandboxes re-adopted)", n, launcher.isolation, len(launcher.live))
         await stop.wait()
         for task in tasks:

@@ -41,6 +41,8 @@ _EXPECTED = (errors.SandfleetError, LaunchRefused, process_runtime.RuntimeStartE
              container_runtime.ContainerError, OSError, ValueError)
 COMPOSE_TIMEOUT_S = 60.0  # fetching a layer the node lacks can take a while
 LAYERS_TIMEOUT_S = 30.0
+# Sandboxes built at once (launched, or destroyed at shutdown); more only queue in the agent.
+LAUNCH_CONCURRENCY = int(os.environ.get("SANDFLEET_LAUNCH_CONCURRENCY") or 16)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Launcher:
     runtimes: Runtimes = field(default_factory=Runtimes)
     live: dict[str, Live] = field(default_factory=dict)
     default_layers: tuple[str, ...] = ()  # `sandfleet up --default-layers`: the root of a sandbox naming none
+    slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(LAUNCH_CONCURRENCY))
 
     @property
     def isolation(self) -> list[str]:
@@ -80,6 +83,13 @@ class Launcher:
             await self.store.transition(item.id, State.STARTING)
         except ServiceError as exc:
             return LaunchResult(id=item.id, ok=False, error=exc.message)
+        # `starting` at once (so placement never fails it as unlaunched), built a few at a time:
+        # a batch of thousands at once would send the agent and the layer-cache thousands of
+        # requests together, and the last would wait past their timeouts.
+        async with self.slots:
+            return await self._start(item)
+
+    async def _start(self, item: LaunchItem) -> LaunchResult:
         spec = item.spec
         rootfs: Rootfs | None = None
         try:
@@ -243,7 +253,27 @@ class Launcher:
         return record
 
     async def destroy_all(self, reason: Reason) -> None:
-        await asyncio.gather(*(self._destroy_quietly(i, reason) for i in list(self.live)))
+        async def one(sandbox_id: str) -> None:
+            async with self.slots:
+                await self._destroy_quietly(sandbox_id, reason)
+
+        await asyncio.gather(*(one(i) for i in list(self.live)))
+
+    async def drop(self, sandbox_id: str, why: str) -> bool:
+        """Tear down, on this node only, a sandbox whose record someone else ended (placement
+        failed it while this node was cut off) or that has no record any more: processes,
+        confinement and root go, the record stays as it is. False if it is already going."""
+        live = self.live.get(sandbox_id)
+        if live is None or live.ending:
+            return False
+        live.ending = True
+        log.warning("sandbox %s: %s; tearing it down", sandbox_id, why)
+        self._unwatch(live)
+        await self.runtimes.driver(live.spec.isolation).stop(sandbox_id, live.init)
+        _reap(live.init.pid)
+        await self._release(sandbox_id, live.spec)
+        self.live.pop(sandbox_id, None)
+        return True
 
     async def _destroy_quietly(self, sandbox_id: str, reason: Reason) -> None:
         try:

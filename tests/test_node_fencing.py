@@ -1,0 +1,66 @@
+"""A node that placement gave up as lost, and that then comes back, tears down what it still ran."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from unittest import mock
+
+import pytest
+
+import sandfleet
+from schemas.sandbox import Reason, State
+from tests.conftest import NODE_ID, start_platform, stop_platform
+
+
+@pytest.fixture(scope="module")
+def fenced(leak_check, tmp_path_factory):
+    # Lost after 4 s without a heartbeat, and a fencing pass every second, so the test is short.
+    with mock.patch.dict(os.environ, {"SANDFLEET_NODE_LOST_S": "4", "SANDFLEET_FENCE_S": "1"}):
+        p = start_platform(tmp_path_factory.mktemp("fencing"), f"{NODE_ID}-fence")
+    yield p
+    stop_platform(p)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _cgroup_dirs(node_id: str, sandbox_id: str) -> list[str]:
+    return [d for h in os.listdir("/sys/fs/cgroup")
+            for d in [f"/sys/fs/cgroup/{h}/sandfleet/{node_id}/{sandbox_id}"] if os.path.isdir(d)]
+
+
+async def test_a_node_back_from_lost_tears_down_the_sandboxes_placement_failed(fenced):
+    async with sandfleet.connect(fenced.url) as fleet:
+        sb = await fleet.create(memory_mb=64, host_view=True)
+        init = (await fleet.get(sb.id)).init_pid
+        assert _cgroup_dirs(fenced.node_id, sb.id)
+        launcher = fenced.service_pid("launcher")
+        os.kill(launcher, signal.SIGSTOP)  # hung: no heartbeats, but everything it started still runs
+        try:
+            deadline = time.monotonic() + 60
+            while (record := await fleet.get(sb.id)).state is not State.FAILED:
+                assert time.monotonic() < deadline, f"placement never gave the node up: {record.state}"
+                await asyncio.sleep(0.5)
+            assert record.reason is Reason.NODE_LOST
+            assert _alive(init)  # what fencing is for: a failed sandbox still running on its node
+        finally:
+            os.kill(launcher, signal.SIGCONT)
+
+        deadline = time.monotonic() + 30
+        while _alive(init) or _cgroup_dirs(fenced.node_id, sb.id):
+            assert time.monotonic() < deadline, "the node kept running a sandbox placement had failed"
+            await asyncio.sleep(0.2)
+        record = await fleet.get(sb.id)  # the trainer was told `failed`, and the record says so still
+        assert record.state is State.FAILED and record.reason is Reason.NODE_LOST
+        # The node itself is back in service.
+        again = await fleet.create(memory_mb=64, host_view=True)
+        assert (await again.exec(["true"])).exit_code == 0
+        await again.destroy()
