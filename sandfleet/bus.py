@@ -198,12 +198,13 @@ class Bus:
         chunk: list[bytes] = []
         size = 0
         for subject, payload, headers, reply in messages:
+            target = f"{subject} {reply}" if reply else subject
             if headers:
                 hdr = ("NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode()
-                frame = b"".join((f"HPUB {subject} {reply} {len(hdr)} {len(hdr) + len(payload)}\r\n".encode(),
+                frame = b"".join((f"HPUB {target} {len(hdr)} {len(hdr) + len(payload)}\r\n".encode(),
                                   hdr, payload, b"\r\n"))
             else:
-                frame = b"".join((f"PUB {subject} {reply} {len(payload)}\r\n".encode(), payload, b"\r\n"))
+                frame = b"".join((f"PUB {target} {len(payload)}\r\n".encode(), payload, b"\r\n"))
             chunk.append(frame)
             size += len(frame)
             if size >= _WRITE_CHUNK:

@@ -36,3 +36,37 @@ def test_cli_create_exec_ps_rm_events_status(platform):
     assert [e["type"] for e in events][-1] == "sandbox.stopped"
     missing = platform.cli("rm", sid, check=False)
     assert missing.returncode == 1 and b"NotFound" in missing.stderr
+
+
+async def test_publish_many_delivers_plain_replied_and_headed_messages_as_publish_would(platform):
+    import asyncio
+
+    from sandfleet.bus import Bus
+
+    bus = await Bus.connect(platform.url, "publish-many-test")
+    got: list = []
+    done = asyncio.Event()
+
+    async def seen(msg) -> None:
+        got.append((msg.subject, msg.reply, dict(msg.headers or {}), msg.data))
+        if len(got) == 4:
+            done.set()
+
+    try:
+        await bus.nc.subscribe("sftest.many.>", cb=seen)
+        await bus.nc.flush()
+        await bus.publish_many([
+            ("sftest.many.plain", b"one", None, ""),
+            ("sftest.many.reply", b"two", None, "sftest.inbox.2"),
+            ("sftest.many.headed", b"three", {"Nats-Msg-Id": "x:1"}, ""),
+            ("sftest.many.both", b"", {"K": "v"}, "sftest.inbox.4"),
+        ])
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        await bus.close()
+    assert got == [
+        ("sftest.many.plain", "", {}, b"one"),
+        ("sftest.many.reply", "sftest.inbox.2", {}, b"two"),
+        ("sftest.many.headed", "", {"Nats-Msg-Id": "x:1"}, b"three"),
+        ("sftest.many.both", "sftest.inbox.4", {"K": "v"}, b""),
+    ]
