@@ -67,8 +67,9 @@ def platform_env(otlp: OtlpReceiver | None, node_id: str) -> dict:
     return env
 
 
-def start_platform(data_dir: Path, node_id: str, otlp: OtlpReceiver | None = None, extra: tuple[str, ...] = ()) -> Platform:
-    env = platform_env(otlp, node_id)
+def start_platform(data_dir: Path, node_id: str, otlp: OtlpReceiver | None = None, extra: tuple[str, ...] = (),
+                   env: dict[str, str] | None = None) -> Platform:
+    env = platform_env(otlp, node_id) | (env or {})
     port = free_port()
     out = subprocess.run(
         [*CLI, "up", "--detach", "--port", str(port), "--data-dir", str(data_dir), "--node-id", node_id, *extra],
@@ -89,6 +90,43 @@ def stop_platform(p: Platform) -> None:
         os.waitpid(supervisor, 0)
     except ChildProcessError:
         pass
+
+
+def _processes_of(data_dir: Path) -> list[str]:
+    """Processes started for this platform (the supervisor hands its data dir to every one)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if str(data_dir).encode() in environ or str(data_dir).encode() in argv:
+            found.append(f"{pid}:{argv[:80].decode(errors='replace')}")
+    return found
+
+
+def left_behind(before: Snapshot, data_dir: Path, node_ids: list[str]) -> dict[str, list[str]]:
+    """What this platform left: kernel resources naming one of its nodes or its data dir (others
+    may be working on this machine at the same time), and its processes."""
+    marks = [str(data_dir), *(f"/{n}" for n in node_ids), *(f"sf-{n}." for n in node_ids),
+             *(f"sandfleet-{n}" for n in node_ids), *(f"sandfleet:{n}:" for n in node_ids),
+             *(f"sandfleet-dns:{n}" for n in node_ids)]
+    left = {kind: [r for r in found if any(m in r for m in marks)]
+            for kind, found in Snapshot.take().added_since(before).items()}
+    left["processes"] = _processes_of(data_dir)
+    return {k: v for k, v in left.items() if v}
+
+
+def assert_nothing_left(before: Snapshot, data_dir: Path, node_ids: list[str]) -> None:
+    """Nothing of the platform in `data_dir` (nodes `node_ids`) is left, waiting up to 15 s; only
+    its own resources count, so other sessions' work on this machine does not fail it."""
+    deadline = time.monotonic() + 15
+    while (left := left_behind(before, data_dir, node_ids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"the platform left resources behind: {left}"
 
 
 def _reap_adopted_orphans() -> None:

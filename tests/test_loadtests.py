@@ -1,27 +1,126 @@
 """The container benchmarks run end to end at a tiny size, write the JSON they promise, and
 leave nothing behind: each starts its own platform (on a node id of its own), so this proves
-the whole path a full-size run takes, not its speed."""
+the whole path a full-size run takes, not its speed.
+
+The runs are independent processes on separate platforms, and most of each one's time is
+waiting (services starting, heartbeats, `down`), so they run side by side: the module starts
+the selected ones together, at most `AT_ONCE` at a time, and each test waits for its own.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import NODE_ID, ROOT
 from tests.kernel import require
 
+# One run takes ~12 s of CPU over all its processes and ~40 s (CI) of wall time: four fit on two cores.
+AT_ONCE = 4
+TIMEOUT_S = 600
 
-def _run(module: str, node_id: str, out, *args: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", module, "--node-id", node_id, "--out", str(out), *args],
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, f"{module} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return json.loads(out.read_text())
+# Each benchmark run: its module, node id and arguments.
+RUNS = {
+    "rate": ("loadtest.container_rate", f"{NODE_ID}-rate", ("--n", "4", "--rounds", "1", "--concurrency", "2")),
+    "density": ("loadtest.density", f"{NODE_ID}-dense", ("--max", "8", "--batch", "4")),
+    "pause-1": ("loadtest.pause_latency", f"{NODE_ID}-pause", ("--rounds", "1", "--workspace-mb", "4", "--nodes", "1")),
+    "pause-2": ("loadtest.pause_latency", f"{NODE_ID}-pmove", ("--rounds", "1", "--workspace-mb", "4", "--nodes", "2")),
+}
+
+
+def _run_of(item: pytest.Item) -> str | None:
+    """Which run a collected test of this module waits for."""
+    name = getattr(item, "originalname", item.name)
+    if name == "test_pause_latency_times_every_step_and_restores_the_workspace_intact":
+        return f"pause-{item.callspec.params['nodes']}"
+    return {"test_container_rate_runs_both_sides_and_writes_its_json": "rate",
+            "test_density_steps_up_to_max_and_destroys_everything": "density"}.get(name)
+
+
+@dataclass
+class Runs:
+    """The benchmark processes of this module: started in order, `AT_ONCE` at a time."""
+
+    work: Path
+    queued: list[str]
+    running: dict[str, subprocess.Popen] = field(default_factory=dict)
+    done: dict[str, int] = field(default_factory=dict)
+
+    def _start(self, key: str) -> None:
+        module, node_id, args = RUNS[key]
+        out = self.work / key
+        with open(f"{out}.log", "wb") as log:
+            self.running[key] = subprocess.Popen(
+                [sys.executable, "-m", module, "--node-id", node_id, "--out", f"{out}.json", *args],
+                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT)
+
+    def pump(self) -> None:
+        for key, proc in list(self.running.items()):
+            if proc.poll() is not None:
+                self.done[key] = proc.returncode
+                del self.running[key]
+        while self.queued and len(self.running) < AT_ONCE:
+            self._start(self.queued.pop(0))
+
+    def result(self, key: str) -> dict:
+        if key in self.queued:  # not started yet: go first
+            self.queued.remove(key)
+            self.queued.insert(0, key)
+        deadline, late = time.monotonic() + TIMEOUT_S, ""
+        while key not in self.done:
+            self.pump()
+            if key in self.running and time.monotonic() > deadline:
+                late = f" (stopped after {TIMEOUT_S} s)"
+                self._interrupt([self.running[key]])
+            time.sleep(0.1)
+        output = (self.work / f"{key}.log").read_text(errors="replace")
+        assert self.done[key] == 0 and not late, f"{RUNS[key][0]} ({key}) failed{late}:\n{output[-6000:]}"
+        return json.loads((self.work / f"{key}.json").read_text())
+
+    @staticmethod
+    def _interrupt(procs: list[subprocess.Popen]) -> None:
+        """Stop as Ctrl-C would, so each brings its platform down; killed if that hangs."""
+        for proc in procs:
+            proc.send_signal(signal.SIGINT)
+        for proc in procs:
+            try:
+                proc.wait(timeout=180)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def stop(self) -> None:
+        """Whatever is still running (a test failed, or the session was interrupted) is stopped."""
+        self.queued.clear()
+        self._interrupt(list(self.running.values()))
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    require(os.geteuid() == 0, "containers need root")
+    require(shutil.which("crun") is not None, "crun is installed")
+    require(os.path.exists("/bin/busybox"), "busybox-static at /bin/busybox")
+
+
+@pytest.fixture(scope="module")
+def runs(kernel, leak_check, request, tmp_path_factory):
+    wanted = [key for key in RUNS if any(_run_of(item) == key for item in request.session.items)]
+    runs = Runs(tmp_path_factory.mktemp("loadtests"), wanted)
+    runs.pump()
+    try:
+        yield runs
+    finally:
+        runs.stop()
 
 
 def _left(node_id: str, data_dir: str) -> list[str]:
@@ -36,17 +135,9 @@ def _left(node_id: str, data_dir: str) -> list[str]:
     return left + [n for n in netns if n.startswith(f"sf-{node_id}.")]
 
 
-@pytest.fixture
-def kernel():
-    require(os.geteuid() == 0, "containers need root")
-    require(shutil.which("crun") is not None, "crun is installed")
-    require(os.path.exists("/bin/busybox"), "busybox-static at /bin/busybox")
-
-
-def test_container_rate_runs_both_sides_and_writes_its_json(kernel, leak_check, tmp_path):
-    node = f"{NODE_ID}-rate"
-    doc = _run("loadtest.container_rate", node, tmp_path / "rate.json", "--n", "4", "--rounds", "1",
-               "--concurrency", "2")
+def test_container_rate_runs_both_sides_and_writes_its_json(runs):
+    node = RUNS["rate"][1]
+    doc = runs.result("rate")
     assert doc["benchmark"] == "container_rate" and doc["params"]["n"] == 4
     results = doc["results"]
     for side in ("platform", "plain_crun"):
@@ -58,10 +149,9 @@ def test_container_rate_runs_both_sides_and_writes_its_json(kernel, leak_check, 
     assert _left(node, results["data_dir"]) == [] and _left(f"{node}-plain", results["data_dir"]) == []
 
 
-def test_density_steps_up_to_max_and_destroys_everything(kernel, leak_check, tmp_path):
-    node = f"{NODE_ID}-dense"
-    doc = _run("loadtest.density", node, tmp_path / "density.json", "--max", "8", "--batch", "4")
-    results = doc["results"]
+def test_density_steps_up_to_max_and_destroys_everything(runs):
+    node = RUNS["density"][1]
+    results = runs.result("density")["results"]
     assert results["sandboxes_held"] == 8 and results["limited_by"] == "reached --max 8"
     assert [s["sandboxes"] for s in results["steps"]] == [4, 8]
     assert results["platform_pss_mib_total"] > 0 and set(results["platform_pss_mib"]) >= {"nats", "launcher"}
@@ -73,12 +163,11 @@ def test_density_steps_up_to_max_and_destroys_everything(kernel, leak_check, tmp
 
 
 @pytest.mark.parametrize("nodes", [1, 2], ids=["same-node", "migrated"])
-def test_pause_latency_times_every_step_and_restores_the_workspace_intact(kernel, leak_check, tmp_path, nodes):
+def test_pause_latency_times_every_step_and_restores_the_workspace_intact(runs, nodes):
     """With two nodes (`up --nodes 2`) the checkpoint taken on one is restored on the other: the
     benchmark itself fails unless the restored workspace has the original's sha256."""
-    node = f"{NODE_ID}-pause"
-    doc = _run("loadtest.pause_latency", node, tmp_path / "pause.json", "--rounds", "1", "--workspace-mb", "4",
-               "--nodes", str(nodes))
+    node = RUNS[f"pause-{nodes}"][1]
+    doc = runs.result(f"pause-{nodes}")
     assert doc["benchmark"] == "pause_latency" and doc["params"]["workspace_mb"] == 4
     results = doc["results"]
     for op in ("pause", "resume", "checkpoint", "restore", "read_restored"):

@@ -1,9 +1,11 @@
-"""Several nodes on one machine, and a clustered bus: each test starts its own platform.
+"""Several nodes on one machine, and a clustered bus, each on a platform of its own.
 
 `sandfleet up --nodes 2` runs two complete nodes (own node id, data dir, cgroup root, egress
-subnet) against one bus; `sandfleet up --nats-cluster 3` runs three clustered nats-servers with
-every stream and bucket replicated on all three. After each test the platform is brought down
-and nothing of it may be left on the machine.
+subnet) against one bus; the tests on it share it (module scope), in file order: a batch spread
+over both, a third node joining the bus and leaving, then one node killed. Each ends with no
+sandbox left, so none sees another's. `sandfleet up --nats-cluster 3` runs three clustered
+nats-servers with every stream and bucket replicated on all three. After each platform is
+brought down nothing of it may be left on the machine.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from schemas.node import ConfinedList, Empty
 from schemas.sandbox import ENDED, State
 from sandfleet.config import DEFAULT_EGRESS_SUBNET
 from sandfleet.supervisor import nats_server_binary, plan_nats, plan_nodes, write_nats_config
-from tests.conftest import CLI, NODE_ID, ROOT, Platform, platform_env, stop_platform
+from tests.conftest import CLI, NODE_ID, ROOT, Platform, assert_nothing_left, platform_env, stop_platform
 from tests.kernel import require
 from tests.leaks import Snapshot
 
@@ -50,41 +52,6 @@ def _up(data_dir: Path, node_id: str, *args: str) -> Platform:
         logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((data_dir / "logs").glob("*.log")))
         raise RuntimeError(f"sandfleet up {' '.join(args)} failed: {out.stderr}\n{logs}")
     return Platform(url=out.stdout.strip(), data_dir=data_dir, node_id=node_id, env=env)
-
-
-def _ours(data_dir: Path) -> list[str]:
-    """Processes started for this platform (the supervisor hands its data dir to every one)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read()
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().replace(b"\0", b" ")
-        except OSError:
-            continue
-        if str(data_dir).encode() in environ or str(data_dir).encode() in argv:
-            found.append(f"{pid}:{argv[:80].decode(errors='replace')}")
-    return found
-
-
-def _left_behind(before: Snapshot, data_dir: Path, node_ids: list[str]) -> dict[str, list[str]]:
-    """What this platform left: kernel resources naming one of its nodes or its data dir (others
-    may be working on this machine at the same time), and its processes."""
-    marks = [str(data_dir), *(f"/{n}" for n in node_ids), *(f"sf-{n}." for n in node_ids),
-             *(f"sandfleet-{n}" for n in node_ids), *(f"sandfleet:{n}:" for n in node_ids),
-             *(f"sandfleet-dns:{n}" for n in node_ids)]
-    left = {kind: [r for r in found if any(m in r for m in marks)]
-            for kind, found in Snapshot.take().added_since(before).items()}
-    left["processes"] = _ours(data_dir)
-    return {k: v for k, v in left.items() if v}
-
-
-def _assert_nothing_left(before: Snapshot, data_dir: Path, node_ids: list[str]) -> None:
-    deadline = time.monotonic() + 15
-    while (left := _left_behind(before, data_dir, node_ids)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"the platform left resources behind: {left}"
 
 
 async def _confined(fleet: sandfleet.Fleet, node_id: str) -> set[str]:
@@ -137,17 +104,18 @@ def test_the_loopback_cluster_configs_route_to_all_three(tmp_path):
         assert out.returncode == 0, out.stderr
 
 
-@pytest.fixture
-def two_nodes(tmp_path):
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
     before = Snapshot.take()
     base = f"{NODE_ID}m"
     nodes = [f"{base}-1", f"{base}-2"]
-    p = _up(tmp_path / "data", base, "--nodes", "2")
+    data = tmp_path_factory.mktemp("two-nodes") / "data"
+    p = _up(data, base, "--nodes", "2")
     try:
         yield p, nodes
     finally:
         stop_platform(p)
-        _assert_nothing_left(before, tmp_path / "data", nodes)
+        assert_nothing_left(before, data, nodes)
 
 
 async def test_two_nodes_share_a_batch_and_each_runs_its_share(two_nodes):
@@ -183,6 +151,48 @@ async def test_two_nodes_share_a_batch_and_each_runs_its_share(two_nodes):
             await b.destroy()
         for n in nodes:
             assert await _confined(fleet, n) == set()
+
+
+async def test_a_node_joins_a_running_bus(two_nodes, tmp_path):
+    """`sandfleet node --nats URL`: how a node on another machine joins (here: the same machine,
+    so its own data dir and egress subnet), and leaves again with `down`."""
+    p, nodes = two_nodes
+    before = Snapshot.take()
+    joined = f"{NODE_ID}j2"
+    out = subprocess.run(
+        [*CLI, "node", "--detach", "--nats", p.url, "--node-id", joined, "--data-dir", str(tmp_path / "node"),
+         "--egress-subnet", "10.201.0.0/16"],
+        env=p.env, capture_output=True, text=True, timeout=180, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    try:
+        async with sandfleet.connect(p.url) as fleet:
+            assert {n.id for n in await fleet.nodes()} == {*nodes, joined}
+            boxes = await fleet.create_many(6, isolation="process", host_view=True, memory_mb=64,
+                                            labels={"batch": "join"})
+            on_joined = [b for b in boxes if b.node == joined]
+            assert on_joined, f"placement did not use the joined node: {Counter(b.node for b in boxes)}"
+            assert await _confined(fleet, joined) == {b.id for b in on_joined}
+            assert (await on_joined[0].exec(["echo", "joined"])).stdout == b"joined\n"
+            for b in boxes:
+                if b.node != joined:
+                    await b.destroy()
+    finally:
+        node_state = json.loads((tmp_path / "node" / "supervisor.json").read_text())
+        assert "placement" not in node_state["services"] and node_state["url"] == p.url
+        subprocess.run([*CLI, "down", "--data-dir", str(tmp_path / "node")], env=p.env, timeout=150, check=True,
+                       cwd=ROOT)
+        try:
+            os.waitpid(node_state["pid"], 0)
+        except ChildProcessError:
+            pass
+    async with sandfleet.connect(p.url) as fleet:  # the node went down cleanly: its sandboxes ended
+        records = await _records(fleet, "join")
+        assert all(r.state in ENDED for r in records.values())
+        assert {n.id for n in await fleet.nodes()} == set(nodes)
+        for n in nodes:
+            assert await _confined(fleet, n) == set()
+    assert_nothing_left(before, tmp_path / "node", [joined])
 
 
 async def test_a_killed_node_does_not_disturb_the_other(two_nodes):
@@ -242,47 +252,6 @@ async def _answers(fleet: sandfleet.Fleet, node_id: str) -> bool:
     return True
 
 
-async def test_a_node_joins_a_running_bus(tmp_path):
-    """`sandfleet node --nats URL`: how a node on another machine joins (here: the same machine,
-    so its own data dir and egress subnet)."""
-    before = Snapshot.take()
-    first, joined = f"{NODE_ID}j1", f"{NODE_ID}j2"
-    p = _up(tmp_path / "bus", first)
-    try:
-        out = subprocess.run(
-            [*CLI, "node", "--detach", "--nats", p.url, "--node-id", joined, "--data-dir", str(tmp_path / "node"),
-             "--egress-subnet", "10.201.0.0/16"],
-            env=p.env, capture_output=True, text=True, timeout=180, cwd=ROOT,
-        )
-        assert out.returncode == 0, out.stderr
-        try:
-            async with sandfleet.connect(p.url) as fleet:
-                assert {n.id for n in await fleet.nodes()} == {first, joined}
-                boxes = await fleet.create_many(4, isolation="process", host_view=True, memory_mb=64,
-                                                labels={"batch": "join"})
-                assert {b.node for b in boxes} == {first, joined}
-                on_joined = [b for b in boxes if b.node == joined]
-                assert await _confined(fleet, joined) == {b.id for b in on_joined}
-                assert (await on_joined[0].exec(["echo", "joined"])).stdout == b"joined\n"
-        finally:
-            node_state = json.loads((tmp_path / "node" / "supervisor.json").read_text())
-            assert "placement" not in node_state["services"] and node_state["url"] == p.url
-            subprocess.run([*CLI, "down", "--data-dir", str(tmp_path / "node")], env=p.env, timeout=150, check=True,
-                           cwd=ROOT)
-            try:
-                os.waitpid(node_state["pid"], 0)
-            except ChildProcessError:
-                pass
-        async with sandfleet.connect(p.url) as fleet:  # the node went down cleanly: its sandboxes ended
-            records = await _records(fleet, "join")
-            assert all(r.state in ENDED for r in records.values() if r.node == joined)
-            assert joined not in {n.id for n in await fleet.nodes()}
-    finally:
-        stop_platform(p)
-    _assert_nothing_left(before, tmp_path / "bus", [first, joined])
-    _assert_nothing_left(before, tmp_path / "node", [first, joined])
-
-
 # -- a clustered bus ----------------------------------------------------------------------------
 
 
@@ -306,13 +275,14 @@ async def _lead_on(url: str, stream: str, server: str) -> str:
     nc = await nats.connect(url.split(","))
     try:
         js = nc.jetstream()
-        for _ in range(10):
+        for attempt in range(40):
             leader = (await js.stream_info(stream)).cluster.leader
             if leader == server:
                 return leader
-            await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}",
-                             json.dumps({"placement": {"preferred": server}}).encode(), timeout=5)
-            await asyncio.sleep(1.0)
+            if attempt % 4 == 0:  # a step-down, then a second to elect the new leader
+                await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}",
+                                 json.dumps({"placement": {"preferred": server}}).encode(), timeout=5)
+            await asyncio.sleep(0.25)
         return (await js.stream_info(stream)).cluster.leader
     finally:
         await nc.close()
@@ -337,7 +307,7 @@ def nats_cluster(tmp_path):
         yield p
     finally:
         stop_platform(p)
-        _assert_nothing_left(before, tmp_path / "data", [node_id])
+        assert_nothing_left(before, tmp_path / "data", [node_id])
 
 
 async def test_losing_a_nats_server_mid_batch_loses_no_request(nats_cluster):
@@ -371,7 +341,7 @@ async def test_losing_a_nats_server_mid_batch_loses_no_request(nats_cluster):
             records = await _records(fleet, "failover")
             if records and all(r.state is State.RUNNING or r.state in ENDED for r in records.values()):
                 break
-            await asyncio.sleep(1)
+            await asyncio.sleep(0.25)
         states = Counter(r.state for r in records.values())
         why = Counter(f"{r.reason.value}: {r.detail[:80]}" for r in records.values() if r.state is State.FAILED)
         print(f"killed {victim} (meta and KV_sandboxes leader) mid-batch: {len(created)} of {count} created, "
@@ -388,7 +358,7 @@ async def test_losing_a_nats_server_mid_batch_loses_no_request(nats_cluster):
         # The killed server came back (supervised) and caught up: all three replicas current.
         deadline = time.monotonic() + 60
         while not await _replicas_current(p.url, "KV_sandboxes") and time.monotonic() < deadline:
-            await asyncio.sleep(1)
+            await asyncio.sleep(0.25)
         assert await _replicas_current(p.url, "KV_sandboxes")
         for sandbox_id in running:
             await (await fleet.sandbox(sandbox_id)).destroy()

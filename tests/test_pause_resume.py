@@ -72,6 +72,18 @@ def _root():
     require(os.geteuid() == 0, "cgroups and mounts need root")
 
 
+@pytest.fixture(scope="module")
+async def busybox_layer(fleet, tmp_path_factory) -> str:
+    """One busybox base layer for the tests here that need any: layers are immutable, and a
+    checkpoint is a layer of its own on top, so sharing it lets no test see another's files."""
+    require(BUSYBOX.exists(), "busybox-static at /bin/busybox")
+    root = tmp_path_factory.mktemp("pr-base") / "base"
+    make_busybox_base(root)
+    name = "prs-" + secrets.token_hex(3)
+    await Layers(fleet.bus).build_dir(name, root)
+    return name
+
+
 async def test_pause_stops_progress_and_resume_restarts_it(fleet):
     sb = await fleet.create(memory_mb=64, host_view=True, labels={"task": "pr-" + secrets.token_hex(3)})
     try:
@@ -213,12 +225,8 @@ async def test_checkpoint_then_restore_keeps_the_files(fleet, tmp_path):
             await restored.destroy()
 
 
-async def test_restore_onto_a_named_node_runs_there_and_an_unknown_node_is_not_found(fleet, platform, tmp_path):
-    require(BUSYBOX.exists(), "busybox-static at /bin/busybox")
-    make_busybox_base(tmp_path / "base")
-    base = "prn-" + secrets.token_hex(3)
-    await Layers(fleet.bus).build_dir(base, tmp_path / "base")
-    sb = await fleet.create(memory_mb=64, layers=[base])
+async def test_restore_onto_a_named_node_runs_there_and_an_unknown_node_is_not_found(fleet, platform, busybox_layer):
+    sb = await fleet.create(memory_mb=64, layers=[busybox_layer])
     restored = None
     try:
         await sb.write_file("/workspace/where.txt", b"before the move\n")
@@ -247,13 +255,10 @@ async def test_checkpoint_of_a_sandbox_without_layers_is_refused(fleet):
         await sb.destroy()
 
 
-async def test_cli_pauses_a_task_and_migrates_a_sandbox_through_a_checkpoint_handle(fleet, platform, tmp_path):
-    require(BUSYBOX.exists(), "busybox-static at /bin/busybox")
-    make_busybox_base(tmp_path / "base")
-    base = "prc-" + secrets.token_hex(3)
-    await Layers(fleet.bus).build_dir(base, tmp_path / "base")
+async def test_cli_pauses_a_task_and_migrates_a_sandbox_through_a_checkpoint_handle(fleet, platform, busybox_layer,
+                                                                                     tmp_path):
     task = "cli-" + secrets.token_hex(3)
-    sb = await fleet.create(memory_mb=64, layers=[base], labels={"task": task})
+    sb = await fleet.create(memory_mb=64, layers=[busybox_layer], labels={"task": task})
     restored_id = ""
     try:
         out = (await asyncio.to_thread(platform.cli, "pause", "--task", task)).stdout.decode()
@@ -277,13 +282,9 @@ async def test_cli_pauses_a_task_and_migrates_a_sandbox_through_a_checkpoint_han
             await (await fleet.sandbox(restored_id)).destroy()
 
 
-async def test_a_container_sandbox_pauses_and_resumes(fleet, tmp_path):
+async def test_a_container_sandbox_pauses_and_resumes(fleet, busybox_layer):
     require(shutil.which("crun") is not None, "crun is installed")
-    require(BUSYBOX.exists(), "busybox-static at /bin/busybox")
-    make_busybox_base(tmp_path / "base")
-    base = "prk-" + secrets.token_hex(3)
-    await Layers(fleet.bus).build_dir(base, tmp_path / "base")
-    sb = await fleet.create(isolation="container", memory_mb=64, layers=[base])
+    sb = await fleet.create(isolation="container", memory_mb=64, layers=[busybox_layer])
     try:
         await ticking(sb)
         record = await sb.pause()

@@ -59,13 +59,7 @@ def _zram_swap_uuids() -> set[str]:
 def rc_platform(leak_check, tmp_path_factory):
     require(Path("/sys/kernel/mm/ksm/run").exists(), "KSM (CONFIG_KSM) for page merging")
     require(Path("/sys/class/zram-control/hot_add").exists(), "the zram module for compressed swap")
-    saved = {k: os.environ.get(k) for k in FAST}
-    os.environ.update(FAST)
-    try:
-        p = start_platform(tmp_path_factory.mktemp("reclaim"), RC_NODE)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    p = start_platform(tmp_path_factory.mktemp("reclaim"), RC_NODE, env=FAST)
     yield p
     if (p.data_dir / "supervisor.json").exists():  # the shutdown test stops it itself
         stop_platform(p)
