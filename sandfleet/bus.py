@@ -44,6 +44,9 @@ TRANSIENT = (
     nats.js.errors.ServiceUnavailableError,
 )
 FAILOVER_S = 30.0  # a 3-server loopback cluster elects a new leader within ~8 s
+# A closing service waits this long for its subscriptions to drain (nats-py's default is 30 s:
+# one stuck subscription made every `down` that much slower).
+DRAIN_TIMEOUT_S = 5
 _WRITE_CHUNK = 1 << 20  # publish_many hands the connection frames in pieces of about this size
 
 _encoder = msgspec.json.Encoder()
@@ -130,7 +133,7 @@ class Bus:
             nc = await asyncio.wait_for(
                 nats.connect(
                     nats_servers(url), name=name, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                    error_cb=quiet, **options
+                    drain_timeout=DRAIN_TIMEOUT_S, error_cb=quiet, **options
                 ),
                 deadline_s,
             )

@@ -10,6 +10,7 @@ events that deletes the member key (revision-checked, so once) and gives the slo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import msgspec
@@ -174,12 +175,18 @@ class Quotas:
                 except nats.js.errors.BadRequestError:
                     pass  # exists already (another replica made it)
                 psub = await self.bus.js.pull_subscribe_bind(CONSUMER, stream=events.STREAM)
-                while True:
-                    try:
-                        msgs = await psub.fetch(batch=256, timeout=1.0)
-                    except nats.errors.TimeoutError:
-                        continue
-                    await asyncio.gather(*(self._ended(m) for m in msgs))
+                try:
+                    while True:
+                        try:
+                            msgs = await psub.fetch(batch=256, timeout=1.0)
+                        except nats.errors.TimeoutError:
+                            continue
+                        await asyncio.gather(*(self._ended(m) for m in msgs))
+                finally:
+                    # A fetch cancelled mid-wait leaves its subscription open, and the connection's
+                    # drain at shutdown would then wait out nats-py's 30 s drain timeout.
+                    with contextlib.suppress(nats.errors.Error):
+                        await psub.unsubscribe()
             except (nats.js.errors.Error, nats.errors.Error) as exc:
                 log.warning("quota release consumer interrupted (%s); resuming", exc)
                 await asyncio.sleep(0.5)
