@@ -107,3 +107,15 @@ class Snapshot:
             "nft_tables": sorted(self.nft_tables - before.nft_tables),
         }
         return {k: v for k, v in left.items() if v}
+
+
+def node_left(node_id: str, data_dir: str) -> list[str]:
+    """What of one node is still on the machine (other sessions share it, so only the node's
+    own names count): mounts under its data dir, its cgroups (a process of a sandbox keeps its
+    cgroup), its network namespaces."""
+    with open("/proc/self/mountinfo") as f:
+        left = [line.split()[4] for line in f if line.split()[4].startswith(data_dir)]
+    left += [f"cgroup {h}/{node_id}" for h in os.listdir("/sys/fs/cgroup")
+             if os.path.exists(f"/sys/fs/cgroup/{h}/sandfleet/{node_id}")]
+    netns = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
+    return left + [n for n in netns if n.startswith(f"sf-{node_id}.")]

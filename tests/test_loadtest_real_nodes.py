@@ -15,17 +15,8 @@ import pytest
 
 from tests.conftest import NODE_ID, ROOT
 from tests.kernel import require
+from tests.leaks import node_left
 
-
-def _left(node_id: str, data_dir: str) -> list[str]:
-    """What of one node is still on the machine, read here and not by the benchmark itself:
-    mounts under its data dir, its cgroups, its network namespaces."""
-    with open("/proc/self/mountinfo") as f:
-        left = [line.split()[4] for line in f if line.split()[4].startswith(data_dir)]
-    left += [f"cgroup {h}/{node_id}" for h in os.listdir("/sys/fs/cgroup")
-             if os.path.exists(f"/sys/fs/cgroup/{h}/sandfleet/{node_id}")]
-    netns = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
-    return left + [n for n in netns if n.startswith(f"sf-{node_id}.")]
 
 
 @pytest.fixture
@@ -61,7 +52,7 @@ def test_real_nodes_batch_starts_every_sandbox_on_both_nodes_and_leaves_nothing(
         assert run["destroyed"] == 20 and run["destroy_errors"] == [] and run["teardown_s"] > 0
         assert run["left_after_destroy"] == {} and run["left_after_down"] == {} and run["live_after_destroy"] == 0
         for n in run["node_ids"]:
-            assert _left(n, run["data_dir"]) == []
+            assert node_left(n, run["data_dir"]) == []
     assert all(k > 0 for k in two["spread"].values())  # both nodes took a share of the one batch
     assert results["ratio_nodes_over_baseline"]["comparable"] is True
     assert results["ratio_nodes_over_baseline"]["all_running_s"] == pytest.approx(

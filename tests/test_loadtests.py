@@ -23,6 +23,7 @@ import pytest
 
 from tests.conftest import NODE_ID, ROOT
 from tests.kernel import require
+from tests.leaks import node_left
 
 # One run takes ~12 s of CPU over all its processes and ~40 s (CI) of wall time: four fit on two cores.
 AT_ONCE = 4
@@ -123,17 +124,6 @@ def runs(kernel, leak_check, request, tmp_path_factory):
         runs.stop()
 
 
-def _left(node_id: str, data_dir: str) -> list[str]:
-    """What of this benchmark's node is still on the machine (other sessions share it, so only
-    the node's own names count): mounts under its data dir, its cgroups (a process of a sandbox
-    keeps its cgroup), its network namespaces."""
-    with open("/proc/self/mountinfo") as f:
-        left = [line.split()[4] for line in f if line.split()[4].startswith(data_dir)]
-    left += [f"cgroup {h}/{node_id}" for h in os.listdir("/sys/fs/cgroup")
-             if os.path.exists(f"/sys/fs/cgroup/{h}/sandfleet/{node_id}")]
-    netns = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
-    return left + [n for n in netns if n.startswith(f"sf-{node_id}.")]
-
 
 def test_container_rate_runs_both_sides_and_writes_its_json(runs):
     node = RUNS["rate"][1]
@@ -146,7 +136,7 @@ def test_container_rate_runs_both_sides_and_writes_its_json(runs):
         assert 0 < results[side]["create"]["p50"] <= results[side]["create"]["p99"]
     assert results["ratio_platform_over_plain_crun"] == pytest.approx(
         results["platform"]["cycles_per_s"] / results["plain_crun"]["cycles_per_s"], abs=0.01)
-    assert _left(node, results["data_dir"]) == [] and _left(f"{node}-plain", results["data_dir"]) == []
+    assert node_left(node, results["data_dir"]) == [] and node_left(f"{node}-plain", results["data_dir"]) == []
 
 
 def test_density_steps_up_to_max_and_destroys_everything(runs):
@@ -159,7 +149,7 @@ def test_density_steps_up_to_max_and_destroys_everything(runs):
     assert per["processes"] >= 2  # the init and its sleep
     assert per["processes_pss_kib"] > 0 and per["cgroup_charged_kib"] > 0
     assert results["left_after_destroy"] == {} and results["live_after_destroy"] == 0
-    assert _left(node, results["data_dir"]) == []
+    assert node_left(node, results["data_dir"]) == []
 
 
 @pytest.mark.parametrize("nodes", [1, 2], ids=["same-node", "migrated"])
@@ -179,4 +169,4 @@ def test_pause_latency_times_every_step_and_restores_the_workspace_intact(runs, 
         assert results["nodes"] == [f"{node}-1", f"{node}-2"] and results["restore_on"] == "another node"
         assert move["from"] != move["to"] and {move["from"], move["to"]} == set(results["nodes"])
     for n in results["nodes"]:
-        assert _left(n, results["data_dir"]) == []
+        assert node_left(n, results["data_dir"]) == []
