@@ -567,3 +567,33 @@ async def test_async_start_and_kill_run_on_the_event_loop_without_blocking_it(la
         group.remove()
         netns.remove(NODE, sandbox_id)
         cgroups.remove_node_root(layout, NODE)
+
+
+def test_the_helper_sweep_reaps_only_zombie_crun_children_outside_our_session():
+    """A crun helper that `detached_helpers` missed (a child of crun's session leader, ours only
+    once that leader exited) is reaped by the sweep; a zombie of our own session (one of our
+    `crun` commands, whose status its caller still waits for) is left alone. Runs in a child
+    interpreter, a subreaper as the launcher is: the sweep reaps children of its caller."""
+    import subprocess
+    import sys
+    script = r"""
+import ctypes, os, shutil, subprocess, tempfile, time
+from sandfleet.kernel.container_exec import DetachedHelpers
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER, as the launcher
+crun = os.path.join(tempfile.mkdtemp(), "crun")
+shutil.copy("/bin/sleep", crun)
+leader = os.fork()
+if leader == 0:  # as crun's session leader: a new session, a helper in it, then gone
+    os.setsid()
+    if os.fork() == 0:
+        os.execv(crun, [crun, "0.2"])
+    os._exit(0)
+os.waitpid(leader, 0)
+own = subprocess.Popen([crun, "0.2"])  # one of our own crun commands, in our session
+time.sleep(1.0)  # both have exited: zombies, ours to reap
+reaped = DetachedHelpers().sweep()
+print(len(reaped), own.pid in reaped, own.wait())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.split()
+    assert out == ["1", "False", "0"]  # the helper reaped; our own command's status still ours

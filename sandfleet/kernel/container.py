@@ -275,6 +275,7 @@ class Crun:
             if result.returncode and state.exists():
                 log.warning("crun delete %s: %s", sandbox_id, result.stderr.decode(errors="replace").strip())
         shutil.rmtree(bundle, ignore_errors=True)
+        self._helpers.sweep_when_due()
 
     def containers(self) -> set[str]:
         """Ids that have crun state or a bundle on this node (for crash recovery)."""
