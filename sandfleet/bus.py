@@ -194,7 +194,7 @@ class Bus:
         nc = self.nc
         if any(len(payload) > nc.max_payload for _, payload, _, _ in messages):  # the server would drop us
             raise errors.InvalidRequest(f"a message exceeds the bus's maximum payload of {nc.max_payload} bytes")
-        if not nc.is_connected:
+        if not nc.is_connected or nc.is_draining_pubs:  # publish knows what to do (buffer, or refuse)
             for subject, payload, headers, reply in messages:
                 await nc.publish(subject, payload, reply=reply, headers=headers)
             return

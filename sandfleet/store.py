@@ -39,8 +39,18 @@ class _StoredMsg(msgspec.Struct):
     seq: int = 0
 
 
+class _ApiError(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
 class _MsgGet(msgspec.Struct):
     message: _StoredMsg | None = None
+    error: _ApiError | None = None
+
+
+_NO_MESSAGE = 10037  # JetStream's "no message found": the key has no value
 
 
 _ack = msgspec.json.Decoder(_Ack)
@@ -120,7 +130,11 @@ class SandboxStore:
               None) for i in sandbox_ids], timeout)
         found = {}
         for i, msg in zip(sandbox_ids, reads):
-            got = _stored_msg.decode(msg.data).message
+            reply = _stored_msg.decode(msg.data)
+            if reply.error is not None and reply.error.err_code != _NO_MESSAGE:  # unreadable is not absent
+                raise errors.ServiceError(ErrorCode.TIMEOUT if reply.error.code >= 500 else ErrorCode.INTERNAL,
+                                          f"cannot read sandbox {i}: {reply.error.description}")
+            got = reply.message
             if got is not None and got.data:
                 found[i] = (decode(base64.b64decode(got.data), SandboxRecord), got.seq)
         return found
@@ -317,21 +331,19 @@ class SandboxStore:
         """Every record (on `node_id`), read in one pass: an ordered consumer of each key's last
         value, not a key listing and then one read per key (at 32,000 sandboxes that was 64,000
         messages and 32,000 round trips a call)."""
-        watcher = await through_failover(lambda: self.kv.watchall(ignore_deletes=True), "list sandboxes")
-        records = []
+        watcher = await through_failover(lambda: self.kv.watchall(), "list sandboxes")
+        latest: dict[str, bytes] = {}  # a key written during the listing comes again: its last value wins
         try:
             while (entry := await self._next(watcher)) is not None:
-                if not entry.value:
-                    continue
-                record = decode(entry.value, SandboxRecord)
-                if node_id is not None and record.node != node_id:
-                    continue
-                if not include_ended and record.state in ENDED:
-                    continue
-                records.append(record)
+                if entry.value:
+                    latest[entry.key] = entry.value
+                else:  # deleted or purged meanwhile
+                    latest.pop(entry.key, None)
         finally:
             await watcher.stop()
-        return records
+        records = [decode(value, SandboxRecord) for value in latest.values()]
+        return [r for r in records
+                if (node_id is None or r.node == node_id) and (include_ended or r.state not in ENDED)]
 
     @staticmethod
     async def _next(watcher: Any) -> Any:

@@ -34,6 +34,7 @@ from sandfleet.kernel.cgroups import CgroupError, CgroupLayout, list_sandboxes
 
 PR_SET_CHILD_SUBREAPER = 36
 STOP_TIMEOUT_S = 60.0
+MAX_STOP_S = 1800.0  # however long destroying a node's sandboxes keeps making progress
 
 # (name, module) in start order; stopped in reverse.
 SERVICES: list[tuple[str, str]] = [
@@ -311,7 +312,7 @@ class Supervisor:
 
 def _terminate(pids: list[int], timeout: float, progress: Callable[[], int] | None = None) -> None:
     """SIGTERM, then SIGKILL for what has not exited within `timeout` of the last progress (a
-    change in `progress()`, checked every second or oftener)."""
+    fall in `progress()`, checked every second or oftener), and at most MAX_STOP_S in all."""
     left = set()
     for pid in pids:
         try:
@@ -320,11 +321,12 @@ def _terminate(pids: list[int], timeout: float, progress: Callable[[], int] | No
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + timeout
+    cap = time.monotonic() + MAX_STOP_S
     seen, checked = (progress() if progress else 0), time.monotonic()
-    while left and time.monotonic() < deadline:
+    while left and time.monotonic() < min(deadline, cap):
         if progress is not None and time.monotonic() - checked >= min(1.0, timeout / 4):
             now_seen, checked = progress(), time.monotonic()
-            if now_seen != seen:
+            if now_seen < seen:  # only a fall is progress: a count that grows is not stopping
                 seen, deadline = now_seen, checked + timeout
         for pid in list(left):
             try:

@@ -193,8 +193,8 @@ async def test_a_gang_batch_of_2000_on_simulated_nodes_is_all_placed_and_started
 
 
 async def test_every_lifecycle_event_of_a_batch_is_stored_once(plane, nodes):
-    # Events go out in pipelined bursts where only the last publish waits for its ack: none of
-    # a batch's may go missing from the stream, nor be stored twice.
+    # Events go out in pipelined bursts, sent back to back with the record writes: none of a
+    # batch's may go missing from the stream, nor be stored twice.
     _, _, _, fleet = plane
     await nodes.add("events-a", capacity=300)
     await nodes.add("events-b", capacity=300)

@@ -199,6 +199,8 @@ def test_sampling_keeps_to_its_cpu_budget_by_stretching_the_period():
     assert node.next_interval() == 2.0
     node.pass_cpu_s = 0.5  # thousands: 0.5 s of CPU per pass at 5% of a core is one pass per 10 s
     assert node.next_interval() == 10.0
+    node.pass_cpu_s = 10.0  # a pass that costly stretches the period only up to its cap
+    assert node.next_interval() == 30.0
     node.cpu_budget = 0  # no budget: always the configured period
     assert node.next_interval() == 2.0
 

@@ -134,8 +134,8 @@ def progress():
     elapsed = time.monotonic() - start
     if elapsed < 3.0:
         alive_while_progressing.append(subprocess.run(["kill", "-0", str(child.pid)]).returncode == 0)
-        return int(elapsed * 10)  # still falling: keep waiting
-    return -1  # stuck
+        return 1000 - int(elapsed * 10)  # still falling: keep waiting
+    return 0  # stuck
 _terminate([child.pid], 1.0, progress=progress)
 gone = subprocess.run(["kill", "-0", str(child.pid)], capture_output=True).returncode != 0
 print(len(alive_while_progressing), all(alive_while_progressing), gone)

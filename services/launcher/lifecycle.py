@@ -70,6 +70,8 @@ class Launcher:
     live: dict[str, Live] = field(default_factory=dict)
     default_layers: tuple[str, ...] = ()  # `sandfleet up --default-layers`: the root of a sandbox naming none
     slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(LAUNCH_CONCURRENCY))
+    building: int = 0  # launches past their slot, not yet live or failed
+    closing: bool = False  # destroy_all has begun: queued launches end instead of being built
 
     @property
     def isolation(self) -> list[str]:
@@ -87,7 +89,14 @@ class Launcher:
         # a batch of thousands at once would send the agent and the layer-cache thousands of
         # requests together, and the last would wait past their timeouts.
         async with self.slots:
-            return await self._start(item)
+            if self.closing:  # queued behind the slots when the node began to stop: never built
+                await self._end(item.id, State.FAILED, Reason.NODE_SHUTDOWN, "the node stopped before it was built")
+                return LaunchResult(id=item.id, ok=False, error="the node is shutting down")
+            self.building += 1
+            try:
+                return await self._start(item)
+            finally:
+                self.building -= 1
 
     async def _start(self, item: LaunchItem) -> LaunchResult:
         spec = item.spec
@@ -253,11 +262,23 @@ class Launcher:
         return record
 
     async def destroy_all(self, reason: Reason) -> None:
+        """Destroy every sandbox, a few at a time; launches still queued end `failed`, and those
+        being built are destroyed once they are live."""
+        self.closing = True
+        slots = asyncio.Semaphore(LAUNCH_CONCURRENCY)
+
         async def one(sandbox_id: str) -> None:
-            async with self.slots:
+            async with slots:
                 await self._destroy_quietly(sandbox_id, reason)
 
-        await asyncio.gather(*(one(i) for i in list(self.live)))
+        while True:
+            left = [i for i, live in self.live.items() if not live.ending]
+            if left:
+                await asyncio.gather(*(one(i) for i in left))
+            elif self.building:
+                await asyncio.sleep(0.05)
+            else:
+                return
 
     async def drop(self, sandbox_id: str, why: str) -> bool:
         """Tear down, on this node only, a sandbox whose record someone else ended (placement
@@ -268,11 +289,13 @@ class Launcher:
             return False
         live.ending = True
         log.warning("sandbox %s: %s; tearing it down", sandbox_id, why)
-        self._unwatch(live)
-        await self.runtimes.driver(live.spec.isolation).stop(sandbox_id, live.init)
-        _reap(live.init.pid)
-        await self._release(sandbox_id, live.spec)
-        self.live.pop(sandbox_id, None)
+        try:
+            self._unwatch(live)
+            await self.runtimes.driver(live.spec.isolation).stop(sandbox_id, live.init)
+            _reap(live.init.pid)
+            await self._release(sandbox_id, live.spec)
+        finally:  # what could not be undone here, the agent and layer-cache reclaim when they restart
+            self.live.pop(sandbox_id, None)
         return True
 
     async def _destroy_quietly(self, sandbox_id: str, reason: Reason) -> None:

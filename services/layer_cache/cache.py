@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Protocol
 
 from services.layer_cache.lazy import INDEX, LazyFiles, leftovers
+from services.layer_cache.store import HASH_BYTES
 
 log = logging.getLogger("sandfleet.layer_cache")
 
@@ -119,10 +120,16 @@ class ImageCache:
             if path.name.endswith(INDEX) and self.lazy is not None:
                 digest = "sha256:" + path.name.removesuffix(INDEX)
                 try:
-                    size = self.lazy.files(digest).read_index().size
+                    index = self.lazy.files(digest).read_index()
                 except ValueError:
                     self.lazy.files(digest).remove()
                     continue
+                if len(index.hashes) != HASH_BYTES * len(index.seqs):
+                    # Made before chunks were checked (no hashes): every unfetched chunk would fail
+                    # its check. Dropped; the next mount prepares the image again, with its manifest.
+                    self.lazy.files(digest).remove()
+                    continue
+                size = index.size
                 mtime = path.stat().st_mtime
                 self.images[digest] = CachedImage(digest, self.lazy.source(digest), size, 0, mtime, complete=False,
                                                   persisted=mtime, lazy=True)

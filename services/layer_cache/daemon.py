@@ -28,7 +28,7 @@ from nats.js import JetStreamContext
 
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
-from schemas.layers import OBJECT_BUCKET
+from schemas.layers import CHUNK_BYTES, OBJECT_BUCKET
 from services.layer_cache import mounts
 from services.layer_cache.lazy import ChunkIndex, LazyFiles, chunk_index
 from services.layer_cache.store import LayerStore, chunk_hashes, write_manifest
@@ -244,8 +244,9 @@ class LazyLayers:
         store = LayerStore(None, await self.js.object_store(OBJECT_BUCKET), None)  # type: ignore[arg-type]
         await store.fetch_image(index.digest, files.data)
         manifest = await asyncio.to_thread(chunk_hashes, files.data, index.chunk_bytes)
-        try:
-            await write_manifest(store.images, index.digest, manifest)
-        except Exception as exc:  # the image is good here either way; the next one tries again
-            log.warning("could not store the chunk manifest of %s: %s", index.digest, exc)
+        if index.chunk_bytes == CHUNK_BYTES:  # a manifest of other chunks is never used: not worth storing
+            try:
+                await write_manifest(store.images, index.digest, manifest)
+            except Exception as exc:  # the image is good here either way; the next one tries again
+                log.warning("could not store the chunk manifest of %s: %s", index.digest, exc)
         await asyncio.to_thread(files.create, msgspec.structs.replace(index, hashes=manifest), True)

@@ -119,7 +119,10 @@ class ChunkSource:
         self.bus = bus
         self._down: tuple[float, str] = (0.0, "")  # until when, and why, the store is taken as unreachable
 
-    async def get(self, index: ChunkIndex, i: int) -> bytes:
+    async def get(self, index: ChunkIndex, i: int, ahead: bool = False) -> bytes:
+        """Chunk i from the store. A timeout marks the store down for FAIL_FAST_S (so reads fail
+        fast, not each after its own timeout), unless it was a readahead's (`ahead`): many run at
+        once, and one slow one must not fail the demand reads."""
         want = chunk_length(i, index.size, index.chunk_bytes)
         until, why = self._down
         if time.monotonic() < until:
@@ -129,7 +132,8 @@ class ChunkSource:
                                             json.dumps({"seq": index.seqs[i]}).encode(), timeout=FETCH_TIMEOUT_S)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
             why = UNREACHABLE[0] if isinstance(exc, nats.errors.TimeoutError) else UNREACHABLE[1]
-            self._down = (time.monotonic() + FAIL_FAST_S, why)
+            if not ahead:
+                self._down = (time.monotonic() + FAIL_FAST_S, why)
             raise ChunkUnavailable(why) from None
         except nats.errors.Error as exc:
             raise ChunkUnavailable(f"bus: {type(exc).__name__}") from None
@@ -287,7 +291,7 @@ class LazyImages(pyfuse3.Operations):
         """The fetch of chunk i, started now unless one is under way."""
         pending = image.inflight.get(i)
         if pending is None:
-            pending = image.inflight[i] = asyncio.ensure_future(self._fetch(image, i))
+            pending = image.inflight[i] = asyncio.ensure_future(self._fetch(image, i, ahead))
             if ahead:
                 self._ahead += 1
                 self.stats.readahead += 1
@@ -312,11 +316,11 @@ class LazyImages(pyfuse3.Operations):
             if not image.present[i] and i not in image.inflight:
                 self._start(image, i, ahead=True)
 
-    async def _fetch(self, image: OpenImage, i: int) -> None:
+    async def _fetch(self, image: OpenImage, i: int, ahead: bool = False) -> None:
         index = image.index
         if not index.hashes:  # never serve a chunk nothing can vouch for
             raise ChunkUnavailable("no chunk manifest")
-        data = await self.source.get(index, i)
+        data = await self.source.get(index, i, ahead)
         self.stats.fetched += 1
         if hashlib.sha256(data).digest() != index.hash_of(i):
             self.stats.bad_hash += 1

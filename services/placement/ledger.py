@@ -10,6 +10,7 @@ the mark of a lost node: the replica whose update sets `lost` fails that node's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from dataclasses import dataclass
@@ -72,16 +73,21 @@ class Ledger:
         self.revisions[node_id] = entry.revision
         self.view.set_booking(node_id, decode(entry.value, NodeBooking) if entry.value else None)
 
-    async def _write(self, node_id: str, booking: NodeBooking) -> bool:
-        """Revision-checked write of one node's booking; False if another replica got there first."""
-        revision = self.revisions.get(node_id, 0)
+    async def _write(self, node_id: str, booking: NodeBooking, revision: int | None = None) -> bool:
+        """Revision-checked write of one node's booking, against `revision` (the one the booking
+        was computed from; by default the latest seen); False if another replica got there first
+        or the bus did not answer (the node is then planned again on a fresh read)."""
+        if revision is None:
+            revision = self.revisions.get(node_id, 0)
         try:
             if revision == 0:
                 new = await self.kv.create(node_id, encode(booking))
             else:
                 new = await self.kv.update(node_id, encode(booking), last=revision)
-        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyValueError, nats.js.errors.APIError):
-            await self.refresh(node_id)
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyValueError, nats.js.errors.APIError,
+                nats.errors.Error):
+            with contextlib.suppress(nats.errors.Error, nats.js.errors.Error):
+                await self.refresh(node_id)
             return False
         self.seen(node_id, booking, new)
         return True
@@ -138,9 +144,13 @@ class Ledger:
                     totals[node_id] = booked(self.view.nodes[node_id], self.view.bookings.get(node_id), k, r.spec)
                     self.view.bookings[node_id] = totals[node_id]
                 planned.append((r, plan))
+            # The revisions the totals were computed from, taken in the same step: a booking or
+            # release seen before the writes run must make them fail, not be overwritten.
+            revisions = {n: self.revisions.get(n, 0) for n in totals}
             for node_id in totals:
                 self.view.set_booking(node_id, bases.get(node_id))
-            written = dict(zip(totals, await asyncio.gather(*(self._write(n, b) for n, b in totals.items()))))
+            written = dict(zip(totals, await asyncio.gather(
+                *(self._write(n, b, revisions[n]) for n, b in totals.items()))))
             left = []
             for r, plan in planned:
                 if plan and all(written[n] for n in plan):

@@ -31,6 +31,7 @@ from services.reclaimer.zram import ZramSwap
 log = logging.getLogger("sandfleet.reclaimer")
 
 FREEZE_TIMEOUT_S = 10.0
+MAX_INTERVAL_S = 30.0  # the CPU budget may stretch the sampling period up to this
 
 
 def node_memory_pressure(path: str = "/proc/pressure/memory") -> float:
@@ -77,7 +78,8 @@ class NodeReclaimer:
         """`interval_s`, stretched so sampling uses at most `cpu_budget` of a core."""
         if self.cpu_budget <= 0:
             return self.interval_s
-        return max(self.interval_s, self.pass_cpu_s / self.cpu_budget)
+        # Never slower than MAX_INTERVAL_S: pressure must still be noticed within the freeze window.
+        return max(self.interval_s, min(MAX_INTERVAL_S, self.pass_cpu_s / self.cpu_budget))
 
     async def tick(self) -> None:
         samples = await asyncio.to_thread(self._sample_all)
