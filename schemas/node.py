@@ -104,6 +104,9 @@ class LaunchItem(msgspec.Struct, frozen=True, kw_only=True):
     # transition without reading it (the write is still revision-checked).
     record: SandboxRecord | None = None
     revision: int = 0
+    # When the caller stops waiting (epoch s; 0: nobody waits, as for a gang batch). A sandbox
+    # still queued for a launch slot then ends `failed` instead of starting for nobody.
+    answer_by: float = 0.0
 
 
 class LaunchRequest(msgspec.Struct, frozen=True, kw_only=True):

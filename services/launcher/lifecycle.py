@@ -92,6 +92,10 @@ class Launcher:
             if self.closing:  # queued behind the slots when the node began to stop: never built
                 await self._end(item.id, State.FAILED, Reason.NODE_SHUTDOWN, "the node stopped before it was built")
                 return LaunchResult(id=item.id, ok=False, error="the node is shutting down")
+            if item.answer_by and time.time() > item.answer_by:  # its caller gave up while it queued
+                detail = "queued behind other launches past its caller's timeout"
+                await self._end(item.id, State.FAILED, Reason.LAUNCH_FAILED, detail)
+                return LaunchResult(id=item.id, ok=False, error=detail, code=ErrorCode.TIMEOUT)
             self.building += 1
             try:
                 return await self._start(item)

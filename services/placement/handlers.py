@@ -154,7 +154,7 @@ async def create(deps: Deps, req: CreateRequest) -> CreateReply:
 async def create_many(deps: Deps, req: CreateManyRequest) -> CreateManyReply:
     placed = await _place(deps, req.spec, req.count)
     launches = [
-        (node_id, _launch_on(deps, node_id, records[start : start + LAUNCH_CHUNK]))
+        (node_id, _launch_on(deps, node_id, records[start : start + LAUNCH_CHUNK], waited=req.wait))
         for node_id, records in placed.items()
         for start in range(0, len(records), LAUNCH_CHUNK)
     ]
@@ -185,9 +185,14 @@ async def _launch_after_reply(deps: Deps, launches: list) -> None:  # type: igno
     await asyncio.gather(*launches)
 
 
-async def _launch_on(deps: Deps, node_id: str, stored: list[Stored]) -> list[node_schema.LaunchResult]:
+async def _launch_on(deps: Deps, node_id: str, stored: list[Stored], waited: bool = True) -> list[node_schema.LaunchResult]:
+    """Ask the node to launch; `waited`: a caller waits for the answer, so what the node cannot
+    start before this request times out must end failed there, not start for nobody."""
+    timeout = 30 + 0.05 * len(stored)
+    answer_by = time.time() + timeout - 1.0 if waited else 0.0
     request = node_schema.LaunchRequest(
-        sandboxes=[node_schema.LaunchItem(id=r.id, spec=r.spec, record=r, revision=rev) for r, rev in stored]
+        sandboxes=[node_schema.LaunchItem(id=r.id, spec=r.spec, record=r, revision=rev, answer_by=answer_by)
+                   for r, rev in stored]
     )
     records = [r for r, _ in stored]
     try:
@@ -195,7 +200,7 @@ async def _launch_on(deps: Deps, node_id: str, stored: list[Stored]) -> list[nod
             node_schema.subject(node_id, node_schema.LAUNCH),
             request,
             node_schema.LaunchReply,
-            timeout=30 + 0.05 * len(records),
+            timeout=timeout,
         )
         return reply.results
     except errors.SandfleetError as exc:
