@@ -332,9 +332,11 @@ def test_a_read_touches_exactly_the_chunks_under_it():
     assert lazy.present_bytes(bytes([1, 0, 1] + [0] * 7 + [1]), size, chunk) == 2 * 1024 + 100
 
 
-def _index(digest: str, size: int = 3000, chunk: int = 1024) -> lazy.ChunkIndex:
+def _index(digest: str, size: int = 3000, chunk: int = 1024, hashed: bool = True) -> lazy.ChunkIndex:
+    count = lazy.chunk_count(size, chunk)
     return lazy.ChunkIndex(digest=digest, size=size, chunk_bytes=chunk, stream="OBJ_layers",
-                           subject="$O.layers.C.x", seqs=list(range(1, lazy.chunk_count(size, chunk) + 1)))
+                           subject="$O.layers.C.x", seqs=list(range(1, count + 1)),
+                           hashes=bytes(lazy.HASH_BYTES * count) if hashed else b"")
 
 
 def test_lazy_files_start_sparse_count_what_is_there_and_go_index_first(tmp_path):
@@ -401,3 +403,17 @@ async def test_lazy_mode_prepares_instead_of_fetching_and_a_restart_finds_the_im
     again.unpin(D1)
     again.drop(D1)
     assert list(p for p in tmp_path.iterdir() if p.is_file()) == []
+
+
+async def test_a_lazy_index_cached_before_chunk_hashes_is_dropped_at_restart(tmp_path):
+    """Its unfetched chunks could never pass a check; the next use prepares the image again."""
+    async def fetch(digest: str, dest: Path) -> None:
+        raise AssertionError("lazy mode fetches no whole image")
+
+    fake = FakeLazy(tmp_path)
+    fake.files(D1).create(_index(D1, size=1 << 20, hashed=False))  # as an older layer-cache left it
+    fake.files(D2).create(_index(D2, size=1 << 20))
+    again = ImageCache(tmp_path, budget=1 << 30, fetch=fetch, before_evict=lambda d: None, lazy=fake, fetch_mode="lazy")
+    again.scan()
+    assert D1 not in again.images and D2 in again.images
+    assert not fake.files(D1).index.exists()

@@ -53,6 +53,7 @@ from sandfleet.kernel.container_exec import (
     attach_tree,
     clone_tree,
     detached_helpers,
+    start_time_of as _start_time,
     enter_namespace,
     joined,
     make_crun_namespace,
@@ -126,13 +127,6 @@ def bundle_config(spec: ContainerSpec, shim: tuple[str, list[str]] | None = None
     return config
 
 
-def _start_time(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return int(data[data.rindex(b")") + 2:].split()[19])
 
 
 class Crun:
@@ -264,6 +258,8 @@ class Crun:
         if init is not None:
             await kill_async(init)
             _reap(init.pid)
+            if _start_time(init.pid) == init.start_time:  # not gone yet, or not ours yet: later, then
+                self._helpers.reap_later(asyncio.get_running_loop(), init.pid, init.start_time)
         state = self.root / sandbox_id
         if state.exists() and init is not None and _start_time(init.pid) != init.start_time:
             # The init is gone and crun manages no cgroups and runs no hooks here, so all

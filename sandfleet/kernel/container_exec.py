@@ -50,6 +50,7 @@ def detached_helpers(crun_pid: int) -> list[int]:
 
 
 SWEEP_S = 10.0  # how often, at most, a launch also looks for helpers that escaped `detached_helpers`
+INIT_REAP_S = 60.0  # how long a killed init that is not ours yet is waited for
 
 
 class DetachedHelpers:
@@ -60,6 +61,30 @@ class DetachedHelpers:
     def __init__(self) -> None:
         self.pending: dict[int, int] = {}  # pid -> pidfd
         self.swept_at = time.monotonic()
+        self.inits: dict[int, tuple[int, float]] = {}  # killed inits not reaped yet: pid -> (start time, give up at)
+        self._retry: asyncio.TimerHandle | None = None
+
+    def reap_later(self, loop: asyncio.AbstractEventLoop, pid: int, start_time: int) -> None:
+        """A killed container init that could not be reaped at once (still dying, or still a
+        child of crun's helper): retried every second until it is ours to reap, by pid and
+        start time so a reused pid is never taken; a sweep for helpers runs with it."""
+        self.inits[pid] = (start_time, time.monotonic() + INIT_REAP_S)
+        if self._retry is None:
+            self._retry = loop.call_later(1.0, self._reap_inits, loop)
+
+    def _reap_inits(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._retry = None
+        now = time.monotonic()
+        for pid, (start_time, give_up) in list(self.inits.items()):
+            reaped = False
+            if start_time_of(pid) == start_time:
+                with contextlib.suppress(ChildProcessError):
+                    reaped = os.waitpid(pid, os.WNOHANG)[0] == pid
+            if reaped or start_time_of(pid) != start_time or now > give_up:
+                del self.inits[pid]
+        self.sweep()
+        if self.inits:
+            self._retry = loop.call_later(1.0, self._reap_inits, loop)
 
     def watch(self, loop: asyncio.AbstractEventLoop, pids: list[int]) -> None:
         self.sweep_when_due()
@@ -101,6 +126,9 @@ class DetachedHelpers:
 
     def close(self) -> None:
         """Stop watching (the loop may be gone); a helper left is reaped by whoever adopts it."""
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         for fd in self.pending.values():
             with contextlib.suppress(OSError, RuntimeError):
                 asyncio.get_running_loop().remove_reader(fd)
@@ -116,6 +144,15 @@ def _children() -> list[int]:
             with contextlib.suppress(OSError), open(f"/proc/{me}/task/{tid}/children") as f:
                 found += [int(c) for c in f.read().split()]
     return found
+
+
+def start_time_of(pid: int) -> int | None:
+    """The process's start time (clock ticks after boot), or None if it is gone; a zombie has one."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _stat(pid: int) -> tuple[str, str, int] | None:
