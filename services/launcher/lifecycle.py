@@ -241,7 +241,7 @@ class Launcher:
         works later) and keep it `paused` with reason `violation`; idempotent."""
         live = self.get_live(sandbox_id)
         if not live.quarantined:
-            await asyncio.to_thread(_freeze, live.confinement.cgroup_v2)
+            await asyncio.to_thread(set_frozen, live.confinement.cgroup_v2, True)
             live.quarantined = True
             for running in list(live.execs):  # frozen mid-command: their callers get an answer now
                 running.cancel()
@@ -381,17 +381,20 @@ def _init_of(record: SandboxRecord) -> InitProcess | None:
     return InitProcess(pid=record.init_pid, start_time=record.init_start_time) if record.init_pid else None
 
 
-def _freeze(cgroup_v2: str, timeout_s: float = 2.0) -> None:
-    """cgroup.freeze is asynchronous: wait until cgroup.events says every task is frozen."""
+def set_frozen(cgroup_v2: str, frozen: bool, timeout_s: float = 2.0) -> None:
+    """Freeze or thaw every task of the cgroup. cgroup.freeze is asynchronous: wait until
+    cgroup.events says it is done."""
+    want = "1" if frozen else "0"
     with open(f"{cgroup_v2}/cgroup.freeze", "w") as f:
-        f.write("1")
+        f.write(want)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with open(f"{cgroup_v2}/cgroup.events") as f:
-            if "frozen 1" in f.read():
+            if f"frozen {want}" in f.read():
                 return
         time.sleep(0.002)
-    raise ServiceError(ErrorCode.INTERNAL, f"{cgroup_v2} did not freeze within {timeout_s:g} s")
+    raise ServiceError(ErrorCode.INTERNAL,
+                       f"{cgroup_v2} did not {'freeze' if frozen else 'thaw'} within {timeout_s:g} s")
 
 
 def _reap(pid: int) -> None:

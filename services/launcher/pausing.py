@@ -24,7 +24,7 @@ from sandfleet.layers_client import Layers
 from schemas.errors import ErrorCode
 from schemas.node import Checkpoint, CheckpointRequest, HintReply, SelectedReply
 from schemas.sandbox import Reason, SandboxRecord, State
-from services.launcher.lifecycle import Launcher, Live, _freeze
+from services.launcher.lifecycle import Launcher, Live, set_frozen
 
 log = logging.getLogger("sandfleet.launcher")
 
@@ -32,18 +32,6 @@ IDLE_SHARES, ACTIVE_SHARES = 2, 1024  # v1 cpu.shares: the kernel's minimum and 
 IDLE_WEIGHT, ACTIVE_WEIGHT = 1, 100  # v2 cpu.weight: likewise
 CHECKPOINT_TIMEOUT_S = 600.0
 _PAUSE_REASONS = {"requested": Reason.REQUESTED, "memory_pressure": Reason.MEMORY_PRESSURE}
-
-
-def _thaw(cgroup_v2: str, timeout_s: float = 2.0) -> None:
-    with open(f"{cgroup_v2}/cgroup.freeze", "w") as f:
-        f.write("0")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with open(f"{cgroup_v2}/cgroup.events") as f:
-            if "frozen 0" in f.read():
-                return
-        time.sleep(0.002)
-    raise ServiceError(ErrorCode.INTERNAL, f"{cgroup_v2} did not thaw within {timeout_s:g} s")
 
 
 def _not_quarantined(live: Live) -> None:
@@ -57,7 +45,7 @@ async def pause(launcher: Launcher, sandbox_id: str, reason: str = "requested", 
     _not_quarantined(live)
     async with live.freezing:
         if not live.paused:
-            await asyncio.to_thread(_freeze, live.confinement.cgroup_v2)
+            await asyncio.to_thread(set_frozen, live.confinement.cgroup_v2, True)
             live.paused = True
         record, _ = await launcher.store.get(sandbox_id)
         if record.state is State.PAUSED:
@@ -67,7 +55,7 @@ async def pause(launcher: Launcher, sandbox_id: str, reason: str = "requested", 
                                                    only_from=frozenset({State.RUNNING}))
         except ServiceError:  # it is ending meanwhile: leave it as the store says
             if not live.ending:
-                await asyncio.to_thread(_thaw, live.confinement.cgroup_v2)
+                await asyncio.to_thread(set_frozen, live.confinement.cgroup_v2, False)
                 live.paused = False
             raise
 
@@ -78,7 +66,7 @@ async def resume(launcher: Launcher, sandbox_id: str) -> SandboxRecord:
     _not_quarantined(live)
     async with live.freezing:
         if live.paused:
-            await asyncio.to_thread(_thaw, live.confinement.cgroup_v2)
+            await asyncio.to_thread(set_frozen, live.confinement.cgroup_v2, False)
             live.paused = False
         record, _ = await launcher.store.get(sandbox_id)
         if record.state is State.RUNNING:
@@ -141,7 +129,7 @@ async def checkpoint(launcher: Launcher, req: CheckpointRequest) -> Checkpoint:
     async with live.freezing:
         was_frozen = live.paused or live.quarantined
         if not was_frozen:  # a consistent picture: nothing writes while the upper dir is packed
-            await asyncio.to_thread(_freeze, live.confinement.cgroup_v2)
+            await asyncio.to_thread(set_frozen, live.confinement.cgroup_v2, True)
         try:
             # The layer-cache builds (it owns the store); we only hand it the upper dir.
             built = await Layers(launcher.bus).build_dir(req.name, live.rootfs.upper, on=live.rootfs.layers[-1],
@@ -150,7 +138,7 @@ async def checkpoint(launcher: Launcher, req: CheckpointRequest) -> Checkpoint:
             raise ServiceError(getattr(exc, "code", ErrorCode.INTERNAL), f"checkpoint build failed: {exc}") from None
         finally:
             if not was_frozen and not req.keep_paused:
-                await asyncio.to_thread(_thaw, live.confinement.cgroup_v2)
+                await asyncio.to_thread(set_frozen, live.confinement.cgroup_v2, False)
         if not was_frozen and req.keep_paused:
             live.paused = True
     if not was_frozen and req.keep_paused:
