@@ -21,6 +21,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig, StreamInfo
+from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
@@ -94,6 +95,40 @@ async def through_failover(op: Callable[[], Awaitable[T]], what: str, within_s: 
             log.info("JetStream %s: %s; again in %.1fs", what, type(exc).__name__, delay)
             await asyncio.sleep(delay)
             delay = min(1.0, delay * 2)
+
+
+async def kv_values(kv: KeyValue, what: str, timeout: float = 30.0) -> dict[str, bytes]:
+    """Every key's current value in a KV bucket, in one pass (one ordered consumer of each key's
+    last message), instead of nats-py's `keys()` then a read per key.
+
+    nats-py's end-of-listing marker can come before the entries already on their way (it
+    compares the server's pending count, 0 once they are sent, with what its callback has
+    handled), so a listing ending there could miss keys or come back empty. This one ends at
+    the entry with nothing pending after it, or at the stream's last message when the listing
+    began (writes may go on meanwhile). A key written during the listing keeps its last value;
+    one deleted meanwhile is left out."""
+    stream = kv._stream  # nats-py keeps the bucket's stream name here (KV_<bucket>)
+    state = (await through_failover(lambda: kv._js.stream_info(stream), what)).state
+    if state.messages == 0:
+        return {}
+    watcher = await through_failover(kv.watchall, what)
+    latest: dict[str, bytes] = {}
+    try:
+        while True:
+            try:
+                entry = await watcher.updates(timeout=timeout)
+            except nats.errors.TimeoutError:  # unreadable is not absent
+                raise errors.ServiceError(ErrorCode.TIMEOUT, f"{what} stalled for {timeout:g} s") from None
+            if entry is None:
+                continue  # nats-py's marker: see above
+            if entry.value:
+                latest[entry.key] = entry.value
+            else:
+                latest.pop(entry.key, None)
+            if entry.delta == 0 or entry.revision >= state.last_seq:
+                return latest
+    finally:
+        await watcher.stop()
 
 
 class ReplicatedJetStream(JetStreamContext):

@@ -25,7 +25,7 @@ from sandfleet._requests import _spec
 from sandfleet._rollout import RolloutChange, _FleetRollout
 from sandfleet._sandbox import ExecResult, Sandbox
 from sandfleet._security import _FleetSecurity
-from sandfleet.bus import Bus, decode
+from sandfleet.bus import Bus, decode, kv_values
 from sandfleet.config import nats_url
 from schemas import events, node, sandbox
 from schemas.events import AnySandboxEvent
@@ -263,16 +263,7 @@ class Fleet(_FleetRollout, _FleetSecurity):
 
     async def nodes(self) -> list[node.NodeInfo]:
         kv = await self.bus.js.key_value(node.KV_BUCKET)
-        try:
-            keys = await kv.keys()
-        except Exception:  # nats raises NoKeysError on an empty bucket
-            return []
-        found = []
-        for key in keys:
-            entry = await kv.get(key)
-            if entry.value:
-                found.append(decode(entry.value, node.NodeInfo))
-        return found
+        return [decode(value, node.NodeInfo) for value in (await kv_values(kv, "list nodes")).values()]
 
     async def ping(self, service: str, timeout: float = 1.0) -> bool:
         try:

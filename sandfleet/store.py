@@ -22,7 +22,7 @@ from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConf
 from nats.js.kv import KeyValue
 
 from sandfleet import errors
-from sandfleet.bus import Bus, decode, encode, through_failover
+from sandfleet.bus import Bus, decode, encode, kv_values, through_failover
 from schemas import events, node, sandbox
 from schemas.errors import ErrorCode
 from schemas.sandbox import ENDED, Reason, SandboxRecord, State
@@ -331,39 +331,10 @@ class SandboxStore:
         """Every record (on `node_id`), read in one pass: an ordered consumer of each key's last
         value, not a key listing and then one read per key (at 32,000 sandboxes that was 64,000
         messages and 32,000 round trips a call)."""
-        stream = f"KV_{sandbox.KV_BUCKET}"
-        state = (await through_failover(lambda: self.bus.js.stream_info(stream), "list sandboxes")).state
-        if state.messages == 0:
-            return []
-        watcher = await through_failover(lambda: self.kv.watchall(), "list sandboxes")
-        latest: dict[str, bytes] = {}  # a key written during the listing comes again: its last value wins
-        try:
-            while True:
-                entry = await self._next(watcher)
-                if entry is None:
-                    # nats-py's end-of-listing marker can come before the entries already on their
-                    # way (it compares the server's pending count, 0 once they are sent, with what
-                    # its callback has handled): the end is the entry after which none is pending,
-                    # or the stream's last one when the listing began (writes may go on meanwhile).
-                    continue
-                if entry.value:
-                    latest[entry.key] = entry.value
-                else:  # deleted or purged meanwhile
-                    latest.pop(entry.key, None)
-                if entry.delta == 0 or entry.revision >= state.last_seq:
-                    break
-        finally:
-            await watcher.stop()
+        latest = await kv_values(self.kv, "list sandboxes")
         records = [decode(value, SandboxRecord) for value in latest.values()]
         return [r for r in records
                 if (node_id is None or r.node == node_id) and (include_ended or r.state not in ENDED)]
-
-    @staticmethod
-    async def _next(watcher: Any) -> Any:
-        try:
-            return await watcher.updates(timeout=30.0)
-        except nats.errors.TimeoutError:  # unreadable is not absent
-            raise errors.ServiceError(ErrorCode.TIMEOUT, "listing the sandboxes stalled for 30 s") from None
 
     async def forget(self, sandbox_id: str) -> None:
         """Drop an ended record; its events stay in the stream as the audit trail."""

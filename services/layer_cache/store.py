@@ -22,7 +22,7 @@ from nats.js.api import KeyValueConfig, ObjectMeta, ObjectMetaOptions, ObjectSto
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from sandfleet.bus import decode, encode
+from sandfleet.bus import decode, encode, kv_values
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
 from schemas.layers import CHUNK_BYTES, KV_BUCKET, OBJECT_BUCKET, UPLOAD_BUCKET, UPLOAD_TTL_S, Layer
@@ -217,12 +217,8 @@ class LayerStore:
 
     async def all(self) -> dict[str, Layer]:
         """Every reference (KV key) and the build it points at."""
-        try:
-            keys = await self.kv.keys()
-        except nats.js.errors.NoKeysError:
-            return {}
         found = {}
-        for key in keys:
+        for key in await kv_values(self.kv, "list layers"):
             try:
                 found[key] = await self.get(Ref.from_key(key))
             except ServiceError:

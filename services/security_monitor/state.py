@@ -10,7 +10,7 @@ import nats.js.errors
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from sandfleet.bus import Bus, decode, encode
+from sandfleet.bus import Bus, decode, encode, kv_values
 from sandfleet.errors import ServiceError
 from schemas import security
 from schemas.errors import ErrorCode
@@ -48,11 +48,7 @@ class Policies:
         await self.kv.put(policy.task, encode(policy))
 
     async def all(self) -> list[Policy]:
-        try:
-            keys = await self.kv.keys()
-        except nats.js.errors.NoKeysError:
-            return []
-        return [await self.get(key) for key in sorted(keys)]
+        return [await self.get(key) for key in sorted(await kv_values(self.kv, "list policies"))]
 
 
 class Ledger:
