@@ -50,8 +50,8 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 # -- shared by the container benchmarks: a platform and a layer ---------------------------------
 
-async def build_busybox_layer(fleet: sandfleet.Fleet, name: str = LAYER) -> None:
-    """A tiny root: the host's static busybox and a few applets, an /etc, a /workspace."""
+async def build_busybox_layer(fleet: sandfleet.Fleet, name: str = LAYER, applets: tuple[str, ...] = APPLETS) -> None:
+    """A tiny root: the host's static busybox and `applets`, an /etc, a /workspace."""
     if not os.path.exists("/bin/busybox"):
         raise RuntimeError("the container benchmarks need busybox-static at /bin/busybox")
     with tempfile.TemporaryDirectory(prefix="bench-layer-") as tmp:
@@ -59,7 +59,7 @@ async def build_busybox_layer(fleet: sandfleet.Fleet, name: str = LAYER) -> None
         for d in ("bin", "etc", "workspace", "tmp"):
             (root / d).mkdir(parents=True)
         shutil.copy2("/bin/busybox", root / "bin" / "busybox")
-        for applet in APPLETS:
+        for applet in applets:
             os.symlink("busybox", root / "bin" / applet)
         (root / "etc" / "hostname").write_text("bench\n")
         await Layers(fleet.bus).build_dir(name, root)

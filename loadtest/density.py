@@ -25,7 +25,7 @@ from pathlib import Path
 
 import sandfleet
 from loadtest.container_rate import LAYER, build_busybox_layer
-from loadtest.platform import running_platform
+from loadtest.platform import leftovers, running_platform
 from loadtest.report import print_table, write_json
 
 KIB = 1024
@@ -89,21 +89,6 @@ def sandbox_memory(node_id: str, sandbox_ids: list[str]) -> dict[str, float]:
             charged.append(int(f.read()) / KIB)
     mean = lambda xs: round(statistics.mean(xs), 1) if xs else 0.0  # noqa: E731
     return {"processes_pss_kib": mean(pss), "cgroup_charged_kib": mean(charged), "processes": mean(procs)}
-
-
-def leftovers(node_id: str, data_dir: Path) -> dict[str, list[str]]:
-    """What of the node's sandboxes the machine still holds (after destroying them all)."""
-    with open("/proc/self/mountinfo") as f:
-        mounts = [line.split()[4] for line in f if " overlay " in line and str(data_dir) in line
-                  and "/sandboxes/" in line.split()[4]]
-    cgroups = []
-    for hierarchy in os.listdir("/sys/fs/cgroup"):
-        node_dir = f"/sys/fs/cgroup/{hierarchy}/sandfleet/{node_id}"
-        if os.path.isdir(node_dir):
-            cgroups += [f"{node_dir}/{d}" for d in os.listdir(node_dir) if os.path.isdir(f"{node_dir}/{d}")]
-    netns = [n for n in os.listdir("/run/netns") if n.startswith(f"sf-{node_id}.")] if os.path.isdir("/run/netns") else []
-    left = {"overlays": mounts, "cgroups": cgroups, "netns": netns}
-    return {k: v for k, v in left.items() if v}
 
 
 async def _start_sleep(boxes: list[sandfleet.Sandbox], concurrency: int) -> None:
@@ -189,7 +174,7 @@ async def step_up(url: str, node_id: str, data_dir: Path, args: argparse.Namespa
             },
             "fits_in_available_memory": int(before["MemAvailable"] / per_sandbox_used) if per_sandbox_used > 0 else None,
             "steps": steps,
-            "left_after_destroy": leftovers(node_id, data_dir),
+            "left_after_destroy": leftovers([node_id], data_dir),
             "live_after_destroy": len(await fleet.list()),
             "data_dir": str(data_dir),
         }

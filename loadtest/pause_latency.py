@@ -23,16 +23,14 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import sandfleet
+from loadtest.container_rate import build_busybox_layer
 from loadtest.platform import running_platform
 from loadtest.report import percentiles, print_table, write_json
-from sandfleet.layers_client import Layers
 
 LAYER = "bench-pause-busybox"
 APPLETS = ("sh", "dd", "sha256sum", "cut", "cat", "echo", "sleep", "true", "rm")
@@ -40,20 +38,6 @@ OPS = ("pause", "resume", "checkpoint", "restore", "read_restored")
 # Placement's pressure feedback would refuse sandboxes on a busy shared machine: not what this measures.
 ENV = {"SANDFLEET_LOG_LEVEL": "WARNING", "SANDFLEET_CPU_PSI_LIMIT": "0", "SANDFLEET_MEMORY_PSI_LIMIT": "0",
        "SANDFLEET_PLACEMENT_MIN_SHARE": "1"}
-
-
-async def build_layer(fleet: sandfleet.Fleet) -> None:
-    if not os.path.exists("/bin/busybox"):
-        raise RuntimeError("this benchmark needs busybox-static at /bin/busybox")
-    with tempfile.TemporaryDirectory(prefix="bench-layer-") as tmp:
-        root = Path(tmp) / "root"
-        for d in ("bin", "etc", "workspace", "tmp", "dev"):
-            (root / d).mkdir(parents=True)
-        shutil.copy2("/bin/busybox", root / "bin" / "busybox")
-        for applet in APPLETS:
-            os.symlink("busybox", root / "bin" / applet)
-        (root / "etc" / "hostname").write_text("bench\n")
-        await Layers(fleet.bus).build_dir(LAYER, root)
 
 
 async def _checked(sb: sandfleet.Sandbox, script: str) -> bytes:
@@ -109,7 +93,7 @@ async def run(url: str, args: argparse.Namespace, nodes: list[str]) -> tuple[dic
             if time.monotonic() > deadline:
                 raise RuntimeError(f"nodes {nodes} did not all register")
             await asyncio.sleep(0.2)
-        await build_layer(fleet)
+        await build_busybox_layer(fleet, LAYER, APPLETS)
         for i in range(args.rounds):
             moves.append(await one_round(fleet, nodes, args.workspace_mb, lat))
             print(f"round {i + 1}/{args.rounds}: " + ", ".join(f"{op} {lat[op][-1]:.0f} ms" for op in OPS),

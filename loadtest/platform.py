@@ -40,3 +40,43 @@ def running_platform(node_id: str, env: dict[str, str] | None = None, nodes: int
             subprocess.run([*CLI, "down", "--data-dir", tmp], capture_output=True, env=full_env)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(supervisor, 0)
+
+
+# -- what a benchmark's nodes leave behind ---------------------------------------------------------
+
+def sandbox_processes(nodes: list[str]) -> list[str]:
+    """Processes in a sandbox cgroup of these nodes (`.../sandfleet/<node>/<sandbox>`)."""
+    marks = tuple(f"/sandfleet/{n}/" for n in nodes)
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:
+                held = next((line.split(":", 2)[2].strip() for line in f if any(m in line for m in marks)), "")
+            if held:
+                with open(f"/proc/{pid}/stat") as f:
+                    stat = f.read()
+                comm, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2]
+                found.append(f"{pid}:{comm}:{state}:{held}")
+        except OSError:
+            continue
+    return found
+
+
+def leftovers(nodes: list[str], data_dir: Path, whole_node: bool = False) -> dict[str, list[str]]:
+    """What of the nodes' sandboxes the machine still holds (`whole_node`: of the nodes at all,
+    after `down`: every mount under the data dir and the nodes' own cgroup roots)."""
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    mounts = [p for p in points if p.startswith(str(data_dir)) and (whole_node or "/sandboxes/" in p)]
+    cgroups = []
+    for hierarchy in os.listdir("/sys/fs/cgroup"):
+        for n in nodes:
+            node_dir = f"/sys/fs/cgroup/{hierarchy}/sandfleet/{n}"
+            if whole_node and os.path.isdir(node_dir):
+                cgroups.append(node_dir)
+            elif os.path.isdir(node_dir):
+                cgroups += [f"{node_dir}/{d}" for d in os.listdir(node_dir) if os.path.isdir(f"{node_dir}/{d}")]
+    netns = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
+    left = {"mounts": mounts, "cgroups": cgroups, "netns": [x for x in netns if any(x.startswith(f"sf-{n}.") for n in nodes)],
+            "processes": sandbox_processes(nodes)}
+    return {k: v for k, v in left.items() if v}

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import sandfleet
 from loadtest.container_rate import LAYER, build_busybox_layer
-from loadtest.platform import running_platform
+from loadtest.platform import leftovers, running_platform
 from loadtest.report import percentiles, print_table, write_json
 from sandfleet.bus import decode
 from schemas import events
@@ -93,44 +93,6 @@ def cpu_used(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int
         row["own_s"] = round(row["own_s"] + (own - b_own) / TICK, 2)
         row["children_s"] = round(row["children_s"] + (kids - b_kids) / TICK, 2)
     return used
-
-
-def sandbox_processes(nodes: list[str]) -> list[str]:
-    """Processes in a sandbox cgroup of these nodes (`.../sandfleet/<node>/<sandbox>`)."""
-    marks = tuple(f"/sandfleet/{n}/" for n in nodes)
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cgroup") as f:
-                held = next((line.split(":", 2)[2].strip() for line in f if any(m in line for m in marks)), "")
-            if held:
-                with open(f"/proc/{pid}/stat") as f:
-                    stat = f.read()
-                comm, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2]
-                found.append(f"{pid}:{comm}:{state}:{held}")
-        except OSError:
-            continue
-    return found
-
-
-def leftovers(nodes: list[str], data_dir: Path, whole_node: bool = False) -> dict[str, list[str]]:
-    """What of the nodes' sandboxes the machine still holds (`whole_node`: of the nodes at all,
-    after `down`: every mount under the data dir and the nodes' own cgroup roots)."""
-    with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4] for line in f]
-    mounts = [p for p in points if p.startswith(str(data_dir)) and (whole_node or "/sandboxes/" in p)]
-    cgroups = []
-    for hierarchy in os.listdir("/sys/fs/cgroup"):
-        for n in nodes:
-            node_dir = f"/sys/fs/cgroup/{hierarchy}/sandfleet/{n}"
-            if whole_node and os.path.isdir(node_dir):
-                cgroups.append(node_dir)
-            elif os.path.isdir(node_dir):
-                cgroups += [f"{node_dir}/{d}" for d in os.listdir(node_dir) if os.path.isdir(f"{node_dir}/{d}")]
-    netns = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
-    left = {"mounts": mounts, "cgroups": cgroups, "netns": [x for x in netns if any(x.startswith(f"sf-{n}.") for n in nodes)],
-            "processes": sandbox_processes(nodes)}
-    return {k: v for k, v in left.items() if v}
 
 
 async def _registered(fleet: sandfleet.Fleet, nodes: list[str], layer: str | None, timeout: float) -> bool:
