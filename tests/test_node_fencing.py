@@ -11,6 +11,7 @@ from unittest import mock
 import pytest
 
 import sandfleet
+from sandfleet.kernel.process import InitProcess, is_alive
 from schemas.sandbox import Reason, State
 from tests.conftest import NODE_ID, start_platform, stop_platform
 
@@ -24,14 +25,6 @@ def fenced(leak_check, tmp_path_factory):
     stop_platform(p)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _cgroup_dirs(node_id: str, sandbox_id: str) -> list[str]:
     return [d for h in os.listdir("/sys/fs/cgroup")
             for d in [f"/sys/fs/cgroup/{h}/sandfleet/{node_id}/{sandbox_id}"] if os.path.isdir(d)]
@@ -40,7 +33,8 @@ def _cgroup_dirs(node_id: str, sandbox_id: str) -> list[str]:
 async def test_a_node_back_from_lost_tears_down_the_sandboxes_placement_failed(fenced):
     async with sandfleet.connect(fenced.url) as fleet:
         sb = await fleet.create(memory_mb=64, host_view=True)
-        init = (await fleet.get(sb.id)).init_pid
+        record = await fleet.get(sb.id)
+        init = InitProcess(record.init_pid, record.init_start_time)
         assert _cgroup_dirs(fenced.node_id, sb.id)
         launcher = fenced.service_pid("launcher")
         os.kill(launcher, signal.SIGSTOP)  # hung: no heartbeats, but everything it started still runs
@@ -50,12 +44,12 @@ async def test_a_node_back_from_lost_tears_down_the_sandboxes_placement_failed(f
                 assert time.monotonic() < deadline, f"placement never gave the node up: {record.state}"
                 await asyncio.sleep(0.5)
             assert record.reason is Reason.NODE_LOST
-            assert _alive(init)  # what fencing is for: a failed sandbox still running on its node
+            assert is_alive(init)  # what fencing is for: a failed sandbox still running on its node
         finally:
             os.kill(launcher, signal.SIGCONT)
 
         deadline = time.monotonic() + 30
-        while _alive(init) or _cgroup_dirs(fenced.node_id, sb.id):
+        while is_alive(init) or _cgroup_dirs(fenced.node_id, sb.id):
             assert time.monotonic() < deadline, "the node kept running a sandbox placement had failed"
             await asyncio.sleep(0.2)
         record = await fleet.get(sb.id)  # the trainer was told `failed`, and the record says so still
