@@ -4,7 +4,6 @@ pause/resume/hint, checkpoint), sent straight to the node that holds it (`node.v
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sandfleet._requests import _convert
@@ -15,14 +14,7 @@ if TYPE_CHECKING:
     from sandfleet.client import Fleet
 
 
-@dataclass(frozen=True)
-class ExecResult:
-    exit_code: int
-    stdout: bytes
-    stderr: bytes
-    timed_out: bool = False
-    truncated: bool = False
-    duration_ms: float = 0.0
+ExecResult = node.ExecReply  # what a command did: the node's reply as it came
 
 
 class Sandbox:
@@ -49,8 +41,7 @@ class Sandbox:
         stdin: bytes = b"",
     ) -> ExecResult:
         req = node.ExecRequest(sandbox_id=self.id, argv=argv, env=env or {}, cwd=cwd, stdin=stdin, timeout_s=timeout_s)
-        r = await self._fleet.bus.request(self._subject(node.EXEC), req, node.ExecReply, timeout=timeout_s + 10)
-        return ExecResult(r.exit_code, r.stdout, r.stderr, r.timed_out, r.truncated, r.duration_ms)
+        return await self._fleet.bus.request(self._subject(node.EXEC), req, node.ExecReply, timeout=timeout_s + 10)
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:
         req = node.WriteFileRequest(sandbox_id=self.id, path=path, data=data, mode=mode)
