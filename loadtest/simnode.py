@@ -2,8 +2,8 @@
 
 A `SimulatedNode` registers in KV `nodes` (with `simulated=True`) and heartbeats like a
 launcher, answers `node.v1.<node>.launch` and `destroy`, and moves each sandbox's record
-through `starting` → `running` (real JetStream writes and lifecycle events) after a modelled
-launch latency, but creates nothing: no process, cgroup, mount or namespace. It exists so
+to `running` (real JetStream writes and lifecycle events; through `starting` only when the
+launch outlasts the launcher's grace, as a launcher's does) after a modelled launch latency, but creates nothing: no process, cgroup, mount or namespace. It exists so
 the control plane (placement, the ledger, the bus) can be measured and tested at cluster
 size on one machine. `ControlPlane` starts a private nats-server and N real placement
 replicas (each its own process) for them, and can run simulated nodes in processes of their
@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sandfleet import runner
 from sandfleet.bus import Bus, Endpoint, encode
 from sandfleet.errors import ServiceError
 from sandfleet.store import SandboxStore, ensure_state
@@ -33,6 +34,7 @@ from schemas import node as node_schema
 from schemas.errors import ErrorCode
 from schemas.node import DestroyReply, DestroyRequest, LaunchReply, LaunchRequest, LaunchResult, NodeInfo, NodePressure
 from schemas.sandbox import Reason, SandboxSpec, State
+from services.launcher.starting import StartingMarks, placed_record
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -112,16 +114,20 @@ class SimulatedNode:
             self.accepted_memory_mb += item.spec.memory_mb
             self.starting[item.id] = item.spec
         ids = [i.id for i in req.sandboxes]
-        known = {i.id: (i.record, i.revision) for i in req.sandboxes if i.record is not None and i.revision}
+        known = {i.id: placed for i in req.sandboxes if (placed := placed_record(i))}
+        # As the launcher does: `starting` only for what is still being built after the grace.
+        marks = StartingMarks(self.store, ids, known=known)
         results: dict[str, LaunchResult] = {}
         try:
-            for new in (State.STARTING, State.RUNNING):
-                outcome = await self.store.transition_many([i for i in ids if i not in results], new, known=known)
-                for item_id, out in zip([i for i in ids if i not in results], outcome):
-                    if isinstance(out, ServiceError):
-                        results[item_id] = LaunchResult(id=item_id, ok=False, error=out.message, code=out.code)
-                if new is State.STARTING:  # the modelled launch: nothing is made
-                    await asyncio.sleep(random.uniform(*self.launch_ms) / 1000)
+            await asyncio.sleep(random.uniform(*self.launch_ms) / 1000)  # the modelled launch: nothing is made
+            for item_id in ids:
+                refused = await marks.settle(item_id)
+                if refused is not None:
+                    results[item_id] = LaunchResult(id=item_id, ok=False, error=refused.message, code=refused.code)
+            todo = [i for i in ids if i not in results]
+            for item_id, out in zip(todo, await self.store.transition_many(todo, State.RUNNING, known=known)):
+                if isinstance(out, ServiceError):
+                    results[item_id] = LaunchResult(id=item_id, ok=False, error=out.message, code=out.code)
         finally:
             for item in req.sandboxes:
                 self.starting.pop(item.id, None)
@@ -306,4 +312,4 @@ if __name__ == "__main__":
     ap.add_argument("--capacity", type=int, default=2000)
     ap.add_argument("--first", type=int, default=0, help="number of the first node's id")
     a = ap.parse_args()
-    asyncio.run(_serve(a.url, a.nodes, a.capacity, a.first))
+    runner.run_loop(_serve(a.url, a.nodes, a.capacity, a.first))  # as a launcher's: uvloop, tuned collector

@@ -163,8 +163,7 @@ class Fleet(_FleetRollout, _FleetSecurity):
         async with self._batch_subs_lock:
             if not self._batch_subs:
                 self._batch_subs = [
-                    await self.bus.nc.subscribe(events.sandbox_subject("*", name), cb=self._on_batch_event,
-                                                pending_msgs_limit=8 * sandbox.MAX_BATCH, pending_bytes_limit=-1)
+                    await self.bus.subscribe_direct(events.sandbox_subject("*", name), self._on_batch_event)
                     for name in ("started", "failed")
                 ]
             self._batch_waiters.append(settled)
@@ -177,7 +176,7 @@ class Fleet(_FleetRollout, _FleetSecurity):
                 for sub in subs:
                     await sub.unsubscribe()
 
-    async def _on_batch_event(self, msg: Msg) -> None:
+    def _on_batch_event(self, msg: Msg) -> None:
         event = decode(msg.data, AnySandboxEvent)
         if event.state in (sandbox.State.RUNNING, sandbox.State.FAILED):
             for settled in list(self._batch_waiters):

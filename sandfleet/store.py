@@ -186,8 +186,7 @@ class SandboxStore:
         nc = self.bus.nc
         if self._mux is None:  # made once, also when bursts start together
             self._mux_prefix = nc.new_inbox()
-            self._mux = asyncio.ensure_future(nc.subscribe(
-                self._mux_prefix + ".*.*", cb=self._on_reply, pending_msgs_limit=1 << 20, pending_bytes_limit=-1))
+            self._mux = asyncio.ensure_future(self.bus.subscribe_direct(self._mux_prefix + ".*.*", self._on_reply))
         try:
             await self._mux
         except BaseException:
@@ -211,7 +210,7 @@ class SandboxStore:
             self._waiting.pop(token, None)
         return waiting.replies  # type: ignore[return-value]
 
-    async def _on_reply(self, msg: Msg) -> None:
+    def _on_reply(self, msg: Msg) -> None:
         _, token, n = msg.subject.rsplit(".", 2)
         waiting = self._waiting.get(token)
         if waiting is None or waiting.replies[int(n)] is not None:
@@ -274,13 +273,15 @@ class SandboxStore:
         detail: str = "",
         change: Callable[[SandboxRecord], SandboxRecord] | None = None,
         only_from: frozenset[State] | None = None,
+        known: tuple[SandboxRecord, int] | None = None,
     ) -> SandboxRecord:
         """Move a sandbox to `new`, retrying on concurrent writers; refuses illegal moves, and
         moves from a state outside `only_from` (e.g. placement failing a launch whose reply was
-        lost must not fail a sandbox the node did start)."""
+        lost must not fail a sandbox the node did start). `known`: the record and revision as the
+        caller last saw them, tried (like what this process wrote last) before a read."""
         sent: tuple[SandboxRecord, State] | None = None
         for attempt in range(20):
-            cached = self._written.pop(sandbox_id, None) if attempt == 0 else None
+            cached = (self._written.pop(sandbox_id, None) or known) if attempt == 0 else None
             record, revision = cached or await self.get(sandbox_id)
             if cached and (record.state is new or not sandbox.can_transition(record.state, new)):
                 continue  # judge only on what the store holds now

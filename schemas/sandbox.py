@@ -163,7 +163,7 @@ ENDED = frozenset({State.STOPPED, State.FAILED})
 
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.REQUESTED: frozenset({State.SCHEDULED, State.FAILED}),
-    State.SCHEDULED: frozenset({State.STARTING, State.STOPPING, State.FAILED}),
+    State.SCHEDULED: frozenset({State.STARTING, State.RUNNING, State.STOPPING, State.FAILED}),  # running: built within the grace
     State.STARTING: frozenset({State.RUNNING, State.STOPPING, State.FAILED}),
     State.RUNNING: frozenset({State.PAUSED, State.STOPPING, State.FAILED}),
     State.PAUSED: frozenset({State.RUNNING, State.STOPPING, State.FAILED}),

@@ -54,8 +54,9 @@ async def test_lifecycle_events_follow_the_state_machine(fleet):
     record = await sb.destroy()
     assert record.state is State.STOPPED and record.reason is Reason.REQUESTED
     got = await _collect(fleet, sb.id, "stopped")
-    assert [e.name for e in got] == ["scheduled", "starting", "started", "stopping", "stopped"]
-    assert [e.seq for e in got] == [1, 2, 3, 4, 5]
+    # `starting` is recorded only for a launch still building after the grace (0.5 s).
+    assert [e.name for e in got if e.name != "starting"] == ["scheduled", "started", "stopping", "stopped"]
+    assert [e.seq for e in got] == list(range(1, len(got) + 1))
 
 
 async def test_expired_sandbox_is_destroyed_and_its_event_says_so(fleet):

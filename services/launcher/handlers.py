@@ -38,10 +38,13 @@ from sandfleet.kernel import process as process_runtime
 from services.launcher import pausing
 from services.launcher.lifecycle import Launcher, Live
 from services.launcher.runtimes import ExecFailed
+from services.launcher.starting import StartingMarks, placed_record
 
 
 async def launch(launcher: Launcher, req: LaunchRequest) -> LaunchReply:
-    return LaunchReply(results=list(await asyncio.gather(*(launcher.launch(item) for item in req.sandboxes))))
+    marks = StartingMarks(launcher.store, [item.id for item in req.sandboxes],
+                          known={item.id: placed for item in req.sandboxes if (placed := placed_record(item))})
+    return LaunchReply(results=list(await asyncio.gather(*(launcher.launch(item, marks) for item in req.sandboxes))))
 
 
 async def exec_(launcher: Launcher, req: ExecRequest) -> ExecReply:

@@ -33,6 +33,7 @@ from sandfleet.kernel import container as container_runtime
 from sandfleet.kernel import process as process_runtime
 from sandfleet.kernel.process import InitProcess
 from services.launcher.runtimes import LaunchRefused, Runtimes
+from services.launcher.starting import StartingMarks, placed_record
 
 log = logging.getLogger("sandfleet.launcher")
 
@@ -71,6 +72,7 @@ class Launcher:
     default_layers: tuple[str, ...] = ()  # `sandfleet up --default-layers`: the root of a sandbox naming none
     slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(LAUNCH_CONCURRENCY))
     building: int = 0  # launches past their slot, not yet live or failed
+    launching: set[str] = field(default_factory=set)  # ids queued or being built
     closing: bool = False  # destroy_all has begun: queued launches end instead of being built
 
     @property
@@ -80,29 +82,39 @@ class Launcher:
 
     # -- launch ------------------------------------------------------------------------
 
-    async def launch(self, item: LaunchItem) -> LaunchResult:
+    async def launch(self, item: LaunchItem, marks: StartingMarks) -> LaunchResult:
+        """Build one sandbox of a launch request. `marks` writes `starting` for those still queued
+        or building after the grace (so placement never fails them as unlaunched); they are
+        built a few at a time: a batch of thousands at once would send the agent and the
+        layer-cache thousands of requests together, and the last would wait past their timeouts."""
+        if item.id in self.live or item.id in self.launching:  # a launch request sent twice
+            await marks.settle(item.id)
+            return LaunchResult(id=item.id, ok=False, error=f"sandbox {item.id} is already launched here",
+                                code=ErrorCode.CONFLICT)
+        self.launching.add(item.id)
         try:
-            await self.store.transition(item.id, State.STARTING)
-        except ServiceError as exc:
-            return LaunchResult(id=item.id, ok=False, error=exc.message)
-        # `starting` at once (so placement never fails it as unlaunched), built a few at a time:
-        # a batch of thousands at once would send the agent and the layer-cache thousands of
-        # requests together, and the last would wait past their timeouts.
-        async with self.slots:
-            if self.closing:  # queued behind the slots when the node began to stop: never built
-                await self._end(item.id, State.FAILED, Reason.NODE_SHUTDOWN, "the node stopped before it was built")
-                return LaunchResult(id=item.id, ok=False, error="the node is shutting down")
-            if item.answer_by and time.time() > item.answer_by:  # its caller gave up while it queued
-                detail = "queued behind other launches past its caller's timeout"
-                await self._end(item.id, State.FAILED, Reason.LAUNCH_FAILED, detail)
-                return LaunchResult(id=item.id, ok=False, error=detail, code=ErrorCode.TIMEOUT)
-            self.building += 1
-            try:
-                return await self._start(item)
-            finally:
-                self.building -= 1
+            async with self.slots:
+                if self.closing:  # queued behind the slots when the node began to stop: never built
+                    return await self._refuse(item, marks, Reason.NODE_SHUTDOWN, "the node stopped before it was built",
+                                              "the node is shutting down")
+                if item.answer_by and time.time() > item.answer_by:  # its caller gave up while it queued
+                    detail = "queued behind other launches past its caller's timeout"
+                    return await self._refuse(item, marks, Reason.LAUNCH_FAILED, detail, detail, ErrorCode.TIMEOUT)
+                self.building += 1
+                try:
+                    return await self._start(item, marks)
+                finally:
+                    self.building -= 1
+        finally:
+            self.launching.discard(item.id)
 
-    async def _start(self, item: LaunchItem) -> LaunchResult:
+    async def _refuse(self, item: LaunchItem, marks: StartingMarks, reason: Reason, detail: str, error: str,
+                      code: ErrorCode = ErrorCode.INTERNAL) -> LaunchResult:
+        await marks.settle(item.id)
+        await self._end(item.id, State.FAILED, reason, detail)
+        return LaunchResult(id=item.id, ok=False, error=error, code=code)
+
+    async def _start(self, item: LaunchItem, marks: StartingMarks) -> LaunchResult:
         spec = item.spec
         rootfs: Rootfs | None = None
         try:
@@ -123,6 +135,7 @@ class Launcher:
             else:
                 log.exception("launch of %s failed", item.id)
             await self._release(item.id, spec)
+            await marks.settle(item.id)
             await self._end(item.id, State.FAILED, Reason.LAUNCH_FAILED, detail)
             return LaunchResult(id=item.id, ok=False, error=detail, code=_failure_code(exc))
         now = time.time()
@@ -135,7 +148,10 @@ class Launcher:
             )
 
         try:
-            await self.store.transition(item.id, State.RUNNING, change=running)
+            refused = await marks.settle(item.id)
+            if refused is not None:  # it ended while being built (placement gave up on it)
+                raise refused
+            await self.store.transition(item.id, State.RUNNING, change=running, known=placed_record(item))
         except ServiceError as exc:  # destroyed while starting
             await self.destroy(item.id, Reason.REQUESTED)
             return LaunchResult(id=item.id, ok=False, error=exc.message)
