@@ -1,10 +1,10 @@
 """SIMULATED nodes and a control plane to run them against: load-test machinery, not a runtime.
 
 A `SimulatedNode` registers in KV `nodes` (with `simulated=True`) and heartbeats like a
-launcher, answers `node.v1.<node>.launch` and `destroy`, and moves each sandbox's record
-to `running` (real JetStream writes and lifecycle events; through `starting` only when the
-launch outlasts the launcher's grace, as a launcher's does) after a modelled launch latency, but creates nothing: no process, cgroup, mount or namespace. It exists so
-the control plane (placement, the ledger, the bus) can be measured and tested at cluster
+launcher, answers `node.v1.<node>.launch` and `destroy`, and moves each sandbox's record to
+`running` after a modelled launch latency (real JetStream writes and lifecycle events; through
+`starting` only for a launch outlasting the launcher's grace, as a launcher does), but creates
+nothing: no process, cgroup, mount or namespace. It exists so the control plane (placement, the ledger, the bus) can be measured and tested at cluster
 size on one machine. `ControlPlane` starts a private nats-server and N real placement
 replicas (each its own process) for them, and can run simulated nodes in processes of their
 own (`python -m loadtest.simnode --url URL --nodes N`), apart from the SDK that drives them.
