@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,6 +66,36 @@ class _Burst:
     done: asyncio.Future
 
 
+class _IngestError(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _IngestFrame(msgspec.Struct):
+    """What comes back on a fast-ingest batch's inbox: flow frames (`type` ack/gap/err), then
+    one terminal frame (`stream` set) with the count stored or the batch's error."""
+
+    type: str = ""
+    stream: str = ""
+    count: int = 0
+    error: _IngestError | None = None
+
+
+_ingest_frame = msgspec.json.Decoder(_IngestFrame)
+_BATCH_DISABLED = 10205  # JetStream's "batch publish is disabled": the stream has no allow_batched
+INGEST_CHUNK = 2000  # messages per fast-ingest batch
+
+
+@dataclass
+class _Ingest:
+    """One fast-ingest batch in flight: its terminal frame, and the first error frame seen."""
+
+    size: int
+    done: asyncio.Future
+    error: str = ""
+
+
 def _refused(reply: Msg) -> bool:
     return b'"error"' in reply.data or bool(reply.headers and reply.headers.get("Status"))
 
@@ -90,10 +122,16 @@ async def ensure_state(bus: Bus) -> None:
                 storage=StorageType.FILE,
                 max_age=EVENTS_MAX_AGE_S,
                 duplicate_window=120,
+                allow_batched=True,  # events go in fast-ingest batches (SandboxStore._pipelined)
             )
         )
-    except nats.js.errors.BadRequestError:
-        pass  # exists with another config (an operator tuned it); keep theirs
+    except nats.js.errors.BadRequestError:  # exists with another config (an operator tuned it): keep theirs,
+        info = await js.stream_info(events.STREAM)  # but let it take batches of events
+        if not info.config.allow_batched:
+            try:
+                await js.update_stream(dataclasses.replace(info.config, allow_batched=True))
+            except nats.js.errors.Error:
+                pass  # a server before 2.14: each event then waits for its own ack
 
 
 class SandboxStore:
@@ -107,7 +145,9 @@ class SandboxStore:
         self._mux: Any = None
         self._mux_prefix = ""
         self._bursts = 0
-        self._waiting: dict[str, _Burst] = {}
+        self._waiting: dict[str, _Burst | _Ingest] = {}
+        self._batch_base = secrets.token_hex(8)  # + a burst token: a batch id no other sender uses
+        self._ingest = True  # events go as fast-ingest batches until the stream refuses them
 
     @classmethod
     async def open(cls, bus: Bus) -> SandboxStore:
@@ -171,22 +211,56 @@ class SandboxStore:
         return [(r, _ack.decode(a.data).seq) for r, a in zip(records, acks)]
 
     async def _pipelined(self, messages: list[tuple[str, bytes, dict[str, str]]], timeout: float) -> None:
-        """JetStream publishes sent back to back; raises if any is refused or unacknowledged.
-        Each one waits for its own ack: a stream whose ingest queue is full (100,000 messages)
-        drops a publish that asked for none without a word."""
+        """Events appended to their stream; raises if any is refused or unacknowledged.
+
+        Sent as fast-ingest batches (JetStream 2.14+, a stream with `allow_batched`): each
+        stored as it arrives, one ack per batch of up to INGEST_CHUNK instead of one per event,
+        which the sender would decode one by one. A stream without `allow_batched` (made by an
+        older sandfleet, or tuned by an operator) gets publishes that each wait for their own
+        ack: one that asked for none is dropped without a word when the stream's ingest queue
+        is full. A retry is stored once either way (`Nats-Msg-Id`)."""
+        if self._ingest:
+            chunks = [messages[i : i + INGEST_CHUNK] for i in range(0, len(messages), INGEST_CHUNK)]
+            failed = [f for f in await asyncio.gather(*(self._ingest_batch(c, timeout) for c in chunks)) if f]
+            if not failed:
+                return
+            if not all(f == "disabled" for f in failed):
+                raise errors.ServiceError(ErrorCode.CONFLICT, f"{len(failed)} event batch(es) refused: {failed[0]}")
+            self._ingest = False  # nothing was stored: send them the old way
         refused = [r.data[:200].decode(errors="replace") for r in await self._burst(messages, timeout) if _refused(r)]
         if refused:
             raise errors.ServiceError(ErrorCode.CONFLICT, f"{len(refused)} write(s) refused: {refused[0]}")
 
-    async def _burst(self, messages: list[tuple[str, bytes, dict[str, str] | None]], timeout: float) -> list[Msg]:
-        """Requests sent back to back, answered on this store's one reply subscription; their
-        replies, in order."""
-        if not messages:
-            return []
+    async def _ingest_batch(self, messages: list[tuple[str, bytes, dict[str, str]]], timeout: float) -> str:
+        """One fast-ingest batch: "" once all are stored, else why not ("disabled": the stream
+        takes no batches). The protocol is in the reply subject,
+        `<inbox>.<flow>.<gap>.<batch seq>.<op>.$FI`, and the inbox's last token is the batch id:
+        op 0 opens, 1 adds, 2 adds and commits; flow is how many messages per flow ack (the
+        server answers at most every 500); gap `fail` makes a lost message fail the batch
+        instead of leaving a hole. The frames come back on the messages' own reply subjects."""
+        token = await self._open_reply(_Ingest(size=len(messages), done=asyncio.get_running_loop().create_future()))
+        waiting = self._waiting[token]
+        assert isinstance(waiting, _Ingest)
+        try:
+            inbox = f"{self._mux_prefix}.{token}.{self._batch_base}{token}"
+            last = len(messages) - 1
+            await self.bus.publish_many([
+                (subject, payload, headers, f"{inbox}.{len(messages)}.fail.{n + 1}.{2 if n == last else 0 if n == 0 else 1}.$FI")
+                for n, (subject, payload, headers) in enumerate(messages)])
+            try:
+                await asyncio.wait_for(asyncio.shield(waiting.done), timeout)
+            except asyncio.TimeoutError:
+                raise errors.ServiceError(ErrorCode.TIMEOUT, f"a batch of {len(messages)} events unanswered") from None
+        finally:
+            self._waiting.pop(token, None)
+        return waiting.error
+
+    async def _open_reply(self, waiting: _Burst | _Ingest) -> str:
+        """A token for replies on this store's one reply subscription (made on first use)."""
         nc = self.bus.nc
         if self._mux is None:  # made once, also when bursts start together
             self._mux_prefix = nc.new_inbox()
-            self._mux = asyncio.ensure_future(self.bus.subscribe_direct(self._mux_prefix + ".*.*", self._on_reply))
+            self._mux = asyncio.ensure_future(self.bus.subscribe_direct(self._mux_prefix + ".>", self._on_reply))
         try:
             await self._mux
         except BaseException:
@@ -194,9 +268,17 @@ class SandboxStore:
             raise
         self._bursts += 1
         token = str(self._bursts)
+        self._waiting[token] = waiting
+        return token
+
+    async def _burst(self, messages: list[tuple[str, bytes, dict[str, str] | None]], timeout: float) -> list[Msg]:
+        """Requests sent back to back, answered on this store's one reply subscription; their
+        replies, in order."""
+        if not messages:
+            return []
         waiting = _Burst(replies=[None] * len(messages), left=len(messages),
                          done=asyncio.get_running_loop().create_future())
-        self._waiting[token] = waiting
+        token = await self._open_reply(waiting)
         try:
             reply = f"{self._mux_prefix}.{token}."
             await self.bus.publish_many([(subject, payload, headers, f"{reply}{n}")
@@ -211,13 +293,30 @@ class SandboxStore:
         return waiting.replies  # type: ignore[return-value]
 
     def _on_reply(self, msg: Msg) -> None:
-        _, token, n = msg.subject.rsplit(".", 2)
+        # <prefix>.<token>.<n> answers message n of a burst; a fast-ingest batch's frames come
+        # on its messages' own reply subjects, <prefix>.<token>.<batch id>.<flow>...$FI
+        token, _, rest = msg.subject[len(self._mux_prefix) + 1 :].partition(".")
         waiting = self._waiting.get(token)
-        if waiting is None or waiting.replies[int(n)] is not None:
+        if isinstance(waiting, _Ingest):
+            self._on_ingest_frame(waiting, msg)
+            return
+        n = int(rest) if rest.isdigit() else -1
+        if waiting is None or not 0 <= n < len(waiting.replies) or waiting.replies[n] is not None:
             return  # a burst that gave up waiting
-        waiting.replies[int(n)] = msg
+        waiting.replies[n] = msg
         waiting.left -= 1
         if waiting.left == 0 and not waiting.done.done():
+            waiting.done.set_result(None)
+
+    @staticmethod
+    def _on_ingest_frame(waiting: _Ingest, msg: Msg) -> None:
+        frame = _ingest_frame.decode(msg.data)
+        if frame.error is not None and not waiting.error:
+            waiting.error = ("disabled" if frame.error.err_code == _BATCH_DISABLED
+                             else f"{frame.error.description} ({frame.error.err_code})")
+        if frame.stream and not waiting.done.done():  # the terminal frame: the batch ended
+            if not waiting.error and frame.count != waiting.size:
+                waiting.error = f"the batch ended after {frame.count} of {waiting.size} events"
             waiting.done.set_result(None)
 
     async def transition_many(self, sandbox_ids: list[str], new: State, reason: Reason = Reason.NONE,

@@ -7,6 +7,7 @@ removes them at the end, so no test sees another's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -17,7 +18,8 @@ import sandfleet
 from loadtest.simnode import ControlPlane, SimulatedNode
 from sandfleet import errors
 from sandfleet.bus import Bus
-from sandfleet.store import SandboxStore
+from sandfleet.store import SandboxStore, ensure_state
+from schemas import events
 from schemas import node as node_schema
 from schemas.node import NodePressure
 from schemas.errors import ErrorCode
@@ -292,3 +294,24 @@ async def test_a_real_node_heartbeat_reports_allocation_pressure_and_what_it_too
         assert 0.0 <= info.pressure.cpu <= 100.0 and 0.0 <= info.pressure.memory <= 100.0
     finally:
         await box.destroy()
+
+
+async def test_events_go_one_ack_each_to_a_stream_that_takes_no_batches(plane):
+    # A stream made by an older sandfleet, or tuned by an operator, without allow_batched.
+    _, bus, store, fleet = plane
+    info = await bus.js.stream_info(events.STREAM)
+    await bus.js.update_stream(dataclasses.replace(info.config, allow_batched=False))
+    try:
+        fresh = SandboxStore(bus, store.kv)
+        stored = await fresh.create_many(_scheduled(3))
+        assert not fresh._ingest  # refused as a batch, then sent one by one
+        for record, _ in stored:
+            assert await _names(fleet, record.id) == ["scheduled"]
+    finally:
+        await ensure_state(bus)
+    assert (await bus.js.stream_info(events.STREAM)).config.allow_batched  # ensure_state turns it back on
+    batched = SandboxStore(bus, store.kv)
+    stored = await batched.create_many(_scheduled(2500))  # two batches
+    assert batched._ingest
+    names = {e.sandbox_id: e.name for e in await fleet.history()}
+    assert all(names.get(record.id) == "scheduled" for record, _ in stored)
