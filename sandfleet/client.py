@@ -115,10 +115,15 @@ class Fleet(_FleetRollout, _FleetSecurity):
         arrived = asyncio.Event()
 
         def settled(event: events.SandboxEvent) -> None:
-            if event.sandbox_id not in outcome:
+            # Every batch in flight hears every outcome: before placement's answer all are kept
+            # (sorted out when it comes), after it only this batch's wake it.
+            if event.sandbox_id in outcome:
+                return
+            if not where:
                 outcome[event.sandbox_id] = event
-                if event.sandbox_id in where:
-                    tally[event.state] += 1
+            elif event.sandbox_id in where:
+                outcome[event.sandbox_id] = event
+                tally[event.state] += 1
                 arrived.set()
 
         # Subscribed before asking, so no event of the batch can pass unseen.
