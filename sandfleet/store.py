@@ -261,10 +261,16 @@ class SandboxStore:
         if self._mux is None:  # made once, also when bursts start together
             self._mux_prefix = nc.new_inbox()
             self._mux = asyncio.ensure_future(self.bus.subscribe_direct(self._mux_prefix + ".>", self._on_reply))
+        mux = self._mux
         try:
-            await self._mux
-        except BaseException:
-            self._mux = None
+            await asyncio.shield(mux)  # a burst cancelled while it waits must not cancel the others' set-up
+        except asyncio.CancelledError:
+            if mux.cancelled() and self._mux is mux:
+                self._mux = None
+            raise
+        except Exception:
+            if self._mux is mux:  # it failed: the next burst tries again
+                self._mux = None
             raise
         self._bursts += 1
         token = str(self._bursts)

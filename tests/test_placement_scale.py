@@ -315,3 +315,14 @@ async def test_events_go_one_ack_each_to_a_stream_that_takes_no_batches(plane):
     assert batched._ingest
     names = {e.sandbox_id: e.name for e in await fleet.history()}
     assert all(names.get(record.id) == "scheduled" for record, _ in stored)
+
+
+async def test_a_burst_cancelled_while_the_reply_subscription_is_made_does_not_cancel_the_others(plane):
+    _, bus, store, _ = plane
+    fresh = SandboxStore(bus, store.kv)  # its shared reply subscription is made on first use
+    first = asyncio.create_task(fresh.read_many(["sb-absent-1"]))
+    second = asyncio.create_task(fresh.read_many(["sb-absent-2"]))
+    await asyncio.sleep(0)  # both wait on the subscription's set-up
+    first.cancel()
+    got = await asyncio.gather(first, second, return_exceptions=True)
+    assert isinstance(got[0], asyncio.CancelledError) and got[1] == {}
