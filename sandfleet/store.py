@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -88,6 +89,19 @@ INGEST_CHUNK = 2000  # messages per fast-ingest batch
 
 
 @dataclass
+class _Batch:
+    """A direct get answered by many messages on one reply subject, ended by a status message."""
+
+    done: asyncio.Future
+    found: list[Msg] = dataclasses.field(default_factory=list)
+    status: str = ""
+    description: str = ""
+
+
+MULTI_LAST_MAX = 1024  # keys the server matches in one multi_last direct get
+
+
+@dataclass
 class _Ingest:
     """One fast-ingest batch in flight: its terminal frame, and the first error frame seen."""
 
@@ -105,9 +119,13 @@ async def ensure_state(bus: Bus) -> None:
 
     On a clustered bus the bus adapter gives each the cluster's replica count (`Bus.js`)."""
     js = bus.js
-    await js.create_key_value(
-        KeyValueConfig(bucket=sandbox.KV_BUCKET, history=1, storage=StorageType.FILE, description="sandbox records")
-    )
+    try:
+        await js.create_key_value(
+            KeyValueConfig(bucket=sandbox.KV_BUCKET, history=1, storage=StorageType.FILE,
+                           description="sandbox records", direct=True)  # SandboxStore.read_many: batched direct gets
+        )
+    except nats.js.errors.BadRequestError:  # made by an older sandfleet (or tuned): keep it, with direct gets
+        await _turn_on(js, f"KV_{sandbox.KV_BUCKET}", "allow_direct")
     await js.create_key_value(
         KeyValueConfig(
             bucket=node.KV_BUCKET, history=1, ttl=node.NODE_TTL_S, storage=StorageType.FILE, description="node heartbeats"
@@ -126,12 +144,19 @@ async def ensure_state(bus: Bus) -> None:
             )
         )
     except nats.js.errors.BadRequestError:  # exists with another config (an operator tuned it): keep theirs,
-        info = await js.stream_info(events.STREAM)  # but let it take batches of events
-        if not info.config.allow_batched:
-            try:
-                await js.update_stream(dataclasses.replace(info.config, allow_batched=True))
-            except nats.js.errors.Error:
-                pass  # a server before 2.14: each event then waits for its own ack
+        await _turn_on(js, events.STREAM, "allow_batched")  # but let it take batches of events
+
+
+async def _turn_on(js: Any, stream: str, feature: str) -> None:
+    """Turn on a stream feature (`allow_direct`, `allow_batched`) that a stream made by an older
+    sandfleet lacks, keeping the rest of its config. Where the server refuses, the store reads
+    or writes the slower way instead."""
+    info = await js.stream_info(stream)
+    if not getattr(info.config, feature):
+        try:
+            await js.update_stream(dataclasses.replace(info.config, **{feature: True}))
+        except nats.js.errors.Error as exc:
+            logging.getLogger("sandfleet.store").warning("cannot turn on %s for stream %s: %s", feature, stream, exc)
 
 
 class SandboxStore:
@@ -145,7 +170,7 @@ class SandboxStore:
         self._mux: Any = None
         self._mux_prefix = ""
         self._bursts = 0
-        self._waiting: dict[str, _Burst | _Ingest] = {}
+        self._waiting: dict[str, _Burst | _Ingest | _Batch] = {}
         self._batch_base = secrets.token_hex(8)  # + a burst token: a batch id no other sender uses
         self._ingest = True  # events go as fast-ingest batches until the stream refuses them
 
@@ -163,8 +188,51 @@ class SandboxStore:
         return decode(entry.value, SandboxRecord), entry.revision
 
     async def read_many(self, sandbox_ids: list[str], timeout: float = 30.0) -> dict[str, tuple[SandboxRecord, int]]:
-        """`get` for many ids as one pipelined burst of direct reads: each record found, with its
-        revision; an id with no record (never made, or purged) is left out."""
+        """`get` for many ids: each record found, with its revision; an id with no record (never
+        made, or purged) is left out. Batched direct gets (`multi_last`, up to 1,024 keys a
+        request, answered by any replica of the bucket rather than queued at its leader's
+        JetStream API); on a bucket that serves no direct gets, one pipelined read per id."""
+        if not sandbox_ids:
+            return {}
+        chunks = [sandbox_ids[i : i + MULTI_LAST_MAX] for i in range(0, len(sandbox_ids), MULTI_LAST_MAX)]
+        batches = await asyncio.gather(*(self._read_batch(chunk, timeout) for chunk in chunks))
+        if any(batch is None for batch in batches):
+            return await self._read_each(sandbox_ids, timeout)
+        found = {}
+        prefix = len(f"$KV.{sandbox.KV_BUCKET}.")
+        for batch in batches:
+            for msg in batch or ():
+                headers = msg.headers or {}
+                if msg.data and not headers.get("KV-Operation"):  # a delete or purge marker: no record
+                    found[headers["Nats-Subject"][prefix:]] = (decode(msg.data, SandboxRecord),
+                                                               int(headers["Nats-Sequence"]))
+        return found
+
+    async def _read_batch(self, sandbox_ids: list[str], timeout: float) -> list[Msg] | None:
+        """One `multi_last` direct get: the last message of each key that has one (then a 204
+        status; a 404 alone when none has), or None when the bucket serves no direct gets."""
+        waiting = _Batch(done=asyncio.get_running_loop().create_future())
+        token = await self._open_reply(waiting)
+        try:
+            request = encode({"multi_last": [f"$KV.{sandbox.KV_BUCKET}.{i}" for i in sandbox_ids],
+                              "batch": len(sandbox_ids)})
+            await self.bus.publish_many([(f"$JS.API.DIRECT.GET.KV_{sandbox.KV_BUCKET}", request, None,
+                                          f"{self._mux_prefix}.{token}.0")])
+            try:
+                await asyncio.wait_for(asyncio.shield(waiting.done), timeout)
+            except asyncio.TimeoutError:
+                raise errors.ServiceError(ErrorCode.TIMEOUT, f"a read of {len(sandbox_ids)} sandboxes unanswered") from None
+        finally:
+            self._waiting.pop(token, None)
+        if waiting.status == "503":  # no responders: the bucket has no allow_direct
+            return None
+        if waiting.status not in ("204", "404"):
+            raise errors.ServiceError(ErrorCode.TIMEOUT if waiting.status >= "500" else ErrorCode.INTERNAL,
+                                      f"cannot read sandboxes: {waiting.status} {waiting.description}")
+        return waiting.found
+
+    async def _read_each(self, sandbox_ids: list[str], timeout: float) -> dict[str, tuple[SandboxRecord, int]]:
+        """`read_many` on a bucket without direct gets: one pipelined JetStream API read per id."""
         reads = await self._burst(
             [(f"$JS.API.STREAM.MSG.GET.KV_{sandbox.KV_BUCKET}", encode({"last_by_subj": f"$KV.{sandbox.KV_BUCKET}.{i}"}),
               None) for i in sandbox_ids], timeout)
@@ -255,7 +323,7 @@ class SandboxStore:
             self._waiting.pop(token, None)
         return waiting.error
 
-    async def _open_reply(self, waiting: _Burst | _Ingest) -> str:
+    async def _open_reply(self, waiting: _Burst | _Ingest | _Batch) -> str:
         """A token for replies on this store's one reply subscription (made on first use)."""
         nc = self.bus.nc
         if self._mux is None:  # made once, also when bursts start together
@@ -305,6 +373,14 @@ class SandboxStore:
         waiting = self._waiting.get(token)
         if isinstance(waiting, _Ingest):
             self._on_ingest_frame(waiting, msg)
+            return
+        if isinstance(waiting, _Batch):
+            status = (msg.headers or {}).get("Status")
+            if not status:
+                waiting.found.append(msg)
+            elif not waiting.done.done():
+                waiting.status, waiting.description = status, (msg.headers or {}).get("Description", "")
+                waiting.done.set_result(None)
             return
         n = int(rest) if rest.isdigit() else -1
         if waiting is None or not 0 <= n < len(waiting.replies) or waiting.replies[n] is not None:

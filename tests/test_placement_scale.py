@@ -23,7 +23,7 @@ from schemas import events
 from schemas import node as node_schema
 from schemas.node import NodePressure
 from schemas.errors import ErrorCode
-from schemas.sandbox import Reason, SandboxRecord, SandboxSpec, State
+from schemas.sandbox import KV_BUCKET, Reason, SandboxRecord, SandboxSpec, State
 from services.launcher.starting import StartingMarks
 from services.placement.handlers import new_id
 
@@ -326,3 +326,21 @@ async def test_a_burst_cancelled_while_the_reply_subscription_is_made_does_not_c
     first.cancel()
     got = await asyncio.gather(first, second, return_exceptions=True)
     assert isinstance(got[0], asyncio.CancelledError) and got[1] == {}
+
+
+async def test_records_are_read_in_batches_and_one_by_one_from_a_bucket_without_direct_gets(plane):
+    _, bus, store, _ = plane
+    stored = await store.create_many(_scheduled(1500))  # two direct-get batches
+    ids = [r.id for r, _ in stored] + ["sb-never-made"]
+    await store.forget(ids[0])  # purged: no record
+    batched = await store.read_many(ids)
+    assert sorted(batched) == sorted(ids[1:-1])
+    assert all(batched[r.id] == (r, revision) for r, revision in stored[1:])
+    bucket = f"KV_{KV_BUCKET}"
+    info = await bus.js.stream_info(bucket)
+    await bus.js.update_stream(dataclasses.replace(info.config, allow_direct=False))  # as an older sandfleet made it
+    try:
+        assert await store.read_many(ids) == batched
+    finally:
+        await ensure_state(bus)
+    assert (await bus.js.stream_info(bucket)).config.allow_direct  # ensure_state turns it back on
