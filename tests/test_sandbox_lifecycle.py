@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 import sandfleet
 from sandfleet import errors
-from schemas.sandbox import Reason, State
+from sandfleet.store import SandboxStore
+from schemas import node as node_schema
+from schemas.errors import ErrorCode
+from schemas.node import LaunchItem, LaunchReply, LaunchRequest
+from schemas.sandbox import Reason, SandboxRecord, SandboxSpec, State
+from services.placement.handlers import new_id
+from tests.leaks import Snapshot
 
 
 async def _collect(fleet, sandbox_id, until: str, timeout: float = 15.0):
@@ -127,3 +134,28 @@ async def test_sdk_rejects_bad_limits_before_sending(fleet):
 async def test_unreachable_bus_is_no_responders():
     with pytest.raises(errors.NoResponders):
         await sandfleet.connect("nats://127.0.0.1:1")
+
+
+async def test_a_launch_sent_straight_to_a_node_for_an_unknown_sandbox_fails_alone(fleet, platform):
+    # Only placement launches, with each record; anyone on the bus may still send one.
+    request = LaunchRequest(sandboxes=[LaunchItem(id="sb-neverrecorded", spec=SandboxSpec(host_view=True, memory_mb=64))])
+    reply = await fleet.bus.request(node_schema.subject(platform.node_id, node_schema.LAUNCH), request, LaunchReply,
+                                    timeout=30)
+    assert [(r.ok, r.code) for r in reply.results] == [(False, ErrorCode.NOT_FOUND)]
+
+
+async def test_a_sandbox_placement_ended_while_its_node_built_it_is_torn_down(fleet, platform):
+    # Its record ended (placement gave up on the launch) after the request left: the node,
+    # which writes nothing before the grace, finds out at its `running` write and tears it down.
+    store = await SandboxStore.open(fleet.bus)
+    now = time.time()
+    record = SandboxRecord(id=new_id(), node=platform.node_id, spec=SandboxSpec(host_view=True, memory_mb=64),
+                           state=State.SCHEDULED, created_at=now, updated_at=now)
+    ((record, revision),) = await store.create_many([record])
+    await store.transition(record.id, State.FAILED, Reason.LAUNCH_FAILED, "placement gave up")
+    request = LaunchRequest(sandboxes=[LaunchItem(id=record.id, spec=record.spec, record=record, revision=revision)])
+    reply = await fleet.bus.request(node_schema.subject(platform.node_id, node_schema.LAUNCH), request, LaunchReply,
+                                    timeout=30)
+    assert [r.ok for r in reply.results] == [False]
+    assert (await fleet.get(record.id)).state is State.FAILED
+    assert not [c for c in Snapshot.take().cgroups if record.id in c]  # its processes and cgroup are gone

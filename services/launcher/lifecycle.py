@@ -91,6 +91,12 @@ class Launcher:
             await marks.settle(item.id)
             return LaunchResult(id=item.id, ok=False, error=f"sandbox {item.id} is already launched here",
                                 code=ErrorCode.CONFLICT)
+        if placed_record(item) is None:  # not sent by placement with its record: claim it before building
+            await marks.settle(item.id)
+            try:
+                await self.store.transition(item.id, State.STARTING)
+            except ServiceError as exc:
+                return LaunchResult(id=item.id, ok=False, error=exc.message, code=exc.code)
         self.launching.add(item.id)
         try:
             async with self.slots:
@@ -105,6 +111,8 @@ class Launcher:
                     return await self._start(item, marks)
                 finally:
                     self.building -= 1
+        except ServiceError as exc:  # its record went away meanwhile (purged); whatever was built is gone
+            return LaunchResult(id=item.id, ok=False, error=exc.message, code=exc.code)
         finally:
             self.launching.discard(item.id)
 
