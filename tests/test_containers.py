@@ -5,6 +5,7 @@ the node agent's cgroups and network namespace, and the same exec and file API a
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import pytest
 
 from sandfleet import errors
 from sandfleet.layers_client import Layers
+from sandfleet.kernel.seccomp import filter_bytes
 from schemas.sandbox import State
 from tests.kernel import require
 from tests.layer_trees import make_busybox_base
@@ -107,6 +109,44 @@ _CONFINEMENT_FIELDS = ("Uid", "Gid", "Groups", "Umask", "CapInh", "CapPrm", "Cap
 _NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "time", "user", "uts")
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_PTRACE_DETACH, _PTRACE_SEIZE, _PTRACE_INTERRUPT, _PTRACE_SECCOMP_GET_FILTER = 17, 0x4206, 0x4207, 0x420C
+_WALL = 0x40000000
+
+
+def seccomp_programs(pid: int) -> list[bytes]:
+    """The classic-BPF programs of every seccomp filter on `pid`, read with ptrace
+    (PTRACE_SECCOMP_GET_FILTER: the process is stopped for the read and let go after)."""
+    _libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    if _libc.ptrace(_PTRACE_SEIZE, pid, None, None) != 0:
+        raise OSError(ctypes.get_errno(), f"cannot trace {pid}")
+    try:
+        _libc.ptrace(_PTRACE_INTERRUPT, pid, None, None)
+        os.waitpid(pid, _WALL)
+        programs = []
+        while (n := _libc.ptrace(_PTRACE_SECCOMP_GET_FILTER, pid, len(programs), None)) > 0:
+            buf = ctypes.create_string_buffer(n * 8)  # struct sock_filter: 8 bytes an instruction
+            _libc.ptrace(_PTRACE_SECCOMP_GET_FILTER, pid, len(programs), buf)
+            programs.append(buf.raw)
+        return programs
+    finally:
+        _libc.ptrace(_PTRACE_DETACH, pid, None, None)
+
+
+def _processes_running(init: int, cmdline: bytes) -> list[int]:
+    """Processes in the pid namespace of `init`, other than it, whose command line is `cmdline`."""
+    ns, found = os.readlink(f"/proc/{init}/ns/pid"), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != init:
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read() == cmdline and os.readlink(f"/proc/{entry}/ns/pid") == ns:
+                        found.append(int(entry))
+            except OSError:
+                pass  # gone meanwhile
+    return found
+
+
 def _status_fields(text: str) -> dict[str, str]:
     fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
     return {k: " ".join(fields[k].split()) for k in _CONFINEMENT_FIELDS}
@@ -131,6 +171,19 @@ async def test_an_exec_has_the_confinement_crun_gave_the_init(fleet, base):
         assert my_cg == its_cg and my_limits == its_limits
         assert my_ns.split() == [os.readlink(f"/proc/{init}/ns/{ns}") for ns in _NAMESPACES]
         assert sum(sb.id in line for line in _cgroup_lines(init)) >= 2  # they are the sandbox's (v1 and v2)
+        # The seccomp programs themselves, instruction for instruction, not only how many.
+        busy = asyncio.ensure_future(sb.exec(["sleep", "5"]))
+        for _ in range(100):
+            children = _processes_running(init, b"sleep\x005\x00")
+            if children:
+                break
+            await asyncio.sleep(0.05)
+        programs = seccomp_programs(init)
+        # The init has the filter crun compiled from the bundle; a command has the process filter,
+        # which is that same program behind the personality rule (a prefix that only refuses).
+        assert len(programs) == 1 and filter_bytes().endswith(programs[0]) and filter_bytes() != programs[0]
+        assert children and [seccomp_programs(p) for p in children] == [[filter_bytes()]] * len(children)
+        busy.cancel()
     finally:
         await sb.destroy()
 
