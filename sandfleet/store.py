@@ -110,6 +110,15 @@ class _Ingest:
     error: str = ""
 
 
+class BatchRefused(errors.ServiceError):
+    """Some records of a batch were not written: `refused` maps each id to the server's answer
+    (an id that exists already is another sandbox's record, which the batch must not touch)."""
+
+    def __init__(self, refused: dict[str, str]) -> None:
+        super().__init__(ErrorCode.CONFLICT, f"{len(refused)} write(s) refused: {next(iter(refused.values()))}")
+        self.refused = refused
+
+
 def _refused(reply: Msg) -> bool:
     return b'"error"' in reply.data or bool(reply.headers and reply.headers.get("Status"))
 
@@ -266,16 +275,17 @@ class SandboxStore:
         new = {"Nats-Expected-Last-Subject-Sequence": "0"}  # what kv.create sends: fail if the key exists
         firsts = [(r, self._event(r, None)) for r in records]
         # Both bursts in flight at once (one wait, not two). A `scheduled` event may so be stored
-        # for a record that was refused: only for an id collision or a failed batch, which the
-        # caller then ends (`failed`), so the event is no lie.
+        # for a record that was not: for an unanswered batch, whose records the caller then ends
+        # (`failed`), or for an id that another sandbox has (one chance in 2^48 per id), where
+        # the event's id deduplicates it against that sandbox's own within two minutes.
         acks, _ = await asyncio.gather(
             self._burst([(f"$KV.{sandbox.KV_BUCKET}.{r.id}", encode(r), new) for r in records], timeout),
             self._pipelined([(events.sandbox_subject(r.id, e.name), encode(e), {"Nats-Msg-Id": f"{r.id}:{r.seq}"})
                              for r, e in firsts], timeout),
         )
-        refused = [a.data[:200].decode(errors="replace") for a in acks if _refused(a)]
+        refused = {r.id: a.data[:200].decode(errors="replace") for r, a in zip(records, acks) if _refused(a)}
         if refused:
-            raise errors.ServiceError(ErrorCode.CONFLICT, f"{len(refused)} write(s) refused: {refused[0]}")
+            raise BatchRefused(refused)
         return [(r, _ack.decode(a.data).seq) for r, a in zip(records, acks)]
 
     async def _pipelined(self, messages: list[tuple[str, bytes, dict[str, str]]], timeout: float) -> None:

@@ -18,14 +18,15 @@ import sandfleet
 from loadtest.simnode import ControlPlane, SimulatedNode
 from sandfleet import errors
 from sandfleet.bus import Bus
-from sandfleet.store import SandboxStore, ensure_state
+from sandfleet.store import BatchRefused, SandboxStore, ensure_state
 from schemas import events
 from schemas import node as node_schema
 from schemas.node import NodePressure
 from schemas.errors import ErrorCode
 from schemas.sandbox import KV_BUCKET, Reason, SandboxRecord, SandboxSpec, State
 from services.launcher.starting import StartingMarks
-from services.placement.handlers import new_id
+from services.placement.handlers import Deps, _unplace, new_id
+from services.placement.policy import NodeView
 
 LOST_S = 5.0
 
@@ -344,3 +345,15 @@ async def test_records_are_read_in_batches_and_one_by_one_from_a_bucket_without_
     finally:
         await ensure_state(bus)
     assert (await bus.js.stream_info(bucket)).config.allow_direct  # ensure_state turns it back on
+
+
+async def test_a_batch_that_collides_with_an_existing_id_leaves_that_sandbox_alone(plane):
+    _, bus, store, _ = plane
+    ((existing, _),) = await store.create_many(_scheduled(1))
+    batch = _scheduled(2) + [msgspec.structs.replace(existing, created_at=time.time())]
+    with pytest.raises(BatchRefused) as refused:
+        await store.create_many(batch)
+    assert list(refused.value.refused) == [existing.id]
+    # Placement gives the batch back: it ends what it wrote, never the sandbox it collided with.
+    await _unplace(Deps(bus=bus, store=store, nodes=NodeView()), existing.spec, {}, batch, [], refused.value)
+    assert [(await store.get(r.id))[0].state for r in batch] == [State.FAILED, State.FAILED, State.SCHEDULED]

@@ -21,7 +21,7 @@ from sandfleet import errors
 from sandfleet.allow_rules import parse_allow
 from sandfleet.bus import Bus
 from sandfleet.errors import ServiceError
-from sandfleet.store import SandboxStore
+from sandfleet.store import BatchRefused, SandboxStore
 from schemas import node as node_schema
 from schemas.errors import ErrorCode
 from schemas.sandbox import (
@@ -133,9 +133,13 @@ async def _unplace(deps: Deps, spec, plan, records, quota_keys, exc) -> None:  #
     if deps.quotas and quota_keys:
         await deps.quotas.forget_members([r.id for r in records])
         await deps.quotas.give_back(quota_keys, len(records))
+    refused = exc.refused if isinstance(exc, BatchRefused) else {}
     for r in records:
+        if r.id in refused:  # not written: the record under that id, if any, is another sandbox's
+            continue
         try:
-            await deps.store.transition(r.id, State.FAILED, Reason.LAUNCH_FAILED, "placement could not record the batch")
+            await deps.store.transition(r.id, State.FAILED, Reason.LAUNCH_FAILED, "placement could not record the batch",
+                                        only_from=frozenset({State.SCHEDULED}))
         except ServiceError:
             pass  # never stored
 
