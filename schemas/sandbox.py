@@ -193,6 +193,10 @@ class SandboxRecord(msgspec.Struct, frozen=True, kw_only=True):
     init_pid: int = 0
     init_start_time: int = 0  # /proc/<pid>/stat field 22, so a recycled pid is never adopted
     seq: int = 0  # how many lifecycle events this sandbox has published
+    # The layers of its latest checkpoint (digests, bottom first; the checkpoint's own last):
+    # if its node is lost, placement starts a new sandbox from them on another node.
+    checkpoint: list[str] = []
+    restored_from: str = ""  # the sandbox whose lost node this one replaced, from its checkpoint
 
 
 class SandboxList(msgspec.Struct, frozen=True, kw_only=True):

@@ -18,6 +18,8 @@ import shutil
 import subprocess
 import time
 
+import msgspec
+
 from sandfleet import errors
 from sandfleet.errors import ServiceError
 from sandfleet.layers_client import Layers
@@ -144,6 +146,9 @@ async def checkpoint(launcher: Launcher, req: CheckpointRequest) -> Checkpoint:
     if not was_frozen and req.keep_paused:
         await launcher.store.transition(req.sandbox_id, State.PAUSED, Reason.REQUESTED, f"checkpoint {req.name}",
                                         only_from=frozenset({State.RUNNING}))
+    layers = [*live.rootfs.layers, built.layer.digest]
+    # Kept on the record: placement restores the sandbox from it elsewhere if this node is lost.
+    await launcher.store.update(req.sandbox_id, lambda r: msgspec.structs.replace(r, checkpoint=layers))
     log.info("checkpointed %s as layer %s %s", req.sandbox_id, req.name, built.layer.digest)
     return Checkpoint(sandbox_id=req.sandbox_id, node=launcher.node_id, name=req.name, digest=built.layer.digest,
                       base=list(live.rootfs.layers), spec=live.spec, paused=was_frozen or req.keep_paused,

@@ -15,6 +15,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import nats.errors
 
 from sandfleet import errors
@@ -94,7 +95,8 @@ def _check_allow(spec: SandboxSpec) -> None:
 Stored = tuple[SandboxRecord, int]  # a record and its KV revision
 
 
-async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = None) -> dict[str, list[Stored]]:
+async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = None,
+                 restored_from: str = "") -> dict[str, list[Stored]]:
     """Admit, book and record `count` sandboxes (on `node` only, if given): node → its `scheduled`
     records and revisions."""
     _check_allow(spec)
@@ -108,7 +110,8 @@ async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = N
         raise
     placed = {
         node_id: [
-            SandboxRecord(id=new_id(), node=node_id, spec=spec, state=State.SCHEDULED, created_at=now, updated_at=now)
+            SandboxRecord(id=new_id(), node=node_id, spec=spec, state=State.SCHEDULED, created_at=now, updated_at=now,
+                          restored_from=restored_from)
             for _ in range(k)
         ]
         for node_id, k in plan.items()
@@ -257,10 +260,48 @@ async def fail_lost(deps: Deps, now: float) -> dict[str, int]:
         if booking.lost or not await deps.ledger.mark_lost(node_id, True):
             continue
         records = [r for r in await deps.store.all(node_id) if r.state not in ENDED]
-        results = await asyncio.gather(*(_fail(deps, r.id, f"node {node_id} stopped sending heartbeats", Reason.NODE_LOST)
-                                         for r in records))
-        reported[node_id] = sum(results)
+        reported[node_id] = sum(await asyncio.gather(*(_lose(deps, r) for r in records)))
     return reported
+
+
+async def _lose(deps: Deps, record: SandboxRecord) -> bool:
+    """End a sandbox of a lost node (`failed`, reason `node_lost`). One with a checkpoint is first
+    started again from it on another node, and the failed event names the new one."""
+    detail = f"node {record.node} stopped sending heartbeats"
+    restored: CreateReply | None = None
+    if record.checkpoint:
+        try:
+            restored = await _restore(deps, record)
+            detail += f"; restored from its checkpoint as {restored.id} on {restored.node}"
+        except Exception as exc:  # whatever went wrong, the lost one must still be reported
+            if not isinstance(exc, (ServiceError, errors.SandfleetError)):
+                log.exception("restoring %s from its checkpoint failed", record.id)
+            detail += f"; its checkpoint could not be restored: {getattr(exc, 'message', None) or exc}"
+    if await _fail(deps, record.id, detail, Reason.NODE_LOST):
+        return True
+    if restored is not None:  # it ended some other way meanwhile: nobody wants the copy
+        await _destroy_quietly(deps, restored)
+    return False
+
+
+async def _restore(deps: Deps, record: SandboxRecord) -> CreateReply:
+    """A new sandbox from `record`'s latest checkpoint: its spec, on its checkpoint's layers,
+    wherever placement finds room (the lost node takes nothing)."""
+    spec = msgspec.structs.replace(record.spec, layers=list(record.checkpoint), host_view=False)
+    placed = await _place(deps, spec, 1, restored_from=record.id)
+    ((node_id, stored),) = placed.items()
+    (result,) = await _launch_on(deps, node_id, stored)
+    if not result.ok:
+        raise ServiceError(result.code, f"launch failed on {node_id}: {result.error}")
+    return CreateReply(id=result.id, node=node_id)
+
+
+async def _destroy_quietly(deps: Deps, sandbox: CreateReply) -> None:
+    try:
+        await deps.bus.request(node_schema.subject(sandbox.node, node_schema.DESTROY),
+                               node_schema.DestroyRequest(sandbox_id=sandbox.id), node_schema.DestroyReply, timeout=30)
+    except errors.SandfleetError as exc:
+        log.warning("could not destroy %s, restored for a sandbox that ended meanwhile: %s", sandbox.id, exc)
 
 
 async def get(deps: Deps, req: GetRequest) -> SandboxRecord:
