@@ -236,7 +236,7 @@ class SandboxStore:
         if waiting.status == "503":  # no responders: the bucket has no allow_direct
             return None
         if waiting.status not in ("204", "404"):
-            raise errors.ServiceError(ErrorCode.TIMEOUT if waiting.status >= "500" else ErrorCode.INTERNAL,
+            raise errors.ServiceError(ErrorCode.TIMEOUT if int(waiting.status or 0) >= 500 else ErrorCode.INTERNAL,
                                       f"cannot read sandboxes: {waiting.status} {waiting.description}")
         return waiting.found
 
@@ -316,9 +316,8 @@ class SandboxStore:
         op 0 opens, 1 adds, 2 adds and commits; flow is how many messages per flow ack (the
         server answers at most every 500); gap `fail` makes a lost message fail the batch
         instead of leaving a hole. The frames come back on the messages' own reply subjects."""
-        token = await self._open_reply(_Ingest(size=len(messages), done=asyncio.get_running_loop().create_future()))
-        waiting = self._waiting[token]
-        assert isinstance(waiting, _Ingest)
+        waiting = _Ingest(size=len(messages), done=asyncio.get_running_loop().create_future())
+        token = await self._open_reply(waiting)
         try:
             inbox = f"{self._mux_prefix}.{token}.{self._batch_base}{token}"
             last = len(messages) - 1
