@@ -221,18 +221,10 @@ class SandboxStore:
         """One `multi_last` direct get: the last message of each key that has one (then a 204
         status; a 404 alone when none has), or None when the bucket serves no direct gets."""
         waiting = _Batch(done=asyncio.get_running_loop().create_future())
-        token = await self._open_reply(waiting)
-        try:
-            request = encode({"multi_last": [f"$KV.{sandbox.KV_BUCKET}.{i}" for i in sandbox_ids],
-                              "batch": len(sandbox_ids)})
-            await self.bus.publish_many([(f"$JS.API.DIRECT.GET.KV_{sandbox.KV_BUCKET}", request, None,
-                                          f"{self._mux_prefix}.{token}.0")])
-            try:
-                await asyncio.wait_for(asyncio.shield(waiting.done), timeout)
-            except asyncio.TimeoutError:
-                raise errors.ServiceError(ErrorCode.TIMEOUT, f"a read of {len(sandbox_ids)} sandboxes unanswered") from None
-        finally:
-            self._waiting.pop(token, None)
+        request = encode({"multi_last": [f"$KV.{sandbox.KV_BUCKET}.{i}" for i in sandbox_ids], "batch": len(sandbox_ids)})
+        await self._exchange(
+            waiting, lambda reply: [(f"$JS.API.DIRECT.GET.KV_{sandbox.KV_BUCKET}", request, None, f"{reply}.0")],
+            timeout, lambda: f"a read of {len(sandbox_ids)} sandboxes unanswered")
         if waiting.status == "503":  # no responders: the bucket has no allow_direct
             return None
         if waiting.status not in ("204", "404"):
@@ -317,19 +309,15 @@ class SandboxStore:
         server answers at most every 500); gap `fail` makes a lost message fail the batch
         instead of leaving a hole. The frames come back on the messages' own reply subjects."""
         waiting = _Ingest(size=len(messages), done=asyncio.get_running_loop().create_future())
-        token = await self._open_reply(waiting)
-        try:
-            inbox = f"{self._mux_prefix}.{token}.{self._batch_base}{token}"
-            last = len(messages) - 1
-            await self.bus.publish_many([
-                (subject, payload, headers, f"{inbox}.{len(messages)}.fail.{n + 1}.{2 if n == last else 0 if n == 0 else 1}.$FI")
-                for n, (subject, payload, headers) in enumerate(messages)])
-            try:
-                await asyncio.wait_for(asyncio.shield(waiting.done), timeout)
-            except asyncio.TimeoutError:
-                raise errors.ServiceError(ErrorCode.TIMEOUT, f"a batch of {len(messages)} events unanswered") from None
-        finally:
-            self._waiting.pop(token, None)
+        last = len(messages) - 1
+
+        def frames(reply: str) -> list[tuple[str, bytes, dict[str, str] | None, str]]:
+            inbox = f"{reply}.{self._batch_base}{reply.rsplit('.', 1)[1]}"  # its last token: the batch id
+            return [(subject, payload, headers,
+                     f"{inbox}.{len(messages)}.fail.{n + 1}.{2 if n == last else 0 if n == 0 else 1}.$FI")
+                    for n, (subject, payload, headers) in enumerate(messages)]
+
+        await self._exchange(waiting, frames, timeout, lambda: f"a batch of {len(messages)} events unanswered")
         return waiting.error
 
     async def _open_reply(self, waiting: _Burst | _Ingest | _Batch) -> str:
@@ -361,19 +349,26 @@ class SandboxStore:
             return []
         waiting = _Burst(replies=[None] * len(messages), left=len(messages),
                          done=asyncio.get_running_loop().create_future())
+        await self._exchange(
+            waiting, lambda reply: [(subject, payload, headers, f"{reply}.{n}")
+                                    for n, (subject, payload, headers) in enumerate(messages)],
+            timeout, lambda: f"{waiting.left} of {len(messages)} writes unanswered")
+        return waiting.replies  # type: ignore[return-value]
+
+    async def _exchange(self, waiting: _Burst | _Ingest | _Batch,
+                        frames: Callable[[str], list[tuple[str, bytes, dict[str, str] | None, str]]],
+                        timeout: float, unanswered: Callable[[], str]) -> None:
+        """Send `frames(reply)` (`reply`: `<this store's reply prefix>.<a token of its own>`, for
+        their reply subjects to start with) and wait until `waiting` has all its answers."""
         token = await self._open_reply(waiting)
         try:
-            reply = f"{self._mux_prefix}.{token}."
-            await self.bus.publish_many([(subject, payload, headers, f"{reply}{n}")
-                                         for n, (subject, payload, headers) in enumerate(messages)])
+            await self.bus.publish_many(frames(f"{self._mux_prefix}.{token}"))
             try:
                 await asyncio.wait_for(asyncio.shield(waiting.done), timeout)
             except asyncio.TimeoutError:
-                raise errors.ServiceError(
-                    ErrorCode.TIMEOUT, f"{waiting.left} of {len(messages)} writes unanswered") from None
+                raise errors.ServiceError(ErrorCode.TIMEOUT, unanswered()) from None
         finally:
             self._waiting.pop(token, None)
-        return waiting.replies  # type: ignore[return-value]
 
     def _on_reply(self, msg: Msg) -> None:
         # <prefix>.<token>.<n> answers message n of a burst; a fast-ingest batch's frames come
