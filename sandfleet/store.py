@@ -522,6 +522,17 @@ class SandboxStore:
         return [r for r in records
                 if (node_id is None or r.node == node_id) and (include_ended or r.state not in ENDED)]
 
+    async def end_unrecorded(self, record: SandboxRecord, reason: Reason, detail: str) -> None:
+        """The `failed` event of a sandbox whose record was never stored while its `scheduled`
+        event may have been (`create_many` sends both at once): its trail ends instead of
+        dangling. No record is written."""
+        ended = msgspec.structs.replace(record, state=State.FAILED, reason=reason, detail=detail,
+                                        updated_at=time.time(), seq=2)
+        try:
+            await self._publish(ended, State.SCHEDULED)
+        except (errors.SandfleetError, nats.errors.Error):
+            pass  # the bus that lost the record lost this too: nothing more to do
+
     async def forget(self, sandbox_id: str) -> None:
         """Drop an ended record; its events stay in the stream as the audit trail."""
         self._written.pop(sandbox_id, None)

@@ -17,7 +17,7 @@ import pytest
 import sandfleet
 from loadtest.simnode import ControlPlane, SimulatedNode
 from sandfleet import errors
-from sandfleet.bus import Bus
+from sandfleet.bus import Bus, encode
 from sandfleet.store import BatchRefused, SandboxStore, ensure_state
 from schemas import events
 from schemas import node as node_schema
@@ -357,3 +357,16 @@ async def test_a_batch_that_collides_with_an_existing_id_leaves_that_sandbox_alo
     # Placement gives the batch back: it ends what it wrote, never the sandbox it collided with.
     await _unplace(Deps(bus=bus, store=store, nodes=NodeView()), existing.spec, {}, batch, [], refused.value)
     assert [(await store.get(r.id))[0].state for r in batch] == [State.FAILED, State.FAILED, State.SCHEDULED]
+
+
+async def test_a_batch_that_was_never_recorded_still_ends_its_sandboxes_event_trail(plane):
+    # An unanswered batch: its records may not be stored while their `scheduled` events were.
+    _, bus, store, fleet = plane
+    (record,) = _scheduled(1)
+    await store._pipelined([(events.sandbox_subject(record.id, "scheduled"), encode(store._event(
+        msgspec.structs.replace(record, seq=1), None)), {"Nats-Msg-Id": f"{record.id}:1"})], 10)
+    unanswered = errors.ServiceError(ErrorCode.TIMEOUT, "1 of 1 writes unanswered")
+    await _unplace(Deps(bus=bus, store=store, nodes=NodeView()), record.spec, {}, [record], [], unanswered)
+    assert await _names(fleet, record.id) == ["scheduled", "failed"]
+    with pytest.raises(errors.ServiceError):  # and still no record
+        await store.get(record.id)

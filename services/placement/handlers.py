@@ -140,11 +140,13 @@ async def _unplace(deps: Deps, spec, plan, records, quota_keys, exc) -> None:  #
     for r in records:
         if r.id in refused:  # not written: the record under that id, if any, is another sandbox's
             continue
+        detail = "placement could not record the batch"
         try:
-            await deps.store.transition(r.id, State.FAILED, Reason.LAUNCH_FAILED, "placement could not record the batch",
+            await deps.store.transition(r.id, State.FAILED, Reason.LAUNCH_FAILED, detail,
                                         only_from=frozenset({State.SCHEDULED}))
-        except ServiceError:
-            pass  # never stored
+        except ServiceError as refusal:
+            if refusal.code is ErrorCode.NOT_FOUND:  # never stored, though its `scheduled` event may be
+                await deps.store.end_unrecorded(r, Reason.LAUNCH_FAILED, detail)
 
 
 async def create(deps: Deps, req: CreateRequest) -> CreateReply:
