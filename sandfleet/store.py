@@ -30,6 +30,8 @@ from schemas import events, node, sandbox
 from schemas.errors import ErrorCode
 from schemas.sandbox import ENDED, Reason, SandboxRecord, State
 
+log = logging.getLogger("sandfleet.store")
+
 EVENTS_MAX_AGE_S = 7 * 24 * 3600
 
 
@@ -165,7 +167,7 @@ async def _turn_on(js: Any, stream: str, feature: str) -> None:
         try:
             await js.update_stream(dataclasses.replace(info.config, **{feature: True}))
         except nats.js.errors.Error as exc:
-            logging.getLogger("sandfleet.store").warning("cannot turn on %s for stream %s: %s", feature, stream, exc)
+            log.warning("cannot turn on %s for stream %s: %s", feature, stream, exc)
 
 
 class SandboxStore:

@@ -379,6 +379,17 @@ async def test_a_store_that_does_not_answer_fails_reads_in_that_sandbox_only(lay
     assert await layers.release(NODE, "sb-cold")
 
 
+async def _failed_read_event(service, rootfs, digest, first=None):  # type: ignore[no-untyped-def]
+    """Copy /f out of the sandbox's lazy image (after `first()`, if given, with the events already
+    watched): the read fails with EIO in the sandbox; returns the event published for it."""
+    async with Events(service.url) as events:
+        if first is not None:
+            await first()
+        out = _chroot(rootfs.path, "cat /f > /copy")
+        assert out.returncode != 0 and "Input/output error" in out.stderr
+        return await events.next_for(digest)
+
+
 async def test_an_image_deleted_from_the_store_fails_unread_chunks_with_an_event(layers, service, built, tmp_path):
     (tmp_path / "f").write_bytes(os.urandom(2 << 20))
     (tmp_path / "g").write_text("read before\n")
@@ -386,12 +397,12 @@ async def test_an_image_deleted_from_the_store_fails_unread_chunks_with_an_event
     await layers.cache_drop(NODE)
     rootfs = await layers.compose(NODE, "sb-doomed", ["base", "doomed"])
     assert _chroot(rootfs.path, "cat /g").stdout == "read before\n"
-    async with Events(service.url) as events:
+
+    async def delete() -> None:
         assert (await layers.remove("doomed")).deleted_images == [digest]
-        out = _chroot(rootfs.path, "cat /f > /copy")
-        assert out.returncode != 0 and "Input/output error" in out.stderr
-        event = await events.next_for(digest)
-        assert event.reason == "not found" and event.sandboxes == ["sb-doomed"]
+
+    event = await _failed_read_event(service, rootfs, digest, first=delete)
+    assert event.reason == "not found" and event.sandboxes == ["sb-doomed"]
     assert _chroot(rootfs.path, "cat /g").stdout == "read before\n"  # what was fetched stays readable
     assert await layers.release(NODE, "sb-doomed")
 
@@ -411,11 +422,8 @@ async def test_a_chunk_that_does_not_match_its_manifest_fails_the_read_with_an_e
     rootfs = await layers.compose(NODE, "sb-tampered", ["base", "tampered"])
     other = await layers.compose(NODE, "sb-untouched", ["base"])
     bad_before = _daemon_stats(service)["bad_hash"]
-    async with Events(service.url) as events:
-        out = _chroot(rootfs.path, "cat /f > /copy")
-        assert out.returncode != 0 and "Input/output error" in out.stderr
-        event = await events.next_for(digest)
-        assert event.reason == "chunk hash mismatch" and event.chunk == bad and event.sandboxes == ["sb-tampered"]
+    event = await _failed_read_event(service, rootfs, digest)
+    assert event.reason == "chunk hash mismatch" and event.chunk == bad and event.sandboxes == ["sb-tampered"]
     assert _daemon_stats(service)["bad_hash"] > bad_before
     assert not _chunk_map(service, digest)[bad]  # the bad bytes were never kept
     assert _chroot(rootfs.path, "cat /g").stdout == "fine\n"  # the rest of the image reads
