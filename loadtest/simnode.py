@@ -254,30 +254,28 @@ class ControlPlane:
         raise RuntimeError(f"{self.replicas} placement replicas did not answer within {timeout:g}s")
 
     def stop(self) -> None:
-        for proc in self._simnodes:
-            proc.terminate()
-        for proc in self._simnodes:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _terminate(self._simnodes)
         self._simnodes.clear()
         if self._profiled and self._procs[1].poll() is None:
             self._procs[1].send_signal(signal.SIGUSR1)
             time.sleep(2.0)  # the dump of a long run takes a moment
-        for proc in reversed(self._procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in reversed(self._procs):
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _terminate(list(reversed(self._procs)))  # placement before the bus server
         self._procs.clear()
         if self._dir is not None and not os.environ.get("SANDFLEET_KEEP_CONTROL_PLANE"):
             shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _terminate(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to each still running, then wait; whoever takes over 10 s is killed."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 async def _serve(url: str, count: int, capacity: int, first: int) -> None:
