@@ -254,25 +254,25 @@ class ControlPlane:
         raise RuntimeError(f"{self.replicas} placement replicas did not answer within {timeout:g}s")
 
     def stop(self) -> None:
-        _terminate(self._simnodes)
+        stop_processes(self._simnodes)
         self._simnodes.clear()
         if self._profiled and self._procs[1].poll() is None:
             self._procs[1].send_signal(signal.SIGUSR1)
             time.sleep(2.0)  # the dump of a long run takes a moment
-        _terminate(list(reversed(self._procs)))  # placement before the bus server
+        stop_processes(list(reversed(self._procs)))  # placement before the bus server
         self._procs.clear()
         if self._dir is not None and not os.environ.get("SANDFLEET_KEEP_CONTROL_PLANE"):
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _terminate(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM to each still running, then wait; whoever takes over 10 s is killed."""
+def stop_processes(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+    """`sig` to each still running, then wait; whoever takes over `timeout_s` is killed."""
     for proc in procs:
         if proc.poll() is None:
-            proc.terminate()
+            proc.send_signal(sig)
     for proc in procs:
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

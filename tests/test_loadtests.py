@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.simnode import stop_processes
 from tests.conftest import NODE_ID, ROOT
 from tests.kernel import require
 from tests.leaks import node_left
@@ -91,14 +92,7 @@ class Runs:
     @staticmethod
     def _interrupt(procs: list[subprocess.Popen]) -> None:
         """Stop as Ctrl-C would, so each brings its platform down; killed if that hangs."""
-        for proc in procs:
-            proc.send_signal(signal.SIGINT)
-        for proc in procs:
-            try:
-                proc.wait(timeout=180)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(procs, signal.SIGINT, timeout_s=180)
 
     def stop(self) -> None:
         """Whatever is still running (a test failed, or the session was interrupted) is stopped."""
