@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 
 from loadtest.report import print_table, write_json
-from sandfleet.kernel import audit, landlock
+from linuxnode import audit, landlock
 
 CHILD_C = r"""
 #include <stdio.h>

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from loadtest.report import percentiles, print_table, write_json
-from sandfleet.kernel import cgroups, netns
+from linuxnode import cgroups, netns
 
 NODE = f"bench-egress{os.getpid()}"
 PEER, SANDBOX = "10.78.0.1", "10.78.0.2"

@@ -39,7 +39,7 @@ from pathlib import Path
 import sandfleet
 from loadtest.platform import running_platform
 from loadtest.report import percentiles, print_table, write_json
-from sandfleet.kernel.container import ContainerSpec, bundle_config
+from linuxnode.container import ContainerSpec, bundle_config
 from sandfleet.layers_client import Layers
 
 LAYER = "bench-busybox"

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from loadtest.report import print_table, write_json
-from sandfleet.kernel import cgroups
+from linuxnode import cgroups
 
 CHILD = r"""
 import json, os, sys, time

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from loadtest.report import percentiles, print_table, write_json
-from sandfleet.kernel import syscalls as linux
+from linuxnode import syscalls as linux
 
 DISK_MB = 1024
 

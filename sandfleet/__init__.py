@@ -4,21 +4,13 @@
         sb = await fleet.create(isolation="process", layers=["base"])
         r = await sb.exec(["echo", "hi"])
 
-The SDK is imported on first use, so `sandfleet.kernel` loads without the bus client (the
-runtime's forking helper runs with no site-packages at all).
+This package is the client side (SDK, CLI, bus adapter, telemetry, the `sandfleet up`
+supervisor); the node's Linux library is `linuxnode`, which imports nothing of this package.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from sandfleet import errors
+from sandfleet.client import BatchProgress, ExecResult, Fleet, RolloutChange, Sandbox, connect
 
 __all__ = ["BatchProgress", "ExecResult", "Fleet", "RolloutChange", "Sandbox", "connect", "errors"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "errors":
-        return importlib.import_module("sandfleet.errors")
-    if name in __all__:
-        return getattr(importlib.import_module("sandfleet.client"), name)
-    raise AttributeError(f"module 'sandfleet' has no attribute {name!r}")

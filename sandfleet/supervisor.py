@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandfleet.config import DEFAULT_EGRESS_SUBNET, default_node_id
-from sandfleet.kernel.cgroups import CgroupError, CgroupLayout, list_sandboxes
+from linuxnode.cgroups import CgroupError, CgroupLayout, list_sandboxes
 
 PR_SET_CHILD_SUBREAPER = 36
 STOP_TIMEOUT_S = 60.0

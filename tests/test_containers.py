@@ -15,7 +15,7 @@ import pytest
 
 from sandfleet import errors
 from sandfleet.layers_client import Layers
-from sandfleet.kernel.seccomp import filter_bytes
+from linuxnode.seccomp import filter_bytes
 from schemas.sandbox import State
 from tests.kernel import require
 from tests.layer_trees import make_busybox_base

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from sandfleet.kernel import cgroups, netns
-from sandfleet.kernel import syscalls as linux
-from sandfleet.kernel import process as runtime
+from linuxnode import cgroups, netns
+from linuxnode import syscalls as linux
+from linuxnode import process as runtime
 from tests.kernel import require
 
 NODE = f"krt{os.getpid()}"
@@ -578,7 +578,7 @@ def test_the_helper_sweep_reaps_only_zombie_crun_children_outside_our_session():
     import sys
     script = r"""
 import ctypes, os, shutil, subprocess, tempfile, time
-from sandfleet.kernel.container_exec import DetachedHelpers
+from linuxnode.container_exec import DetachedHelpers
 ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER, as the launcher
 crun = os.path.join(tempfile.mkdtemp(), "crun")
 shutil.copy("/bin/sleep", crun)

@@ -13,7 +13,7 @@ import pytest
 
 import sandfleet
 from sandfleet import errors
-from sandfleet.kernel.process import InitProcess, is_alive
+from linuxnode.process import InitProcess, is_alive
 from sandfleet.layers_client import Layers
 from schemas.sandbox import Reason, State
 from tests.conftest import NODE_ID, start_platform, stop_platform

@@ -15,7 +15,7 @@ from agents.node.violations import ViolationPublisher
 from sandfleet import runner
 from sandfleet.bus import Endpoint
 from sandfleet.config import ServiceConfig
-from sandfleet.kernel import cgroups, lsm
+from linuxnode import cgroups, lsm
 from sandfleet.store import SandboxStore
 from schemas import node as node_schema
 from schemas.node import (

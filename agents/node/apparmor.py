@@ -1,5 +1,5 @@
 """AppArmor profiles for sandboxes: one per sandbox, generated from the same policy as its
-Landlock rules (sandfleet.kernel.landlock), validated with `apparmor_parser`, and loaded
+Landlock rules (linuxnode.landlock), validated with `apparmor_parser`, and loaded
 where the kernel has AppArmor.
 
 The profile says what Landlock says, and more where AppArmor can: the whole root readable
@@ -23,7 +23,7 @@ import os
 import shutil
 import subprocess
 
-from sandfleet.kernel import landlock, lsm
+from linuxnode import landlock, lsm
 
 PARSER = "apparmor_parser"
 _DENIED_PROC = ("kpagecgroup", "kpageflags", "kpagecount", "kcore", "kmem", "mem", "sysrq-trigger",
@@ -40,7 +40,7 @@ def profile_name(sandbox_id: str) -> str:
 
 def writable_dirs(rootfs_dir: str | None) -> list[str]:
     """The top-level directories the sandbox may write, as Landlock decides them."""
-    if rootfs_dir is None:  # the host view (sandfleet.kernel.process.rootfs)
+    if rootfs_dir is None:  # the host view (linuxnode.process.rootfs)
         return ["tmp", "workspace"]
     return sorted(path.rsplit("/", 1)[-1] for path, access in landlock.sandbox_rules(rootfs_dir)[1:]
                   if access & landlock.MAKE_REG and not path.endswith("/dev/shm"))

@@ -10,7 +10,7 @@ A denial of a process with a syscall audit context (sandbox processes made by a 
 parent) is several records with one serial: LANDLOCK_ACCESS (what was refused, e.g.
 `blockers=fs.write_file path="/usr/bin/bash"`), LANDLOCK_DOMAIN once per domain, SYSCALL
 (pid, comm, exe and `auid`), PROCTITLE and EOE. The sandbox is found from `auid`: every
-sandbox process carries an audit login uid derived from its cgroups (sandfleet.kernel.
+sandbox process carries an audit login uid derived from its cgroups (linuxnode.
 landlock.audit_tag), so a process that has exited since is still attributed.
 
 A process without a context (a container's first process, made by the runtime before the
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 from agents.node.audit_rules import AuditLog, AuditUnavailable
 from agents.node.violations import ViolationPublisher
-from sandfleet.kernel import cgroups, landlock
-from sandfleet.kernel.audit import HEADER as _HEADER
+from linuxnode import cgroups, landlock
+from linuxnode.audit import HEADER as _HEADER
 
 log = logging.getLogger("sandfleet.agent")
 

@@ -5,7 +5,7 @@ Cost. With audit on, every task created afterwards gets a syscall audit context 
 task rule says `never`, and every syscall of a task with a context takes the slow path
 through the audit hooks (loadtest/audit_cost.py measures it). So before it turns audit on,
 the agent adds `-a task,never` rules, for every task whose login uid is not a sandbox's
-audit tag (sandfleet.kernel.landlock.audit_tag): the host's own processes get no context.
+audit tag (linuxnode.landlock.audit_tag): the host's own processes get no context.
 Sandbox processes made by a tagged parent keep theirs, because the record of their
 syscall is what names the process, command line and sandbox of a denial; a Landlock
 denial is recorded with or without a context, and the agent attributes one without
@@ -28,7 +28,7 @@ import os
 import re
 import socket
 
-from sandfleet.kernel import audit
+from linuxnode import audit
 
 log = logging.getLogger("sandfleet.agent")
 

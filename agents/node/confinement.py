@@ -19,7 +19,7 @@ from agents.node.egress import Egress
 from agents.node.limits_watch import ViolationWatch
 from agents.node.network import EgressNetwork
 from sandfleet.errors import ServiceError
-from sandfleet.kernel import cgroups, netns
+from linuxnode import cgroups, netns
 from sandfleet.store import SandboxStore
 from schemas.errors import ErrorCode
 from schemas.node import Confinement, ConfineRequest

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from agents.node.bpf.build import BpfUnavailable
 from agents.node.bpf.syscall_watch import SyscallEvent, SyscallEventKind, SyscallWatch
 from agents.node.violations import ViolationPublisher
-from sandfleet.kernel import cgroups, seccomp
+from linuxnode import cgroups, seccomp
 
 log = logging.getLogger("sandfleet.agent")
 _IOCTL_NAMES = {cmd: name for name, cmd in seccomp.IOCTLS_REFUSED.items()}

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 from agents.node.allow_rules import AllowList
 from agents.node.dns_stub import DnsClient, DnsStub, DnsViolation
-from sandfleet.kernel import veth
+from linuxnode import veth
 
 log = logging.getLogger("sandfleet.agent.network")
 DEFAULT_SUBNET = "10.200.0.0/16"

@@ -24,7 +24,7 @@ from schemas import layers as layers_schema
 from schemas.layers import CacheListing, CacheRequest
 from schemas.node import MAX_FILE_BYTES, NodeInfo, NodePressure
 from schemas.sandbox import Reason, SandboxSpec
-from sandfleet.kernel import process as process_runtime
+from linuxnode import process as process_runtime
 from services.launcher import fencing, handlers, pausing
 from services.launcher.lifecycle import Launcher
 from services.launcher.runtimes import Runtimes, detect_crun

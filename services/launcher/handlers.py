@@ -34,7 +34,7 @@ from schemas.node import (
     WriteFileRequest,
 )
 from schemas.sandbox import Reason
-from sandfleet.kernel import process as process_runtime
+from linuxnode import process as process_runtime
 from services.launcher import pausing
 from services.launcher.lifecycle import Launcher, Live
 from services.launcher.runtimes import ExecFailed

@@ -29,9 +29,9 @@ from schemas.errors import ErrorCode
 from schemas.layers import CacheListing, CacheRequest, ComposeRequest, ReleaseRootfsReply, ReleaseRootfsRequest, Rootfs
 from schemas.node import Confinement, ConfineRequest, LaunchItem, LaunchResult, ReleaseReply, ReleaseRequest
 from schemas.sandbox import ENDED, Reason, SandboxRecord, SandboxSpec, State
-from sandfleet.kernel import container as container_runtime
-from sandfleet.kernel import process as process_runtime
-from sandfleet.kernel.process import InitProcess
+from linuxnode import container as container_runtime
+from linuxnode import process as process_runtime
+from linuxnode.process import InitProcess
 from services.launcher.runtimes import LaunchRefused, Runtimes
 from services.launcher.starting import StartingMarks, placed_record
 

@@ -6,8 +6,8 @@ from the init's root for every level: a container's init has a root like any pro
 A command in a container is run the way `process` runs one, by the spawner's exec helper
 (join the cgroups, setns into every namespace of the init, chroot into its root, drop every
 capability, no_new_privs, the sandbox's Landlock policy and seccomp filter, see
-sandfleet/kernel/process/children.py), not by `crun exec`: that is the confinement crun
-would give it from the bundle (see sandfleet/kernel/container.py), for less CPU, and one
+linuxnode/process/children.py), not by `crun exec`: that is the confinement crun
+would give it from the bundle (see linuxnode/container.py), for less CPU, and one
 exec path for every level.
 """
 
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from sandfleet.kernel import process as process_runtime
-from sandfleet.kernel.container import ContainerSpec, Crun
-from sandfleet.kernel.process import InitProcess, ProcessSpec
+from linuxnode import process as process_runtime
+from linuxnode.container import ContainerSpec, Crun
+from linuxnode.process import InitProcess, ProcessSpec
 from schemas.layers import Rootfs
 from schemas.node import MAX_OUTPUT_BYTES, Confinement, ExecRequest
 from schemas.sandbox import SandboxSpec

@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandfleet.kernel import syscalls as linux
+from linuxnode import syscalls as linux
 
 log = logging.getLogger("sandfleet.layer_cache")
 

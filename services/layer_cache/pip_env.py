@@ -23,7 +23,7 @@ import stat
 import sys
 from pathlib import Path
 
-from sandfleet.kernel import syscalls as linux
+from linuxnode import syscalls as linux
 from services.layer_cache import mounts
 
 PIP_MOUNT = ".sandfleet-pip"  # inside the root; holds the borrowed `pip` package and the requirements

@@ -19,7 +19,7 @@ import os
 from sandfleet import runner
 from sandfleet.bus import Endpoint
 from sandfleet.config import ServiceConfig
-from sandfleet.kernel.cgroups import CgroupLayout
+from linuxnode.cgroups import CgroupLayout
 from schemas import reclaim
 from services.reclaimer.ksm import SharedKsm
 from services.reclaimer.node import NodeReclaimer

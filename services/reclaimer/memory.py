@@ -16,7 +16,7 @@ import errno
 import os
 import platform
 
-from sandfleet.kernel.cgroups import CgroupLayout, SandboxCgroups
+from linuxnode.cgroups import CgroupLayout, SandboxCgroups
 from services.reclaimer.policy import Sample
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from sandfleet import errors
 from sandfleet.bus import Bus
-from sandfleet.kernel.cgroups import CgroupLayout, list_sandboxes
+from linuxnode.cgroups import CgroupLayout, list_sandboxes
 from schemas import reclaim
 from schemas import node as node_schema
 from schemas.reclaim import NodeSavings, ReclaimAction

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sandfleet.kernel import cgroups, netns
-from sandfleet.kernel import syscalls as linux
+from linuxnode import cgroups, netns
+from linuxnode import syscalls as linux
 
 NODE = f"sectest{os.getpid()}"  # concurrent test runs on one machine never share a name
 HERE = Path(__file__).parent

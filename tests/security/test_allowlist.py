@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import pytest
 
 from agents.node.allow_rules import AllowList, parse_allow
-from sandfleet.kernel import cgroups
+from linuxnode import cgroups
 from tests.kernel import require
 from tests.security.netlab import NODE, STUB_ADDRESS, DNS_UPSTREAM, DenialCollector, Lab, NetnsLoop, Sandbox
 

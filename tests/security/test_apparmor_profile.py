@@ -8,7 +8,7 @@ import os
 import pytest
 
 from agents.node import apparmor
-from sandfleet.kernel import lsm
+from linuxnode import lsm
 from tests.kernel import require
 
 

@@ -19,13 +19,13 @@ import pytest
 
 from agents.node.audit import LANDLOCK_ACCESS, SYSCALL, parse
 from agents.node.audit_rules import AuditLog, parse_key
-from sandfleet.kernel import audit, landlock
+from linuxnode import audit, landlock
 from tests.kernel import require
 
 # Restricted to reading, the child tries to make a file in DIR: refused, and logged (same exec).
 CHILD = r"""
 import os, sys
-from sandfleet.kernel import landlock, syscalls
+from linuxnode import landlock, syscalls
 directory, tag = sys.argv[1], sys.argv[2]
 if tag != "-":  # a sandbox's tag first, so the process that is refused is made with it
     with open("/proc/self/loginuid", "w") as f:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from sandfleet import errors
-from sandfleet.kernel import cgroups, veth
+from linuxnode import cgroups, veth
 from sandfleet.layers_client import Layers
 from tests.kernel import require
 from tests.layer_trees import make_busybox_base

@@ -23,7 +23,7 @@ import pytest
 
 import sandfleet
 from sandfleet import errors
-from sandfleet.kernel import veth
+from linuxnode import veth
 from sandfleet.supervisor import free_port
 from tests.conftest import CLI, NODE_ID, ROOT, Platform, stop_platform
 from tests.kernel import require

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from sandfleet.kernel import cgroups, landlock
+from linuxnode import cgroups, landlock
 from tests.kernel import require
 from tests.test_layered_sandboxes import LAYERS, layers  # noqa: F401  (fixture)
 
@@ -381,7 +381,7 @@ def test_the_audit_tag_of_a_sandbox_is_stable_and_never_a_real_or_unset_uid():
     assert a == landlock.audit_tag(["/sys/fs/cgroup/memory/sandfleet/n/sb-1/cgroup.procs"])
     assert a != landlock.audit_tag(["/sys/fs/cgroup/memory/sandfleet/n/sb-2/cgroup.procs"])
     assert 0x40000000 <= a < 0x80000000
-    from sandfleet.kernel import audit
+    from linuxnode import audit
 
     assert audit.TAG_MIN <= a <= audit.TAG_MAX  # the agent's audit task rules spare exactly this range
 

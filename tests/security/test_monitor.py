@@ -16,7 +16,7 @@ import nats
 import pytest
 
 from sandfleet import errors
-from sandfleet.kernel import cgroups, netns
+from linuxnode import cgroups, netns
 from schemas import security
 from schemas.sandbox import Reason, State
 from schemas.security import SecurityAction

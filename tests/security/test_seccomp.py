@@ -15,8 +15,8 @@ import struct
 
 import pytest
 
-from sandfleet.kernel import seccomp
-from sandfleet.kernel import process as runtime
+from linuxnode import seccomp
+from linuxnode import process as runtime
 from tests.kernel import require
 from tests.test_containers import BASE, base  # noqa: F401  (fixture)
 from tests.test_kernel_runtime import layout, sandbox, sandboxes  # noqa: F401  (fixtures)
@@ -180,7 +180,7 @@ async def test_ordinary_work_still_works_under_the_filter(sandbox):
 
 def test_install_seccomp_refuses_a_malformed_program():
     """A malformed program is an error, not a silently unfiltered sandbox."""
-    from sandfleet.kernel import syscalls as linux
+    from linuxnode import syscalls as linux
     with pytest.raises(OSError):
         linux.install_seccomp(b"")
     with pytest.raises(OSError):

@@ -10,7 +10,7 @@ import msgspec
 
 from agents.node.limits_watch import ViolationWatch
 from agents.node.violations import ViolationPublisher
-from sandfleet.kernel import cgroups
+from linuxnode import cgroups
 from schemas import violations
 from schemas.violations import Violation
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandfleet.kernel import syscalls as linux
+from linuxnode import syscalls as linux
 
 TRACEFS = "/sys/kernel/tracing"
 _DEB_ARCH = {"x86_64": ("amd64", "x86"), "aarch64": ("arm64", "arm64")}

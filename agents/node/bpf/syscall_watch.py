@@ -4,7 +4,7 @@ were refused at the syscall boundary.
 One SyscallWatch per agent process compiles the tracepoint programs (they see every
 process on the node and attach once, at load) and keeps the set of sandbox v2 cgroup ids
 they report for in a map, so adding a sandbox is a map update. The policy is in maps too:
-the syscall numbers the seccomp filter refuses (from sandfleet/kernel/seccomp.py, so the
+the syscall numbers the seccomp filter refuses (from linuxnode/seccomp.py, so the
 two never disagree) and the sensitive paths below. Records arrive on a ring buffer and are
 decoded into `SyscallEvent`s. Tracepoint attachments end with this process; a restarted
 agent rebuilds the cgroup map from the sandboxes that still live.
@@ -30,7 +30,7 @@ import msgspec
 from agents.node.bpf import build
 from agents.node.bpf.build import BpfUnavailable
 from agents.node.bpf.denials import RECORD_HEADER
-from sandfleet.kernel import seccomp
+from linuxnode import seccomp
 
 log = logging.getLogger("sandfleet.agent.bpf")
 SOURCE = Path(__file__).with_name("syscalls.bpf.c")

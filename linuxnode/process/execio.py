@@ -9,11 +9,11 @@ import contextlib
 import os
 import signal
 
-from sandfleet.kernel.pipes import LoopPipes
-from sandfleet.kernel.process import spawner
-from sandfleet.kernel.process.lifecycle import open_init
-from sandfleet.kernel.process.model import DEFAULT_ENV, ExecError, ExecResult, InitProcess
-from sandfleet.kernel.process.reports import Report
+from linuxnode.pipes import LoopPipes
+from linuxnode.process import spawner
+from linuxnode.process.lifecycle import open_init
+from linuxnode.process.model import DEFAULT_ENV, ExecError, ExecResult, InitProcess
+from linuxnode.process.reports import Report
 
 OUTPUT_GRACE_S = 0.1  # after the command exits, how long a background process may hold its pipes
 

@@ -3,7 +3,7 @@ process (see the package docstring for why), reaps them and is a subreaper for t
 and the launcher's handle on it, which sends it requests over a SOCK_SEQPACKET socket.
 
 The helper runs `python -S -I`: it has no site-packages, so nothing this package imports
-may need more than the standard library and sandfleet.kernel.syscalls.
+may need more than the standard library and linuxnode.syscalls.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import sys
 import threading
 import time
 
-from sandfleet.kernel import layered_root
-from sandfleet.kernel import syscalls as linux
-from sandfleet.kernel.process import children, rootfs
-from sandfleet.kernel.process.reports import error_record, pid_record, report_failure
+from linuxnode import layered_root
+from linuxnode import syscalls as linux
+from linuxnode.process import children, rootfs
+from linuxnode.process.reports import error_record, pid_record, report_failure
 
 _HOST_PIDNS = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
 _MAX_MESSAGE = 32 << 10
@@ -197,15 +197,15 @@ class Spawner:
     def _start(self) -> None:
         import subprocess
 
-        from sandfleet.kernel import seccomp
+        from linuxnode import seccomp
 
         self._stop()
         filter_hex = seccomp.filter_bytes().hex()  # built once per launcher; ~1.5 kB of argv
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # the directory holding sandfleet/: -I leaves it off the helper's path
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        # the directory holding linuxnode/: -I leaves it off the helper's path
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         code = (f"import sys; sys.path.insert(0, {root!r}); "
-                "from sandfleet.kernel.process.spawner import main; main(int(sys.argv[1]), bytes.fromhex(sys.argv[2]))")
+                "from linuxnode.process.spawner import main; main(int(sys.argv[1]), bytes.fromhex(sys.argv[2]))")
         with theirs:
             self.proc = subprocess.Popen(
                 [sys.executable, "-S", "-I", "-c", code, str(theirs.fileno()), filter_hex], pass_fds=[theirs.fileno()],

@@ -10,7 +10,7 @@ VM that costs ~1.5 ms each for a 50 MB launcher and a fraction of it for the 12 
   goes back, signals blocked). B joins the cgroups before anything else, enters the netns,
   unshares mount/ipc/uts/cgroup namespaces, builds the root from a plan (see rootfs.py),
   pivots into it, drops every capability, sets no_new_privs, installs the seccomp filter
-  (built once by the launcher, sandfleet/kernel/seccomp.py) and execs catatonit.
+  (built once by the launcher, linuxnode/seccomp.py) and execs catatonit.
 - exec: the spawner forks C, which joins the cgroups, enters all of the init's namespaces
   (the pid namespace for its children only), chroots into its root, drops every
   capability and vfork-spawns the command D in a new session, then waits for it and
@@ -35,10 +35,10 @@ files.py      read_file, write_file
 
 from __future__ import annotations
 
-from sandfleet.kernel.process.execio import OUTPUT_GRACE_S, exec
-from sandfleet.kernel.process.files import read_file, write_file
-from sandfleet.kernel.process.lifecycle import START_TIMEOUT_S, is_alive, kill, kill_async, start, start_async
-from sandfleet.kernel.process.model import (
+from linuxnode.process.execio import OUTPUT_GRACE_S, exec
+from linuxnode.process.files import read_file, write_file
+from linuxnode.process.lifecycle import START_TIMEOUT_S, is_alive, kill, kill_async, start, start_async
+from linuxnode.process.model import (
     CATATONIT,
     DEFAULT_ENV,
     ExecError,
@@ -47,9 +47,9 @@ from sandfleet.kernel.process.model import (
     ProcessSpec,
     RuntimeStartError,
 )
-from sandfleet.kernel.process.rootfs import STAGE
-from sandfleet.kernel.process.spawner import handle as _spawner  # the tests read its helper's pid
-from sandfleet.kernel.process.spawner import shutdown, warm_up
+from linuxnode.process.rootfs import STAGE
+from linuxnode.process.spawner import handle as _spawner  # the tests read its helper's pid
+from linuxnode.process.spawner import shutdown, warm_up
 
 __all__ = [
     "CATATONIT",

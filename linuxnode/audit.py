@@ -26,7 +26,7 @@ AUDIT_FILTER_TASK = 0x01  # decided once per task, when it is created: AUDIT_NEV
 AUDIT_NEVER, AUDIT_ALWAYS = 0, 2
 AUDIT_LOGINUID, AUDIT_FILTERKEY = 9, 210
 LESS_THAN, GREATER_THAN, EQUAL = 0x10000000, 0x20000000, 0x40000000
-# The login uids sandfleet gives sandbox processes (sandfleet.kernel.landlock.audit_tag):
+# The login uids sandfleet gives sandbox processes (linuxnode.landlock.audit_tag):
 # never a real uid, never unset (-1).
 TAG_MIN, TAG_MAX = 0x40000000, 0x7FFFFFFF
 _MAX_FIELDS = 64

@@ -6,7 +6,7 @@ the host (`dev -> /`), and every mount below is made as root before the sandbox 
 So no path is ever resolved through the overlay the ordinary way: each mount point is
 opened with openat2(RESOLVE_IN_ROOT) from the root, created inside the root when missing,
 and mounted on through its /proc/self/fd link. Both runtimes use this: `plan()` gives the
-`process` runtime's init child its steps (the shape of `sandfleet.kernel.process`'s host-view
+`process` runtime's init child its steps (the shape of `linuxnode.process`'s host-view
 plan: what, call, args; os and ctypes only, as code after fork must be), and
 `ensure_dir()` / `open_in_root()` serve the `container` runtime and the file APIs.
 """
@@ -20,7 +20,7 @@ import socket
 import stat
 from typing import NamedTuple
 
-from sandfleet.kernel import syscalls as linux
+from linuxnode import syscalls as linux
 
 INIT_BINARY = "/usr/bin/catatonit"  # where the process runtime's init execs it from, inside the root
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sandfleet.kernel import landlock
+from linuxnode import landlock
 
 
 def landlock_abi() -> int:

@@ -11,7 +11,7 @@ import socket
 import stat
 from dataclasses import dataclass
 
-from sandfleet.kernel import syscalls as linux
+from linuxnode import syscalls as linux
 
 STAGE = "/tmp"  # mount point of the new root inside the child's private mount namespace
 

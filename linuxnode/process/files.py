@@ -8,9 +8,9 @@ import errno
 import os
 import stat
 
-from sandfleet.kernel import syscalls as linux
-from sandfleet.kernel.process.lifecycle import is_alive
-from sandfleet.kernel.process.model import InitProcess
+from linuxnode import syscalls as linux
+from linuxnode.process.lifecycle import is_alive
+from linuxnode.process.model import InitProcess
 
 _RESOLVE = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS
 

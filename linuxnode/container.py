@@ -18,7 +18,7 @@ every container stays the size it was at start instead of growing with every liv
 (copying 6,000 mounts costs ~28 ms of CPU here, and crun copies and tears down the table of
 the namespace it runs in for each container). Every other crun command works from the host's
 namespace. The container's stdio is /dev/null and crun's own errors go to a log file in the
-bundle: a container holding a pipe we read would hang the call. Files are read and written by `sandfleet.kernel.process` from the init's root
+bundle: a container holding a pipe we read would hang the call. Files are read and written by `linuxnode.process` from the init's root
 (openat2 RESOLVE_IN_ROOT), as for a process sandbox. crun knows no Landlock: the init starts
 behind a static exec shim (confine_shim.c, bound at /dev/sandfleet-confine) that applies the
 process sandbox's policy (landlock.py) and execs catatonit.
@@ -46,9 +46,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandfleet.kernel import cgroups, landlock, layered_root, netns, seccomp
-from sandfleet.kernel import syscalls as linux
-from sandfleet.kernel.container_exec import (
+from linuxnode import cgroups, landlock, layered_root, netns, seccomp
+from linuxnode import syscalls as linux
+from linuxnode.container_exec import (
     DetachedHelpers,
     attach_tree,
     clone_tree,
@@ -58,7 +58,7 @@ from sandfleet.kernel.container_exec import (
     joined,
     make_crun_namespace,
 )
-from sandfleet.kernel.process import DEFAULT_ENV, InitProcess, kill_async
+from linuxnode.process import DEFAULT_ENV, InitProcess, kill_async
 
 log = logging.getLogger("sandfleet.container")
 

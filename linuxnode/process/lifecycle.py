@@ -11,10 +11,10 @@ import select
 import signal
 import time
 
-from sandfleet.kernel import layered_root
-from sandfleet.kernel.process import rootfs, spawner
-from sandfleet.kernel.process.model import ExecError, InitProcess, ProcessSpec, RuntimeStartError
-from sandfleet.kernel.process.reports import Report
+from linuxnode import layered_root
+from linuxnode.process import rootfs, spawner
+from linuxnode.process.model import ExecError, InitProcess, ProcessSpec, RuntimeStartError
+from linuxnode.process.reports import Report
 
 START_TIMEOUT_S = 10.0
 _SANDBOX_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")

@@ -32,7 +32,7 @@ class ProcessSpec:
     tmp_size_mb: int = 256
     workspace_size_mb: int = 1024
     hostname: str = "sandbox"
-    rootfs_dir: str | None = None  # a composed root (see sandfleet.kernel.layered_root); None: the host view
+    rootfs_dir: str | None = None  # a composed root (see linuxnode.layered_root); None: the host view
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
  * crun runs it, inside the container after pivot_root and seccomp, in front of the init; it
  * applies the rules it is given and execs the command. (Commands exec'd later come from the
  * spawner, which applies the same policy itself, as for a `process` sandbox.)
- * The policy is not here: sandfleet/kernel/landlock.py decides it and passes it as argv:
+ * The policy is not here: linuxnode/landlock.py decides it and passes it as argv:
  *
  *   sandfleet-confine TAG HANDLED FLAGS ACCESS:PATH... -- COMMAND [ARG...]
  *

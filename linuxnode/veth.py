@@ -19,7 +19,7 @@ from typing import TypeVar
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
-from sandfleet.kernel import syscalls as linux
+from linuxnode import syscalls as linux
 
 T = TypeVar("T")
 SANDBOX_IFNAME = "eth0"

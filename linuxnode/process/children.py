@@ -9,10 +9,10 @@ import errno
 import os
 import signal
 
-from sandfleet.kernel import landlock
-from sandfleet.kernel import syscalls as linux
-from sandfleet.kernel.process.model import CATATONIT, DEFAULT_ENV
-from sandfleet.kernel.process.reports import READY, report_failure, status_record
+from linuxnode import landlock
+from linuxnode import syscalls as linux
+from linuxnode.process.model import CATATONIT, DEFAULT_ENV
+from linuxnode.process.reports import READY, report_failure, status_record
 
 _LANDLOCK_ABI = landlock.abi()  # asked once, in the spawner: 0 where the kernel has none
 # Opt every sandbox process in to KSM page merging (inherited over fork and exec); ksmd only
@@ -38,8 +38,8 @@ def _tag_for_audit(cgroup_procs: list[str]) -> None:
 
 def _drop_privileges(last_cap: int, seccomp: bytes) -> None:
     """Keep nothing of the spawner across exec but fds 0-2; no capabilities, no_new_privs,
-    the Landlock policy of the root this process now has (sandfleet.kernel.landlock), and
-    the sandbox seccomp filter (sandfleet.kernel.seccomp), installed last."""
+    the Landlock policy of the root this process now has (linuxnode.landlock), and
+    the sandbox seccomp filter (linuxnode.seccomp), installed last."""
     linux.restore_signals()  # an empty mask (the spawner's may block some)
     linux.close_range_cloexec(3)
     os.umask(0o022)

@@ -16,7 +16,7 @@ import re
 import socket
 import struct
 
-from sandfleet.kernel import syscalls as linux
+from linuxnode import syscalls as linux
 
 RUN_DIR = "/run/netns"
 PREFIX = "sf-"

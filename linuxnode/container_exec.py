@@ -18,7 +18,7 @@ import re
 import threading
 import time
 
-from sandfleet.kernel import syscalls as linux
+from linuxnode import syscalls as linux
 
 _JOIN = ('while [ "$1" != -- ]; do echo 0 >"$1" || { echo "sandfleet: cannot join cgroup $1" >&2; exit 125; }; '
          'shift; done; shift; exec "$@"')
