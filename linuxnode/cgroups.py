@@ -126,6 +126,40 @@ class SandboxCgroups:
     def procs_files(self) -> list[str]:
         return [f"{d}/cgroup.procs" for d in self.dirs]
 
+    def _file(self, controller: str, v1_name: str, v2_name: str) -> str:
+        """A controller's file: in its v1 directory on a hybrid host, in the v2 one on a unified host."""
+        if self.layout.mode == "unified":
+            return f"{self.v2_dir}/{v2_name}"
+        return f"{self._v1[controller]}/{v1_name}"
+
+    @property
+    def memory_charged_file(self) -> str:
+        """Bytes the sandbox's memory is charged."""
+        return self._file("memory", "memory.usage_in_bytes", "memory.current")
+
+    @property
+    def memory_limit_file(self) -> str:
+        return self._file("memory", "memory.limit_in_bytes", "memory.max")
+
+    @property
+    def memory_events_file(self) -> str:
+        """Counts `oom_kill` on both layouts (v1 memory.oom_control, v2 memory.events)."""
+        return self._file("memory", "memory.oom_control", "memory.events")
+
+    @property
+    def memory_event_control_file(self) -> str | None:
+        """v1's cgroup.event_control, where an eventfd is registered for OOM; None on v2, whose
+        memory.events raises POLLPRI by itself."""
+        return None if self.layout.mode == "unified" else f"{self._v1['memory']}/cgroup.event_control"
+
+    @property
+    def pids_events_file(self) -> str:
+        return self._file("pids", "pids.events", "pids.events")
+
+    @property
+    def pids_limit_file(self) -> str:
+        return self._file("pids", "pids.max", "pids.max")
+
     def create(self, cpu: float, memory_mb: int, pids: int) -> None:
         """Make the directories and write the limits; calling it again rewrites the limits."""
         if cpu <= 0 or memory_mb <= 0 or pids <= 0:

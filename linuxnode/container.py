@@ -46,7 +46,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from linuxnode import cgroups, landlock, layered_root, netns, seccomp
+from linuxnode import cgroups, landlock, layered_root, netns, procfs, seccomp
 from linuxnode import syscalls as linux
 from linuxnode.container_exec import (
     DetachedHelpers,
@@ -113,11 +113,9 @@ def bundle_config(spec: ContainerSpec, shim: tuple[str, list[str]] | None = None
             "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "cgroup")]
             + [{"type": "network", "path": spec.netns}],
             "rootfsPropagation": "rprivate",
-            "maskedPaths": ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
-                            "/proc/kpagecgroup", "/proc/kpageflags", "/proc/kpagecount",
-                            "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
-                            "/sys/firmware", "/sys/fs/selinux", "/sys/dev/block"],
-            "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"],
+            "maskedPaths": [f"/proc/{p}" for p in (*procfs.MASKED_DIRS, *procfs.MASKED_FILES)]
+            + ["/sys/firmware", "/sys/fs/selinux", "/sys/dev/block"],
+            "readonlyPaths": [f"/proc/{p}" for p in procfs.READONLY],
             "seccomp": seccomp.oci_seccomp(),
         },
     }

@@ -18,6 +18,7 @@ import re
 import threading
 import time
 
+from linuxnode import procfs
 from linuxnode import syscalls as linux
 
 _JOIN = ('while [ "$1" != -- ]; do echo 0 >"$1" || { echo "sandfleet: cannot join cgroup $1" >&2; exit 125; }; '
@@ -43,8 +44,8 @@ def detached_helpers(crun_pid: int) -> list[int]:
     for child in _children():
         if not (child > crun_pid or child < crun_pid - (1 << 20)):  # pids grow (and may wrap)
             continue
-        stat = _stat(child)
-        if stat is not None and stat[0] == "crun" and stat[2] not in (child, ours):
+        stat = procfs.read_stat(child)
+        if stat is not None and stat.comm == "crun" and stat.session not in (child, ours):
             found.append(child)
     return found
 
@@ -117,8 +118,8 @@ class DetachedHelpers:
         self.swept_at = time.monotonic()
         ours, reaped = os.getsid(0), []
         for child in _children():
-            stat = _stat(child)
-            if stat is not None and stat[0] == "crun" and stat[1] == "Z" and stat[2] not in (child, ours):
+            stat = procfs.read_stat(child)
+            if stat is not None and stat.comm == "crun" and stat.state == "Z" and stat.session not in (child, ours):
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(child, os.WNOHANG)
                     reaped.append(child)
@@ -148,23 +149,8 @@ def _children() -> list[int]:
 
 def start_time_of(pid: int) -> int | None:
     """The process's start time (clock ticks after boot), or None if it is gone; a zombie has one."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rpartition(b")")[2].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _stat(pid: int) -> tuple[str, str, int] | None:
-    """(command, state, session) of pid, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    head, _, tail = data.rpartition(b")")
-    fields = tail.split()
-    return head.partition(b"(")[2].decode(errors="replace"), fields[0].decode(), int(fields[3])
+    stat = procfs.read_stat(pid)
+    return None if stat is None else stat.start_time
 
 
 # -- crun's own mount namespace (see container.py) -------------------------------------------------------------------------

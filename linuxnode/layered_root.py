@@ -20,6 +20,7 @@ import socket
 import stat
 from typing import NamedTuple
 
+from linuxnode import procfs
 from linuxnode import syscalls as linux
 
 INIT_BINARY = "/usr/bin/catatonit"  # where the process runtime's init execs it from, inside the root
@@ -28,9 +29,6 @@ _DEV_LINKS = (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", 
               ("stderr", "/proc/self/fd/2"))
 # As rootfs.py (host view) and crun's maskedPaths: kpage*: uid 0 may read them without any
 # capability, and a scan of kpagecgroup crashed a host.
-_PROC_MASKED_FILES = ("kcore", "keys", "key-users", "timer_list", "sched_debug", "latency_stats",
-                      "kpagecgroup", "kpageflags", "kpagecount")
-_PROC_MASKED_DIRS = ("acpi", "scsi", "asound")
 _RO = linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
 _RESOLVE = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS
 
@@ -136,8 +134,8 @@ def _make_in(root: str, dir_rel: str, kind: str, entries: tuple) -> None:
 def _host_facts() -> tuple[tuple, tuple, tuple]:
     return (
         tuple((d, os.stat("/dev/" + d).st_rdev) for d in _DEVICES if os.path.exists("/dev/" + d)),
-        tuple(p for p in _PROC_MASKED_FILES if os.path.isfile("/proc/" + p)),
-        tuple(p for p in _PROC_MASKED_DIRS if os.path.isdir("/proc/" + p)),
+        tuple(p for p in procfs.MASKED_FILES if os.path.isfile("/proc/" + p)),
+        tuple(p for p in procfs.MASKED_DIRS if os.path.isdir("/proc/" + p)),
     )
 
 

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import fcntl
 import os
-import re
 import socket
 import struct
 
+from linuxnode import names
 from linuxnode import syscalls as linux
 
 RUN_DIR = "/run/netns"
 PREFIX = "sf-"
-_SANDBOX_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
-_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
@@ -38,13 +36,13 @@ def _mount(source: str, target: str, flags: int) -> None:
 def _prefix(node_id: str) -> str:
     # The node is in the name so several nodes (or platforms) on one host never reclaim
     # each other's namespaces; '.' appears in neither a node id nor a sandbox id.
-    if not _NODE_ID.match(node_id):
+    if not names.is_node_id(node_id):
         raise ValueError(f"invalid node id {node_id!r}")
     return f"{PREFIX}{node_id}."
 
 
 def path(node_id: str, sandbox_id: str) -> str:
-    if not _SANDBOX_ID.match(sandbox_id):
+    if not names.is_sandbox_id(sandbox_id):
         raise ValueError(f"invalid sandbox id {sandbox_id!r}")
     return f"{RUN_DIR}/{_prefix(node_id)}{sandbox_id}"
 
@@ -145,8 +143,8 @@ def remove(node_id: str, sandbox_id: str) -> None:
 def list_sandboxes(node_id: str) -> list[str]:
     """Ids of this node's sandbox namespace names on this host (for crash recovery)."""
     try:
-        names = os.listdir(RUN_DIR)
+        entries = os.listdir(RUN_DIR)
     except FileNotFoundError:
         return []
     prefix = _prefix(node_id)
-    return sorted(n[len(prefix):] for n in names if n.startswith(prefix) and _SANDBOX_ID.match(n[len(prefix):]))
+    return sorted(n[len(prefix):] for n in entries if n.startswith(prefix) and names.is_sandbox_id(n[len(prefix):]))

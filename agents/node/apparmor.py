@@ -23,11 +23,11 @@ import os
 import shutil
 import subprocess
 
-from linuxnode import landlock, lsm
+from linuxnode import landlock, lsm, procfs
 
 PARSER = "apparmor_parser"
-_DENIED_PROC = ("kpagecgroup", "kpageflags", "kpagecount", "kcore", "kmem", "mem", "sysrq-trigger",
-                "timer_list", "sched_debug", "keys", "key-users", "latency_stats")
+# What every runtime masks, and the writable host knob beside it.
+_DENIED_PROC = (*procfs.MASKED_FILES, "kmem", "mem", "sysrq-trigger")
 
 
 class ProfileError(RuntimeError):

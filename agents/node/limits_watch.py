@@ -113,20 +113,18 @@ class ViolationWatch:
         group = cgroups.SandboxCgroups(self.layout, self.node_id, sandbox_id)
         if self.syscalls is not None:
             self._cgroup_ids[sandbox_id] = self.syscalls.watch(group.v2_dir)
-        if self.layout.mode == "unified":
-            lim = _Limits(sandbox_id, f"{group.v2_dir}/pids.events", f"{group.v2_dir}/pids.max",
-                          f"{group.v2_dir}/memory.events", f"{group.v2_dir}/memory.max")
+        lim = _Limits(sandbox_id, group.pids_events_file, group.pids_limit_file, group.memory_events_file,
+                      group.memory_limit_file)
+        event_control = group.memory_event_control_file
+        if event_control is None:  # v2: memory.events raises POLLPRI itself
             watch = os.open(lim.memory_events, os.O_RDONLY | os.O_CLOEXEC)
             lim.fds, mask = [watch], select.EPOLLPRI | select.EPOLLET
         else:
-            pids, memory = (f"{self.layout.v1[c]}/{cgroups.PARENT}/{self.node_id}/{sandbox_id}" for c in ("pids", "memory"))
-            lim = _Limits(sandbox_id, f"{pids}/pids.events", f"{pids}/pids.max",
-                          f"{memory}/memory.oom_control", f"{memory}/memory.limit_in_bytes")
             efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
             control = os.open(lim.memory_events, os.O_RDONLY | os.O_CLOEXEC)
             lim.fds, mask = [efd, control], select.EPOLLIN
             try:
-                with open(f"{memory}/cgroup.event_control", "w") as f:
+                with open(event_control, "w") as f:
                     f.write(f"{efd} {control}")
             except OSError:
                 self._close(lim)

@@ -11,13 +11,12 @@ import select
 import signal
 import time
 
-from linuxnode import layered_root
+from linuxnode import layered_root, names, procfs
 from linuxnode.process import rootfs, spawner
 from linuxnode.process.model import ExecError, InitProcess, ProcessSpec, RuntimeStartError
 from linuxnode.process.reports import Report
 
 START_TIMEOUT_S = 10.0
-_SANDBOX_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 
 
 def start(spec: ProcessSpec) -> InitProcess:
@@ -42,7 +41,7 @@ async def start_async(spec: ProcessSpec) -> InitProcess:
 
 def _send_start(spec: ProcessSpec) -> int:
     """Ask the spawner for the init; returns the read end of its report pipe."""
-    if not _SANDBOX_ID.match(spec.sandbox_id):
+    if not names.is_sandbox_id(spec.sandbox_id):
         raise RuntimeStartError(f"invalid sandbox id {spec.sandbox_id!r}")
     if not re.match(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$", spec.hostname):
         raise RuntimeStartError(f"invalid hostname {spec.hostname!r}")
@@ -81,10 +80,10 @@ def _started(spec: ProcessSpec, report: Report) -> InitProcess:
                 spawner.send(("kill", (report.pid, int(signal.SIGKILL))), [])
         why = "; ".join(m for _, m in report.errors) or "init died without a report"
         raise RuntimeStartError(f"sandbox {spec.sandbox_id}: {why}")
-    info = _read_stat(report.pid)
+    info = procfs.read_stat(report.pid)
     if info is None:
         raise RuntimeStartError(f"sandbox {spec.sandbox_id}: init vanished")
-    return InitProcess(pid=report.pid, start_time=info[2])
+    return InitProcess(pid=report.pid, start_time=info.start_time)
 
 
 async def _readable(fd: int, timeout_s: float) -> bool:
@@ -141,20 +140,9 @@ async def _read_start_report_async(fd: int, timeout_s: float) -> Report:
 
 # -- liveness and kill ------------------------------------------------------------------------------
 
-def _read_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, ppid, start_time) of a pid, or None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = data[data.rindex(b")") + 2:].split()
-    return fields[0].decode(), int(fields[1]), int(fields[19])
-
-
 def is_alive(init: InitProcess) -> bool:
-    info = _read_stat(init.pid)
-    return info is not None and info[2] == init.start_time and info[0] not in ("Z", "X")
+    info = procfs.read_stat(init.pid)
+    return info is not None and info.start_time == init.start_time and info.state not in ("Z", "X")
 
 
 def kill(init: InitProcess, timeout_s: float = 2.0) -> None:
@@ -185,13 +173,13 @@ def _signal_kill(init: InitProcess) -> tuple[int, int] | None:
         pidfd = os.pidfd_open(init.pid)
     except ProcessLookupError:
         return None
-    info = _read_stat(init.pid)  # read after pidfd_open: a match proves the pidfd is the init
-    if info is None or info[2] != init.start_time:
+    info = procfs.read_stat(init.pid)  # read after pidfd_open: a match proves the pidfd is the init
+    if info is None or info.start_time != init.start_time:
         os.close(pidfd)
         return None
-    if info[0] not in ("Z", "X"):
+    if info.state not in ("Z", "X"):
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-    return pidfd, info[1]
+    return pidfd, info.ppid
 
 
 def _finish_kill(init: InitProcess, pidfd: int, ppid: int) -> None:

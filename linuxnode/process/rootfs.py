@@ -11,6 +11,7 @@ import socket
 import stat
 from dataclasses import dataclass
 
+from linuxnode import procfs
 from linuxnode import syscalls as linux
 
 STAGE = "/tmp"  # mount point of the new root inside the child's private mount namespace
@@ -19,9 +20,6 @@ _HOST_DIRS = ("usr", "bin", "sbin", "lib", "lib64", "lib32", "libx32")
 _ETC_BINDS = ("ssl/certs", "alternatives", "ld.so.cache")
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 # kpage*: uid 0 may read them without any capability, and a scan of kpagecgroup crashed a host.
-_PROC_MASKED_FILES = ("kcore", "keys", "key-users", "timer_list", "sched_debug", "latency_stats",
-                      "kpagecgroup", "kpageflags", "kpagecount")
-_PROC_MASKED_DIRS = ("acpi", "scsi", "asound")
 _RO = linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
 
 
@@ -60,8 +58,8 @@ def host_facts() -> dict:
     return {
         "etc": tuple(p for p in _ETC_BINDS if os.path.exists("/etc/" + p)),
         "devices": tuple((d, os.stat("/dev/" + d).st_rdev) for d in _DEVICES if os.path.exists("/dev/" + d)),
-        "proc_files": tuple(p for p in _PROC_MASKED_FILES if os.path.isfile("/proc/" + p)),
-        "proc_dirs": tuple(p for p in _PROC_MASKED_DIRS if os.path.isdir("/proc/" + p)),
+        "proc_files": tuple(p for p in procfs.MASKED_FILES if os.path.isfile("/proc/" + p)),
+        "proc_dirs": tuple(p for p in procfs.MASKED_DIRS if os.path.isdir("/proc/" + p)),
         "last_cap": linux.cap_last_cap(),
     }
 

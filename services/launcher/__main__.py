@@ -9,7 +9,6 @@ import logging
 import os
 import secrets
 import time
-from pathlib import Path
 
 import nats.errors
 import nats.js.errors
@@ -24,6 +23,7 @@ from schemas import layers as layers_schema
 from schemas.layers import CacheListing, CacheRequest
 from schemas.node import MAX_FILE_BYTES, NodeInfo, NodePressure
 from schemas.sandbox import Reason, SandboxSpec
+from linuxnode import procfs
 from linuxnode import process as process_runtime
 from services.launcher import fencing, handlers, pausing
 from services.launcher.lifecycle import Launcher
@@ -57,18 +57,6 @@ class Intake:
                 self.starting.pop(item.id, None)
 
 
-def pressure() -> NodePressure:
-    """`some avg10` of /proc/pressure/{cpu,memory}; zero where the kernel has no PSI."""
-    found = {}
-    for kind in ("cpu", "memory"):
-        try:
-            line = Path(f"/proc/pressure/{kind}").read_text().splitlines()[0]
-            found[kind] = float(line.split()[1].split("=")[1])
-        except (OSError, IndexError, ValueError):
-            found[kind] = 0.0
-    return NodePressure(**found)
-
-
 async def cached_layers(bus: Bus, node_id: str) -> list[str]:
     try:
         listing = await bus.request(node_schema.subject(node_id, layers_schema.CACHE), CacheRequest(), CacheListing,
@@ -94,7 +82,7 @@ async def heartbeat(bus: Bus, launcher: Launcher, intake: Intake, config: Servic
             starting=len(intake.starting),
             allocated_cpu=sum(s.cpu for s in specs),
             allocated_memory_mb=sum(s.memory_mb for s in specs),
-            pressure=pressure(),
+            pressure=NodePressure(cpu=procfs.node_pressure("cpu"), memory=procfs.node_pressure("memory")),
             layers=await cached_layers(bus, config.node_id),
             instance=intake.instance,
             accepted=intake.accepted,

@@ -12,10 +12,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from linuxnode import names
 from services.layer_cache.mounts import MountEntry
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
-_SANDBOX = re.compile(r"^[a-z0-9][a-z0-9\-]*$")
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def _sandbox_of(mount_point: str, sandboxes: str) -> str | None:
     if not mount_point.startswith(prefix):
         return None
     parts = mount_point[len(prefix):].split("/")
-    if len(parts) == 2 and parts[1] == "rootfs" and _SANDBOX.match(parts[0]):
+    if len(parts) == 2 and parts[1] == "rootfs" and names.is_sandbox_id(parts[0]):
         return parts[0]
     return None
 

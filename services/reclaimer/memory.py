@@ -49,13 +49,9 @@ def cpu_usec(cgroups: SandboxCgroups) -> int:
     return 0
 
 
-def charged_bytes(layout: CgroupLayout, cgroups: SandboxCgroups) -> int:
-    """What the sandbox's memory cgroup is charged (v1 on a hybrid host, v2 on a unified one)."""
-    if layout.mode == "hybrid":
-        path = f"{layout.v1['memory']}/sandfleet/{cgroups.node_id}/{cgroups.sandbox_id}/memory.usage_in_bytes"
-    else:
-        path = f"{cgroups.v2_dir}/memory.current"
-    return int(_read(path))
+def charged_bytes(cgroups: SandboxCgroups) -> int:
+    """What the sandbox's memory cgroup is charged."""
+    return int(_read(cgroups.memory_charged_file))
 
 
 def resident_bytes(pid: int) -> int:
@@ -93,7 +89,7 @@ def sample(layout: CgroupLayout, node_id: str, sandbox_id: str) -> Sample | None
         return Sample(
             sandbox_id=sandbox_id,
             cpu_usec=cpu_usec(cgroups),
-            memory_bytes=charged_bytes(layout, cgroups),
+            memory_bytes=charged_bytes(cgroups),
             resident_bytes=sum(resident_bytes(pid) for pid in pids),
             merged_bytes=sum(merged_bytes(pid) for pid in pids),
         )

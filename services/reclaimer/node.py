@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from sandfleet import errors
 from sandfleet.bus import Bus
+from linuxnode import procfs
 from linuxnode.cgroups import CgroupLayout, list_sandboxes
 from schemas import reclaim
 from schemas import node as node_schema
@@ -32,18 +33,6 @@ log = logging.getLogger("sandfleet.reclaimer")
 
 FREEZE_TIMEOUT_S = 10.0
 MAX_INTERVAL_S = 30.0  # the CPU budget may stretch the sampling period up to this
-
-
-def node_memory_pressure(path: str = "/proc/pressure/memory") -> float:
-    """The node's PSI `some avg10` for memory (0 where the kernel has no PSI)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("some "):
-                    return float(line.split()[1].partition("=")[2])
-    except (OSError, ValueError):
-        pass
-    return 0.0
 
 
 @dataclass
@@ -86,7 +75,7 @@ class NodeReclaimer:
         self.last = samples
         if not self.enabled:
             return
-        decision = self.policy.observe(time.time(), samples, node_memory_pressure(), self.ksm.full_scans())
+        decision = self.policy.observe(time.time(), samples, procfs.node_pressure("memory"), self.ksm.full_scans())
         if self.ksm.available:
             await asyncio.to_thread(self.ksm.want, decision.ksm_wanted)
         for action in decision.actions:

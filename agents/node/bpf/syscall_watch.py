@@ -30,7 +30,7 @@ import msgspec
 from agents.node.bpf import build
 from agents.node.bpf.build import BpfUnavailable
 from agents.node.bpf.denials import RECORD_HEADER
-from linuxnode import seccomp
+from linuxnode import procfs, seccomp
 
 log = logging.getLogger("sandfleet.agent.bpf")
 SOURCE = Path(__file__).with_name("syscalls.bpf.c")
@@ -42,10 +42,11 @@ _FORK_FAMILY = ("clone", "clone3", "fork", "vfork")
 # An entry ending in "\0" is one exact path; any other is a prefix.
 SENSITIVE_PATHS = (
     # physical-memory and page-frame maps: /proc/kpagecgroup crashed a host in the published incident log
-    "/proc/kpagecgroup\0", "/proc/kpageflags\0", "/proc/kpagecount\0", "/proc/kcore\0",
+    # and the other host-wide /proc files every runtime masks: keys, timers, scheduler internals
+    *(f"/proc/{name}\0" for name in procfs.MASKED_FILES),
     "/dev/mem\0", "/dev/kmem\0", "/dev/port\0",
-    # kernel addresses, logs and timers of the whole host
-    "/proc/kallsyms\0", "/proc/kmsg\0", "/proc/timer_list\0", "/proc/sched_debug\0", "/proc/keys\0",
+    # kernel addresses and logs of the whole host
+    "/proc/kallsyms\0", "/proc/kmsg\0",
     # host-wide knobs that run code or disturb the node when written
     "/proc/sysrq-trigger\0", "/proc/sys/kernel/core_pattern\0", "/proc/sys/kernel/modprobe\0",
     "/proc/sys/vm/drop_caches\0",
