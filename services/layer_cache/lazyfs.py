@@ -47,13 +47,11 @@ from services.layer_cache.lazy import INDEX, ChunkIndex, LazyFiles, chunk_length
 
 log = logging.getLogger("sandfleet.lazyfs")
 
-FETCH_TIMEOUT_S = float(os.environ.get("SANDFLEET_LAZY_FETCH_TIMEOUT_S", "5"))
 EVENT_EVERY_S = 1.0  # at most one event per image and reason this often: a failing read repeats
 # After the store failed to answer, fail other fetches at once for this long: the kernel retries
 # a failed read page by page, and each would wait out its own timeout.
 FAIL_FAST_S = 2.0
 UNREACHABLE = ("timeout", "no responders")
-READAHEAD = max(0, int(os.environ.get("SANDFLEET_LAZY_READAHEAD", "2")))
 READAHEAD_INFLIGHT_MAX = 32  # readahead fetches at once, over all images: demand reads come first
 ATTR_TIMEOUT_S = 3600  # an image's size never changes: its name is its content's hash
 # Fixed times: FUSE drops a file's cached pages when its mtime changes, and an image never does.
@@ -64,6 +62,20 @@ FSNAME = "sandfleet-lazy"
 NICE = -5
 STOP_GRACE_S = 5.0
 UNMOUNT_CHECK_S = 2.0
+
+
+@dataclass(frozen=True)
+class LazySettings:
+    """The daemon's settings, read once when it starts."""
+
+    fetch_timeout_s: float = 5.0  # SANDFLEET_LAZY_FETCH_TIMEOUT_S
+    readahead: int = 2  # SANDFLEET_LAZY_READAHEAD: chunks fetched after a missed one; 0 turns it off
+
+    @classmethod
+    def from_env(cls) -> LazySettings:
+        env = os.environ
+        return cls(fetch_timeout_s=float(env.get("SANDFLEET_LAZY_FETCH_TIMEOUT_S") or cls.fetch_timeout_s),
+                   readahead=max(0, int(env.get("SANDFLEET_LAZY_READAHEAD") or cls.readahead)))
 
 
 class ChunkUnavailable(Exception):
@@ -115,8 +127,9 @@ class Stats:
 class ChunkSource:
     """Chunks straight from the store's stream: a direct get by sequence, checked for subject and length."""
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, fetch_timeout_s: float) -> None:
         self.bus = bus
+        self.fetch_timeout_s = fetch_timeout_s
         self._down: tuple[float, str] = (0.0, "")  # until when, and why, the store is taken as unreachable
 
     async def get(self, index: ChunkIndex, i: int, ahead: bool = False) -> bytes:
@@ -129,7 +142,7 @@ class ChunkSource:
             raise ChunkUnavailable(why)
         try:
             msg = await self.bus.nc.request(f"$JS.API.DIRECT.GET.{index.stream}",
-                                            json.dumps({"seq": index.seqs[i]}).encode(), timeout=FETCH_TIMEOUT_S)
+                                            json.dumps({"seq": index.seqs[i]}).encode(), timeout=self.fetch_timeout_s)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
             why = UNREACHABLE[0] if isinstance(exc, nats.errors.TimeoutError) else UNREACHABLE[1]
             if not ahead:
@@ -150,8 +163,9 @@ class ChunkSource:
 class LazyImages(pyfuse3.Operations):
     """The FUSE file system: a flat directory of `<hex>.erofs` files."""
 
-    def __init__(self, root: Path, source: ChunkSource, node_id: str) -> None:
+    def __init__(self, root: Path, source: ChunkSource, node_id: str, readahead: int) -> None:
         super().__init__()
+        self.readahead = readahead
         self.root = root
         self.images_dir = root / "images"
         self.source = source
@@ -308,9 +322,9 @@ class LazyImages(pyfuse3.Operations):
         return pending
 
     def _read_ahead(self, image: OpenImage, first: int) -> None:
-        """Start fetching chunks first.. (READAHEAD of them) that are neither here nor coming.
+        """Start fetching chunks first.. (`readahead` of them) that are neither here nor coming.
         A failure is only logged: the read that needs such a chunk fetches it again and reports."""
-        for i in range(first, min(first + READAHEAD, len(image.present))):
+        for i in range(first, min(first + self.readahead, len(image.present))):
             if self._ahead >= READAHEAD_INFLIGHT_MAX:
                 return
             if not image.present[i] and i not in image.inflight:
@@ -371,13 +385,13 @@ def roots_over(root: Path, digest: str) -> list[str]:
     return sorted(found)
 
 
-async def serve(root: Path, config: ServiceConfig) -> None:
+async def serve(root: Path, config: ServiceConfig, settings: LazySettings) -> None:
     mountpoint = root / "lazy"
     mountpoint.mkdir(parents=True, exist_ok=True)
     bus = await Bus.connect(config.nats_url, "layer-cache-lazyfs")
     try:
         pyfuse3.asyncio.enable()
-        fs = LazyImages(root, ChunkSource(bus), config.node_id)
+        fs = LazyImages(root, ChunkSource(bus, settings.fetch_timeout_s), config.node_id, settings.readahead)
         options = {f"fsname={FSNAME}", "subtype=sandfleet", "ro", "allow_other"}
         pyfuse3.init(fs, str(mountpoint), options)
         loop = asyncio.get_running_loop()
@@ -402,7 +416,7 @@ def main() -> None:
         os.setpriority(os.PRIO_PROCESS, 0, NICE)
     except OSError as exc:
         log.warning("could not raise the daemon's priority: %s", exc)
-    asyncio.run(serve(Path(sys.argv[1]), ServiceConfig.from_env()))
+    asyncio.run(serve(Path(sys.argv[1]), ServiceConfig.from_env(), LazySettings.from_env()))
 
 
 if __name__ == "__main__":
