@@ -21,6 +21,7 @@ from agents.node.network import EgressNetwork
 from sandfleet.errors import ServiceError
 from linuxnode import cgroups, netns
 from sandfleet.store import SandboxStore
+from sandfleet.telemetry import SANDBOX_ID
 from schemas.errors import ErrorCode
 from schemas.node import Confinement, ConfineRequest
 from schemas.sandbox import ENDED, SandboxRecord
@@ -112,7 +113,7 @@ class NodeConfinement:
                 orphans.append(sandbox_id)
         for sandbox_id in orphans:
             await asyncio.to_thread(self.release, sandbox_id)
-            log.info("reclaimed orphaned confinement of %s", sandbox_id)
+            log.info("reclaimed orphaned confinement of %s", sandbox_id, extra={SANDBOX_ID: sandbox_id})
         kept = {s: cgroups.SandboxCgroups(self.layout, self.node_id, s).v2_dir for s in sorted(held & set(records))}
         kept = {s: d for s, d in kept.items() if os.path.isdir(d)}
         for d in kept.values():
@@ -137,7 +138,7 @@ class NodeConfinement:
                 with_egress[sandbox_id] = (os.stat(v2_dir).st_ino, rules)
         removed = await asyncio.to_thread(self.network.adopt, with_egress)
         for sandbox_id in removed:
-            log.info("removed the veth of %s, which no live sandbox owns", sandbox_id)
+            log.info("removed the veth of %s, which no live sandbox owns", sandbox_id, extra={SANDBOX_ID: sandbox_id})
         adopted = [s for s in with_egress if self.network.holds(s)]
         if adopted:
             await self.network.ensure_started()

@@ -28,6 +28,7 @@ from typing import Protocol as Interface
 from dnslib import QTYPE, RCODE, DNSError, DNSRecord
 
 from agents.node.allow_rules import DomainRule, Protocol
+from sandfleet.telemetry import SANDBOX_ID
 
 log = logging.getLogger("sandfleet.agent.dns")
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -227,7 +228,8 @@ class DnsStub:
         return reply.pack()
 
     def _report(self, violation: DnsViolation) -> None:
-        log.info("refused DNS name %s (%s) for sandbox %s", violation.name, violation.qtype, violation.sandbox_id)
+        log.info("refused DNS name %s (%s) for sandbox %s", violation.name, violation.qtype, violation.sandbox_id,
+                 extra={SANDBOX_ID: violation.sandbox_id})
         try:
             result = self._on_violation(violation)
             if inspect.isawaitable(result):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from sandfleet.bus import Bus
 from sandfleet.store import SandboxStore
+from sandfleet.telemetry import SANDBOX_ID
 from schemas import violations
 from schemas.violations import Violation
 
@@ -104,7 +105,7 @@ class ViolationPublisher:
         try:
             await self._bus.publish_durable(violations.subject(self.node_id, sandbox_id, kind), event, msg_id=msg_id)
         except Exception as exc:  # the reporter must outlive a bad moment of the bus
-            log.warning("violation of %s not published: %s", sandbox_id, exc)
+            log.warning("violation of %s not published: %s", sandbox_id, exc, extra={SANDBOX_ID: sandbox_id})
             return False
         self.published += 1
         return True

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandfleet.errors import ServiceError
+from sandfleet.telemetry import SANDBOX_ID
 from schemas.errors import ErrorCode
 from schemas.layers import Rootfs
 from services.layer_cache import mounts
@@ -130,7 +131,7 @@ class RootfsComposer:
                 undo.callback(mounts.umount, str(composed.rootfs))
                 self._add(composed)
                 undo.pop_all()
-            log.info("composed rootfs sandbox.id=%s layers=%d", sandbox_id, len(digests))
+            log.info("composed the rootfs of %s from %d layers", sandbox_id, len(digests), extra={SANDBOX_ID: sandbox_id})
             return composed
 
     async def _mount_layer(self, digest: str, fresh: list[str]) -> Path:
@@ -172,7 +173,7 @@ class RootfsComposer:
                 if digest not in self.images.images and self.users(digest) == 0:
                     self.mounts.unmount(digest)  # adopted over an image file that is gone
             self.images.evict()
-            log.info("released rootfs sandbox.id=%s", sandbox_id)
+            log.info("released the rootfs of %s", sandbox_id, extra={SANDBOX_ID: sandbox_id})
             return True
 
     # -- lazy layers whose FUSE daemon is gone -----------------------------------------

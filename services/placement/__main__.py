@@ -14,6 +14,7 @@ from sandfleet import runner
 from sandfleet.bus import Bus, Endpoint, decode
 from sandfleet.config import ServiceConfig
 from sandfleet.store import SandboxStore
+from sandfleet.telemetry import NODE_ID
 from schemas import node as node_schema
 from schemas import sandbox
 from services.placement import handlers
@@ -61,7 +62,7 @@ async def sweep_lost(deps: handlers.Deps) -> None:
     while True:
         try:
             for node_id, n in (await handlers.fail_lost(deps, time.time())).items():
-                log.warning("node %s is lost; %d sandbox(es) reported failed", node_id, n)
+                log.warning("node %s is lost; %d sandbox(es) reported failed", node_id, n, extra={NODE_ID: node_id})
         except Exception:
             log.exception("lost-node sweep failed")
         await asyncio.sleep(min(node_schema.HEARTBEAT_S, deps.nodes.limits.node_lost_s / 2))

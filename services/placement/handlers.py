@@ -23,6 +23,7 @@ from sandfleet.allow_rules import parse_allow
 from sandfleet.bus import Bus
 from sandfleet.errors import ServiceError
 from sandfleet.store import BatchRefused, SandboxStore
+from sandfleet.telemetry import NODE_ID, SANDBOX_ID
 from schemas import node as node_schema
 from schemas.errors import ErrorCode
 from schemas.sandbox import (
@@ -214,7 +215,7 @@ async def _launch_on(deps: Deps, node_id: str, stored: list[Stored], waited: boo
         return reply.results
     except errors.SandfleetError as exc:
         # The node never took them (or never answered): they must not stay `scheduled` forever.
-        log.warning("launch on %s failed: %s", node_id, exc)
+        log.warning("launch on %s failed: %s", node_id, exc, extra={NODE_ID: node_id})
         if isinstance(exc, errors.NoResponders) and deps.ledger is not None:
             await deps.ledger.release({node_id: len(records)}, records[0].spec)  # it surely took none
         await asyncio.gather(*(_fail(deps, r.id, f"node {node_id}: {exc}", Reason.LAUNCH_FAILED, only_scheduled=True)
@@ -303,7 +304,8 @@ async def _destroy_quietly(deps: Deps, sandbox: CreateReply) -> None:
         await deps.bus.request(node_schema.subject(sandbox.node, node_schema.DESTROY),
                                node_schema.DestroyRequest(sandbox_id=sandbox.id), node_schema.DestroyReply, timeout=30)
     except errors.SandfleetError as exc:
-        log.warning("could not destroy %s, restored for a sandbox that ended meanwhile: %s", sandbox.id, exc)
+        log.warning("could not destroy %s, restored for a sandbox that ended meanwhile: %s", sandbox.id, exc,
+                    extra={SANDBOX_ID: sandbox.id, NODE_ID: sandbox.node})
 
 
 async def get(deps: Deps, req: GetRequest) -> SandboxRecord:

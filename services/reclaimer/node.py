@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from sandfleet import errors
 from sandfleet.bus import Bus
+from sandfleet.telemetry import SANDBOX_ID
 from linuxnode import procfs
 from linuxnode.cgroups import CgroupLayout, list_sandboxes
 from schemas import reclaim
@@ -102,7 +103,7 @@ class NodeReclaimer:
             outcome = await self._freeze(sid)
             if outcome != "done":  # not an action taken: no event, and the sandbox stays a candidate
                 self.policy.freeze_failed(sid)
-                log.warning("could not freeze %s under memory pressure: %s", sid, outcome)
+                log.warning("could not freeze %s under memory pressure: %s", sid, outcome, extra={SANDBOX_ID: sid})
                 return
         after = await asyncio.to_thread(memory.sample, self.layout, self.node_id, sid)
         if after is None:  # it ended meanwhile: nothing to report
@@ -112,12 +113,12 @@ class NodeReclaimer:
         self._seq += 1
         event = ReclaimAction(node=self.node_id, sandbox_id=sid, action=action.kind, bytes_reclaimed=reclaimed,  # type: ignore[arg-type]
                               memory_bytes=after.memory_bytes, outcome=outcome, at=time.time())
-        log.info("%s %s: %d bytes (%s)", action.kind, sid, reclaimed, outcome)
+        log.info("%s %s: %d bytes (%s)", action.kind, sid, reclaimed, outcome, extra={SANDBOX_ID: sid})
         try:
             await self.bus.publish_durable(reclaim.action_subject(self.node_id, sid, action.kind), event,
                                            msg_id=f"reclaim-{self.node_id}-{sid}-{action.kind}-{event.at}")
         except Exception as exc:  # the action is done; a lost event is logged, not retried forever
-            log.warning("reclaim event for %s not published: %s", sid, exc)
+            log.warning("reclaim event for %s not published: %s", sid, exc, extra={SANDBOX_ID: sid})
 
     async def _freeze(self, sandbox_id: str) -> str:
         request = node_schema.PauseRequest(sandbox_id=sandbox_id, reason="memory_pressure",

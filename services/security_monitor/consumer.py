@@ -24,6 +24,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from sandfleet import errors
 from sandfleet.bus import Bus, decode
+from sandfleet.telemetry import SANDBOX_ID
 from schemas import events, security, violations
 from schemas.violations import Violation
 from services.security_monitor import handlers
@@ -114,11 +115,11 @@ async def _handle(deps: handlers.Deps, msg: Msg, locks: SandboxLocks) -> None:
             await handlers.on_violation(deps, violation, msg.metadata.sequence.stream)
     except (errors.SandfleetError, errors.ServiceError, nats.errors.Error, nats.js.errors.Error) as exc:
         log.warning("violation of %s not handled yet (%s); it will be redelivered", violation.sandbox_id,
-                    getattr(exc, "message", None) or exc)
+                    getattr(exc, "message", None) or exc, extra={SANDBOX_ID: violation.sandbox_id})
         await _quietly(msg.nak(delay=RETRY_DELAY_S))
         return
     except Exception:  # a bug must not stop the consumer; the message comes back later
-        log.exception("handling a violation of %s failed", violation.sandbox_id)
+        log.exception("handling a violation of %s failed", violation.sandbox_id, extra={SANDBOX_ID: violation.sandbox_id})
         await _quietly(msg.nak(delay=5 * RETRY_DELAY_S))
         return
     finally:

@@ -17,6 +17,7 @@ import msgspec
 
 from sandfleet import errors
 from sandfleet.bus import Bus
+from sandfleet.telemetry import SANDBOX_ID
 from schemas import node as node_schema
 from schemas import security
 from schemas.node import DestroyReply, DestroyRequest, QuarantineReply, QuarantineRequest
@@ -83,7 +84,8 @@ async def _act(deps: Deps, record: SandboxSecurity, policy: Policy) -> SandboxSe
     await deps.bus.publish_durable(
         security.action_subject(record.sandbox_id, record.action), event, msg_id=f"{record.sandbox_id}:{record.action}"
     )
-    log.warning("sandbox %s: %s (%s): %s", record.sandbox_id, record.action, rules.detail(record), outcome)
+    log.warning("sandbox %s: %s (%s): %s", record.sandbox_id, record.action, rules.detail(record), outcome,
+                extra={SANDBOX_ID: record.sandbox_id})
 
     def done(r: SandboxSecurity) -> SandboxSecurity | None:
         return msgspec.structs.replace(r, action_state="done") if r.action_state == "pending" else None
