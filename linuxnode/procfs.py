@@ -25,6 +25,8 @@ class ProcStat:
     state: str  # R, S, D, Z, X, ...
     ppid: int
     session: int
+    utime: int  # clock ticks in user mode
+    stime: int  # clock ticks in kernel mode
     start_time: int  # clock ticks after boot: with the pid, a process's identity
 
 
@@ -44,7 +46,8 @@ def parse_stat(data: bytes) -> ProcStat | None:
     fields = tail.split()
     try:
         return ProcStat(comm=head.partition(b"(")[2].decode(errors="replace"), state=fields[0].decode(),
-                        ppid=int(fields[1]), session=int(fields[3]), start_time=int(fields[19]))
+                        ppid=int(fields[1]), session=int(fields[3]), utime=int(fields[11]), stime=int(fields[12]),
+                        start_time=int(fields[19]))
     except (IndexError, ValueError):
         return None
 
