@@ -19,8 +19,8 @@ class MissingExtra(Exception):
     """This install lacks an optional part; the message is one line saying what to install."""
 
     def __init__(self, extra: str, purpose: str, missing: list[str]) -> None:
-        super().__init__(f"{purpose} needs the '{extra}' extra, which is not installed (missing: "
-                         f"{', '.join(missing)}): pip install '{DISTRIBUTION}[{extra}]'")
+        super().__init__(f"{purpose} needs the '{extra}' extra: pip install '{DISTRIBUTION}[{extra}]' "
+                         f"(not installed: {', '.join(missing)})")
         self.extra, self.missing = extra, missing
 
 
