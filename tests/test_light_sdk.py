@@ -40,6 +40,7 @@ print(json.dumps(found))
 DRIVE = """
 import asyncio, sys
 import sandfleet
+import sandfleet.cli  # the CLI's client commands load from here too
 
 async def main(url):
     async with sandfleet.connect(url) as fleet:
