@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml infra/install-deps.sh infra/bcc-in-venv.sh Makefile
 	bash infra/install-deps.sh $(APT_PACKAGES)
 	test -x $(PY) || /usr/bin/python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[node,test]'
 	bash infra/bcc-in-venv.sh $(VENV)
 	touch $@
 

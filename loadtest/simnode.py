@@ -2,8 +2,9 @@
 
 A `SimulatedNode` registers in KV `nodes` (with `simulated=True`) and heartbeats like a
 launcher, answers `node.v1.<node>.launch` and `destroy`, and moves each sandbox's record to
-`running` after a modelled launch latency (real JetStream writes and lifecycle events; through
-`starting` only for a launch outlasting the launcher's grace, as a launcher does), but creates
+`running` after a modelled launch latency (real JetStream writes through `sandfleet.store` and
+lifecycle events; through `starting` only for a launch outlasting the grace, as a launcher
+does: the bus protocol, spoken here without any launcher code), but creates
 nothing: no process, cgroup, mount or namespace. It exists so the control plane (placement, the ledger, the bus) can be measured and tested at cluster
 size on one machine. `ControlPlane` starts a private nats-server and N real placement
 replicas (each its own process) for them, and can run simulated nodes in processes of their
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,9 +36,11 @@ from schemas import node as node_schema
 from schemas.errors import ErrorCode
 from schemas.node import DestroyReply, DestroyRequest, LaunchReply, LaunchRequest, LaunchResult, NodeInfo, NodePressure
 from schemas.sandbox import Reason, SandboxSpec, State
-from services.launcher.starting import StartingMarks, placed_record
 
 ROOT = Path(__file__).resolve().parent.parent
+# As on a launcher (SANDFLEET_STARTING_GRACE_S): a sandbox still being built after this long is
+# first marked `starting`; one built within it goes from `scheduled` straight to `running`.
+STARTING_GRACE_S = float(os.environ.get("SANDFLEET_STARTING_GRACE_S") or 0.5)
 
 
 @dataclass
@@ -114,20 +118,23 @@ class SimulatedNode:
             self.accepted_memory_mb += item.spec.memory_mb
             self.starting[item.id] = item.spec
         ids = [i.id for i in req.sandboxes]
-        known = {i.id: placed for i in req.sandboxes if (placed := placed_record(i))}
-        # As the launcher does: `starting` only for what is still being built after the grace.
-        marks = StartingMarks(self.store, ids, known=known)
+        # The records and revisions placement sent with the launch: written on without a read.
+        known = {i.id: (i.record, i.revision) for i in req.sandboxes if i.record is not None and i.revision}
         results: dict[str, LaunchResult] = {}
-        try:
-            await asyncio.sleep(random.uniform(*self.launch_ms) / 1000)  # the modelled launch: nothing is made
-            for item_id in ids:
-                refused = await marks.settle(item_id)
-                if refused is not None:
-                    results[item_id] = LaunchResult(id=item_id, ok=False, error=refused.message, code=refused.code)
-            todo = [i for i in ids if i not in results]
-            for item_id, out in zip(todo, await self.store.transition_many(todo, State.RUNNING, known=known)):
-                if isinstance(out, ServiceError):
+
+        def refused(outcomes: Iterable[tuple[str, object]]) -> None:
+            for item_id, out in outcomes:
+                if isinstance(out, ServiceError):  # e.g. destroyed meanwhile: the launch fails
                     results[item_id] = LaunchResult(id=item_id, ok=False, error=out.message, code=out.code)
+
+        try:
+            build_s = random.uniform(*self.launch_ms) / 1000  # the modelled launch: nothing is made
+            await asyncio.sleep(min(build_s, STARTING_GRACE_S))
+            if build_s > STARTING_GRACE_S:
+                refused(zip(ids, await self.store.transition_many(ids, State.STARTING, known=known)))
+                await asyncio.sleep(build_s - STARTING_GRACE_S)
+            todo = [i for i in ids if i not in results]
+            refused(zip(todo, await self.store.transition_many(todo, State.RUNNING, known=known)))
         finally:
             for item in req.sandboxes:
                 self.starting.pop(item.id, None)

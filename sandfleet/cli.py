@@ -17,6 +17,7 @@ import msgspec
 
 from sandfleet import cli_layers, cli_rollout, client, errors
 from sandfleet.config import DEFAULT_PORT, default_data_dir, default_node_id, nats_url
+from sandfleet.extras import MissingExtra, require
 from sandfleet.supervisor import Supervisor, free_port, plan_nodes, read_state
 from schemas import layers, reclaim
 from schemas import node as node_schema
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except errors.SandfleetError as exc:
         print(f"sandfleet: {type(exc).__name__}: {exc.message}", file=sys.stderr)
+        return 2
+    except MissingExtra as exc:  # a client's install asked to run a node: say what to install
+        print(f"sandfleet {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -125,6 +129,7 @@ def _data_dir(path: Path | None) -> Path:
 
 
 def _up(args: argparse.Namespace) -> int:
+    require("node", "running the platform")
     data_dir = _data_dir(args.data_dir)
     if _running(data_dir):
         return 1
@@ -139,6 +144,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _node(args: argparse.Namespace) -> int:
+    require("node", "running a node")
     data_dir = _data_dir(args.data_dir)
     if _running(data_dir):
         return 1

@@ -1,4 +1,7 @@
-"""What every service's `__main__` shares: logging, telemetry, the bus, and a clean stop on SIGTERM."""
+"""What every service's `__main__` shares: logging, telemetry, the bus, and a clean stop on SIGTERM.
+
+Service side (it needs the `node` extra: uvloop, and the SDK once spans are exported): no client or
+CLI path imports it."""
 
 from __future__ import annotations
 

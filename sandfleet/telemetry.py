@@ -1,18 +1,24 @@
-"""OpenTelemetry set-up and W3C trace context in NATS headers.
+"""OpenTelemetry: the tracer, and W3C trace context in NATS headers.
 
-With no `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_TRACES_EXPORTER=none`) tracing is the API's
-no-op; with it, spans leave over OTLP/HTTP in batches.
+Only the OpenTelemetry API is imported here, so a client installs no SDK: with no
+`OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_TRACES_EXPORTER=none`) tracing is the API's no-op,
+and an incoming `traceparent` still passes through to the next hop. Spans leave the process
+only after `setup` (every service calls it, through `runner`), which then brings in the SDK
+(`telemetry_export`, the `tracing` extra) and exports over OTLP/HTTP in batches.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from opentelemetry import context, propagate, trace
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from sandfleet.extras import require
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
 # Canonical attribute keys shared by spans and logs.
 SANDBOX_ID = "sandbox.id"
@@ -22,22 +28,22 @@ SUBJECT = "messaging.destination.name"
 _provider: TracerProvider | None = None
 
 
-def setup(service_name: str, extra_processor: SpanProcessor | None = None) -> TracerProvider | None:
-    """Install the process's tracer provider once, if spans have somewhere to go.
-
-    Without an exporter the API's no-op tracer stays: spans cost next to nothing, and an
-    incoming `traceparent` still passes through to the next hop unchanged.
-    """
-    global _provider
-    exporting = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")) and os.environ.get(
+def exporting() -> bool:
+    """A collector is configured: spans are to leave the process."""
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")) and os.environ.get(
         "OTEL_TRACES_EXPORTER", "otlp"
     ) != "none"
-    if _provider is None and (exporting or extra_processor is not None):
-        _provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-        if exporting:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+
+def setup(service_name: str, extra_processor: SpanProcessor | None = None) -> TracerProvider | None:
+    """Install the process's tracer provider once, if spans have somewhere to go (a collector,
+    or `extra_processor`); otherwise the API's no-op tracer stays and the SDK is never imported."""
+    global _provider
+    if _provider is None and (exporting() or extra_processor is not None):
+        require("tracing", "exporting spans")
+        from sandfleet import telemetry_export  # the SDK: only in a process whose spans leave it
+
+        _provider = telemetry_export.provider(service_name, otlp=exporting())
         trace.set_tracer_provider(_provider)
     if _provider is not None and extra_processor is not None:
         _provider.add_span_processor(extra_processor)
