@@ -27,6 +27,7 @@ class ProcStat:
     session: int
     utime: int  # clock ticks in user mode
     stime: int  # clock ticks in kernel mode
+    children_time: int  # cutime + cstime: clock ticks of its reaped children
     start_time: int  # clock ticks after boot: with the pid, a process's identity
 
 
@@ -47,6 +48,7 @@ def parse_stat(data: bytes) -> ProcStat | None:
     try:
         return ProcStat(comm=head.partition(b"(")[2].decode(errors="replace"), state=fields[0].decode(),
                         ppid=int(fields[1]), session=int(fields[3]), utime=int(fields[11]), stime=int(fields[12]),
+                        children_time=int(fields[13]) + int(fields[14]),
                         start_time=int(fields[19]))
     except (IndexError, ValueError):
         return None

@@ -206,7 +206,7 @@ def measure_rates(bench: Bench, policy, n: int, tcp_n: int, rounds: int) -> dict
 def measure_program_cost(bench: Bench, policy, n: int, tcp_n: int) -> dict[str, float]:
     """ns per run of each hook on one `with` round, counted by the kernel (BPF_ENABLE_STATS, on
     only for this round: counting has its own cost). Steadier than rates on a noisy machine."""
-    from agents.node.bpf import cgroup_progs
+    from linuxnode.bpf import cgroup_progs
 
     policy.allow(policy.attach(bench.groups["with"].v2_dir), "10.78.0.0/24")
     proc = bench.child("rates", n, PEER, side="with", tcp_n=tcp_n)
@@ -263,7 +263,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("results/connect_rate.json"))
     args = ap.parse_args()
 
-    from agents.node.bpf import EgressPolicy
+    from linuxnode.bpf import EgressPolicy
 
     t = time.perf_counter()
     policy = EgressPolicy()

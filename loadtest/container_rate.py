@@ -39,6 +39,7 @@ from pathlib import Path
 import sandfleet
 from loadtest.platform import running_platform
 from loadtest.report import percentiles, print_table, write_json
+from linuxnode import procfs
 from linuxnode.container import ContainerSpec, bundle_config
 from sandfleet.layers_client import Layers
 
@@ -227,17 +228,15 @@ def plain_crun_round(lowerdir: str, n: int, concurrency: int, work: Path, node_i
 
 def _ticks(pid: int) -> tuple[int, list[int]]:
     """(own utime+stime + reaped children's cutime+cstime, live children) of a process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
+    stat = procfs.read_stat(pid)
+    if stat is None:
         return 0, []
     kids: list[int] = []
     with contextlib.suppress(OSError):
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
                 kids += [int(c) for c in f.read().split()]
-    return sum(int(fields[i]) for i in (11, 12, 13, 14)), kids
+    return stat.utime + stat.stime + stat.children_time, kids
 
 
 def _tree_ticks(pid: int) -> int:

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import sandfleet
+from linuxnode import procfs
 from loadtest.report import percentiles, print_table, write_json
 from loadtest.simnode import ControlPlane
 from sandfleet.bus import Bus
@@ -105,8 +106,10 @@ async def gang(fleet: sandfleet.Fleet, n: int, meter: CpuMeter) -> dict:
 
 
 def _cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    stat = procfs.read_stat(pid)
+    if stat is None:
+        raise ProcessLookupError(f"process {pid} is gone")
+    return (stat.utime + stat.stime) / os.sysconf("SC_CLK_TCK")
 
 
 class CpuMeter:

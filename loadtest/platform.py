@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from linuxnode import procfs
 from sandfleet.supervisor import free_port
 
 CLI = [sys.executable, "-m", "sandfleet.cli"]
@@ -53,10 +54,9 @@ def sandbox_processes(nodes: list[str]) -> list[str]:
             with open(f"/proc/{pid}/cgroup") as f:
                 held = next((line.split(":", 2)[2].strip() for line in f if any(m in line for m in marks)), "")
             if held:
-                with open(f"/proc/{pid}/stat") as f:
-                    stat = f.read()
-                comm, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2]
-                found.append(f"{pid}:{comm}:{state}:{held}")
+                stat = procfs.read_stat(int(pid))
+                if stat is not None:
+                    found.append(f"{pid}:{stat.comm}:{stat.state}:{held}")
         except OSError:
             continue
     return found

@@ -35,6 +35,7 @@ from pathlib import Path
 import sandfleet
 from loadtest.container_rate import LAYER, build_busybox_layer
 from loadtest.platform import leftovers, running_platform
+from linuxnode import procfs
 from loadtest.report import percentiles, print_table, write_json
 from sandfleet.bus import decode
 from schemas import events
@@ -65,12 +66,8 @@ def platform_env(n: int, nodes: int, cpu: float, memory_mb: int) -> dict[str, st
 
 def cpu_ticks(pid: int) -> tuple[int, int]:
     """(own utime+stime, reaped children's cutime+cstime) of a process, in clock ticks."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0, 0
-    return int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
+    stat = procfs.read_stat(pid)
+    return (0, 0) if stat is None else (stat.utime + stat.stime, stat.children_time)
 
 
 def host_busy_ticks() -> int:

@@ -64,7 +64,7 @@ def _round(child: subprocess.Popen, side: str) -> dict[str, float]:
 
 
 def run(n: int, rounds: int) -> dict:
-    from agents.node.bpf.syscall_watch import SyscallWatch
+    from linuxnode.bpf.syscall_watch import SyscallWatch
 
     layout = cgroups.CgroupLayout.detect()
     parent = f"{layout.v2}/{cgroups.PARENT}/bench-syscalls{os.getpid()}"

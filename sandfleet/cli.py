@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -238,11 +239,15 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """Still running: a pidfd of an exited process (a zombie not yet reaped) is readable."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        fd = os.pidfd_open(pid)
     except OSError:
         return False
+    try:
+        return not select.select([fd], [], [], 0)[0]
+    finally:
+        os.close(fd)
 
 
 # -- sandboxes ------------------------------------------------------------------------

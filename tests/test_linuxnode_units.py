@@ -18,7 +18,7 @@ UNIFIED = cgroups.CgroupLayout(mode="unified", v2="/sys/fs/cgroup")
 def test_stat_line_is_parsed_when_the_command_name_holds_spaces_and_parentheses():
     line = b"4242 (a b) (c)) S 17 4242 4240 0 -1 4194560 " + b" ".join(b"%d" % i for i in range(12, 24)) + b" 998877 0\n"
     stat = procfs.parse_stat(line)
-    assert stat == procfs.ProcStat(comm="a b) (c)", state="S", ppid=17, session=4240, utime=16, stime=17,
+    assert stat == procfs.ProcStat(comm="a b) (c)", state="S", ppid=17, session=4240, utime=16, stime=17, children_time=18 + 19,
                                    start_time=998877)
 
 

@@ -37,7 +37,7 @@ _TCP_IDLE_S = 10.0
 
 
 class EgressMap(Interface):
-    """What the stub needs of the egress policy (agents.node.bpf.EgressPolicy has it)."""
+    """What the stub needs of the egress policy (linuxnode.bpf.EgressPolicy has it)."""
 
     def allow(self, cgroup: int, dest: IPAddress, port: int | None = None, proto: Protocol | int = Protocol.ANY) -> None: ...
 

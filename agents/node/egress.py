@@ -15,7 +15,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from agents.node.bpf import BpfUnavailable, Denial, DenialKind, EgressPolicy, cgroup_id
+from linuxnode.bpf import BpfUnavailable, Denial, DenialKind, EgressPolicy, cgroup_id
 from agents.node.dns_stub import DnsViolation
 from agents.node.violations import ViolationPublisher
 

@@ -1,6 +1,6 @@
 """The node agent's watch on what a sandbox's own kernel refuses it, turned into violation
 events: syscalls the seccomp filter refuses, opens of sensitive paths (both from the
-syscall tracepoint programs, agents/node/bpf/syscall_watch.py), the pids limit holding a
+syscall tracepoint programs, linuxnode/bpf/syscall_watch.py), the pids limit holding a
 fork bomb and the memory limit OOM-killing inside the sandbox's cgroup.
 
 Limits are read from the cgroup's own counters, so an event is only published when the
@@ -22,8 +22,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from agents.node.bpf.build import BpfUnavailable
-from agents.node.bpf.syscall_watch import SyscallEvent, SyscallEventKind, SyscallWatch
+from linuxnode.bpf.build import BpfUnavailable
+from linuxnode.bpf.syscall_watch import SyscallEvent, SyscallEventKind, SyscallWatch
 from agents.node.violations import ViolationPublisher
 from linuxnode import cgroups, seccomp
 

@@ -38,7 +38,7 @@ def _bpf_missing() -> str | None:
         import bcc  # noqa: F401
     except ImportError:
         return "bcc is not importable (apt python3-bpfcc; bash infra/bcc-in-venv.sh)"
-    from agents.node.bpf.build import BpfUnavailable, kernel_headers
+    from linuxnode.bpf.build import BpfUnavailable, kernel_headers
 
     try:
         kernel_headers()
@@ -93,7 +93,7 @@ class World:
 def world(leak_check):
     missing = _bpf_missing()
     require(missing is None, missing or "")
-    from agents.node.bpf import EgressPolicy
+    from linuxnode.bpf import EgressPolicy
     from agents.node.dns_stub import DnsStub
 
     tracefs_was_mounted = os.path.ismount(TRACEFS)
@@ -356,8 +356,8 @@ def _make_cgroup(lab: Lab, name: str) -> cgroups.SandboxCgroups:
 
 
 def _attached(cgroup_dir: str) -> dict[int, list[int]]:
-    from agents.node.bpf import cgroup_progs
-    from agents.node.bpf.loader import HOOKS
+    from linuxnode.bpf import cgroup_progs
+    from linuxnode.bpf.loader import HOOKS
 
     with cgroup_progs.open_cgroup(cgroup_dir) as fd:
         return {atype: cgroup_progs.attached_ids(fd, atype) for _, _, atype in HOOKS}
@@ -368,8 +368,8 @@ def test_detach_leaves_no_program(world):
     try:
         cg = world.policy.attach(group.v2_dir)
         assert world.policy.attach(group.v2_dir) == cg, "attach is idempotent"
-        from agents.node.bpf import cgroup_progs
-        from agents.node.bpf.loader import HOOKS
+        from linuxnode.bpf import cgroup_progs
+        from linuxnode.bpf.loader import HOOKS
 
         expected = {atype: [cgroup_progs.program_id(world.policy.programs()[name])] for name, _, atype in HOOKS}
         assert _attached(group.v2_dir) == expected
@@ -387,7 +387,7 @@ def test_programs_left_by_a_dead_agent_keep_denying_until_a_new_one_detaches_the
     stale_sb = Sandbox(name="stale", index=9, cgroups=group, netns="")
     code = (
         "import json, os, sys\n"
-        "from agents.node.bpf import EgressPolicy\n"
+        "from linuxnode.bpf import EgressPolicy\n"
         "p = EgressPolicy()\n"
         "p.attach(sys.argv[1])\n"
         "print(json.dumps(sorted(p.program_ids)), flush=True)\n"
@@ -423,7 +423,7 @@ def test_programs_left_by_a_dead_agent_keep_denying_until_a_new_one_detaches_the
 
 
 def test_sock_create_reports_itself_without_tracepoints_and_the_asyncio_reader(world):
-    from agents.node.bpf import DenialKind, EgressPolicy
+    from linuxnode.bpf import DenialKind, EgressPolicy
 
     group = _make_cgroup(world.lab, "notrace")
     sb = Sandbox(name="notrace", index=8, cgroups=group, netns="")

@@ -226,7 +226,7 @@ async def test_a_refused_call_in_a_loop_is_reported_without_flooding_the_bus(box
 
 
 def test_only_refusals_of_our_filter_become_violations():
-    from agents.node.bpf.syscall_watch import SyscallEvent, SyscallEventKind
+    from linuxnode.bpf.syscall_watch import SyscallEvent, SyscallEventKind
     from agents.node.limits_watch import describe
 
     def event(kind, syscall, arg0=0, arg1=0, path=None):

@@ -20,14 +20,15 @@ import logging
 import os
 import socket
 import threading
+import typing
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
+from enum import IntEnum
 from pathlib import Path
 
-from agents.node.allow_rules import IPNetwork, NetworkRule, Protocol
-from agents.node.bpf import build, cgroup_progs
-from agents.node.bpf.build import BpfUnavailable
-from agents.node.bpf.denials import Denial, decode
+from linuxnode.bpf import build, cgroup_progs
+from linuxnode.bpf.build import BpfUnavailable
+from linuxnode.bpf.denials import Denial, decode
 
 log = logging.getLogger("sandfleet.agent.bpf")
 SOURCE = Path(__file__).with_name("allowlist.bpf.c")
@@ -43,7 +44,24 @@ HOOKS = (
     ("sf_recvmsg4", _PROG_CGROUP_SOCK_ADDR, 19),  # BPF_CGROUP_UDP4_RECVMSG (DNS replies)
 )
 PROGRAM_NAMES = frozenset(name for name, _, _ in HOOKS)
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 Destination = str | IPNetwork | ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+class Protocol(IntEnum):
+    """IP protocol numbers as the kernel and the BPF maps spell them; ANY matches both."""
+
+    ANY = 0
+    TCP = socket.IPPROTO_TCP
+    UDP = socket.IPPROTO_UDP
+
+
+class NetworkRule(typing.Protocol):
+    """What `allow_networks` reads of a parsed rule (sandfleet.allow_rules.NetworkRule has it)."""
+
+    network: IPNetwork
+    port: int | None
+    protocol: int
 
 
 class UnknownCgroup(LookupError):

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import msgspec
 
-from agents.node.bpf import build
-from agents.node.bpf.build import BpfUnavailable
-from agents.node.bpf.denials import RECORD_HEADER
+from linuxnode.bpf import build
+from linuxnode.bpf.build import BpfUnavailable
+from linuxnode.bpf.denials import RECORD_HEADER
 from linuxnode import procfs, seccomp
 
 log = logging.getLogger("sandfleet.agent.bpf")
