@@ -22,13 +22,29 @@ from sandfleet.config import ServiceConfig
 from sandfleet.store import ensure_state
 
 
-def setup_logging(service: str) -> None:
-    level = os.environ.get("SANDFLEET_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(
-        level=level,
-        stream=sys.stderr,
-        format=f"%(asctime)s service={service} level=%(levelname)s logger=%(name)s %(message)s",
-    )
+class CanonicalFormatter(logging.Formatter):
+    """key=value lines; a record about one sandbox or node ends with the canonical keys that span
+    attributes use too (`log.info(..., extra={telemetry.SANDBOX_ID: sid})`), and a node service's
+    every line with its node's id, so one grep for `sandbox.id=sb-…` finds a sandbox's whole story."""
+
+    def __init__(self, service: str, node_id: str | None = None) -> None:
+        super().__init__(f"%(asctime)s service={service} level=%(levelname)s logger=%(name)s %(message)s")
+        self.node_id = node_id
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        keys = [(key, getattr(record, key, None)) for key in telemetry.CANONICAL_KEYS]
+        if self.node_id is not None and not getattr(record, telemetry.NODE_ID, None):
+            keys = [(k, self.node_id if k == telemetry.NODE_ID else v) for k, v in keys]
+        tail = " ".join(f"{k}={v}" for k, v in keys if v)
+        return f"{line} {tail}" if tail else line
+
+
+def setup_logging(service: str, node_id: str | None = None) -> None:
+    """`node_id`: the node a node service works for, on every line it writes."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(CanonicalFormatter(service, node_id))
+    logging.basicConfig(level=os.environ.get("SANDFLEET_LOG_LEVEL", "INFO").upper(), handlers=[handler])
 
 
 @contextlib.asynccontextmanager
@@ -41,11 +57,12 @@ async def service_bus(name: str, config: ServiceConfig) -> AsyncIterator[Bus]:
         await bus.close()
 
 
-def run(name: str, main: Callable[[ServiceConfig, asyncio.Event], Awaitable[None]]) -> None:
-    """Run `main(config, stop)` until SIGTERM/SIGINT sets `stop`; exit 0 on a clean stop."""
-    setup_logging(name)
-    telemetry.setup(name)
+def run(name: str, main: Callable[[ServiceConfig, asyncio.Event], Awaitable[None]], node_scoped: bool = False) -> None:
+    """Run `main(config, stop)` until SIGTERM/SIGINT sets `stop`; exit 0 on a clean stop.
+    `node_scoped`: one of a node's own services (its log lines carry the node's id)."""
     config = ServiceConfig.from_env()
+    setup_logging(name, config.node_id if node_scoped else None)
+    telemetry.setup(name)
 
     async def _main() -> None:
         stop = asyncio.Event()

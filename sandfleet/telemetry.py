@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 SANDBOX_ID = "sandbox.id"
 NODE_ID = "node.id"
 SUBJECT = "messaging.destination.name"
+CANONICAL_KEYS = (SANDBOX_ID, NODE_ID)  # on log records as well as spans
 
 _provider: TracerProvider | None = None
 

@@ -107,4 +107,4 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
 
 
 if __name__ == "__main__":
-    runner.run("agent", main)
+    runner.run("agent", main, node_scoped=True)

@@ -91,4 +91,4 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
 
 
 if __name__ == "__main__":
-    runner.run(layers.SERVICE, main)
+    runner.run(layers.SERVICE, main, node_scoped=True)

@@ -84,4 +84,4 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
 
 
 if __name__ == "__main__":
-    runner.run(reclaim.SERVICE, main)
+    runner.run(reclaim.SERVICE, main, node_scoped=True)
