@@ -156,7 +156,8 @@ async def hint(launcher: Launcher, req: HintRequest) -> HintReply:
     except Unsupported as exc:
         raise ServiceError(ErrorCode.UNSUPPORTED, str(exc)) from None
     except OSError as exc:
-        raise ServiceError(ErrorCode.CONFLICT, f"cannot change the CPU weight of {req.sandbox_id}: {exc.strerror}") from None
+        why = f"cannot change the CPU weight of {req.sandbox_id}: {exc.strerror}"
+        raise ServiceError(ErrorCode.CONFLICT, why) from None
 
 
 async def checkpoint(launcher: Launcher, req: CheckpointRequest) -> Checkpoint:
@@ -193,5 +194,6 @@ def _file_error(exc: Exception, path: str) -> ServiceError:
     if isinstance(exc, ValueError):
         return ServiceError(ErrorCode.INVALID_REQUEST, f"{path}: {exc}")
     if isinstance(exc, OSError) and exc.errno is not None:
-        return ServiceError(ErrorCode.INVALID_REQUEST, f"{path}: {errno.errorcode.get(exc.errno, exc.errno)} {exc.strerror}")
+        name = errno.errorcode.get(exc.errno, exc.errno)
+        return ServiceError(ErrorCode.INVALID_REQUEST, f"{path}: {name} {exc.strerror}")
     return ServiceError(ErrorCode.INVALID_REQUEST, f"{path}: {type(exc).__name__}")

@@ -90,7 +90,8 @@ async def _each(launcher: Launcher, labels: dict[str, str], done: Callable[[Live
     chosen = [going[i] for i in decisions.selected({i: live.spec.labels for i, live in going.items()}, labels)]
     todo = [live for live in chosen if not done(live)]
     results = await asyncio.gather(*(act(live) for live in todo), return_exceptions=True)
-    failures = [f"{live.id}: {getattr(r, 'message', r)}" for live, r in zip(todo, results) if isinstance(r, BaseException)]
+    failures = [f"{live.id}: {getattr(r, 'message', r)}" for live, r in zip(todo, results)
+                if isinstance(r, BaseException)]
     return SelectedReply(node=launcher.node_id, matched=len(chosen), changed=len(todo) - len(failures),
                          unchanged=len(chosen) - len(todo), failed=len(failures), errors=failures[:20])
 
@@ -128,7 +129,8 @@ async def checkpoint(launcher: Launcher, req: CheckpointRequest) -> Checkpoint:
         await records.paused(launcher.store, req.sandbox_id, Reason.REQUESTED, f"checkpoint {req.name}")
     layers = [*live.rootfs.layers, built.layer.digest]
     await records.checkpointed(launcher.store, req.sandbox_id, layers)
-    log.info("checkpointed %s as layer %s %s", req.sandbox_id, req.name, built.layer.digest, extra=about(req.sandbox_id))
+    log.info("checkpointed %s as layer %s %s", req.sandbox_id, req.name, built.layer.digest,
+             extra=about(req.sandbox_id))
     return Checkpoint(sandbox_id=req.sandbox_id, node=launcher.node_id, name=req.name, digest=built.layer.digest,
                       base=list(live.rootfs.layers), spec=live.spec, paused=was_frozen or req.keep_paused,
                       created_at=time.time(), seconds=time.perf_counter() - started)
