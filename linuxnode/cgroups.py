@@ -262,3 +262,51 @@ def remove_node_root(layout: CgroupLayout, node_id: str) -> None:
                     raise
                 break
     layout._prepared.discard(node_id)
+
+
+# -- freezing and the CPU weight, from the directories a sandbox's confinement names ----------------
+
+IDLE_SHARES, ACTIVE_SHARES = 2, 1024  # v1 cpu.shares: the kernel's minimum and its default
+IDLE_WEIGHT, ACTIVE_WEIGHT = 1, 100  # v2 cpu.weight: likewise
+
+
+def set_frozen(v2_dir: str, frozen: bool, timeout_s: float = 2.0) -> None:
+    """Freeze or thaw every task of a v2 cgroup (SIGKILL still reaches frozen tasks).
+    cgroup.freeze is asynchronous: wait until cgroup.events says it is done. A cgroup that is
+    gone raises FileNotFoundError; one that does not settle in time raises CgroupError."""
+    want = "1" if frozen else "0"
+    _write(f"{v2_dir}/cgroup.freeze", want)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"{v2_dir}/cgroup.events") as f:
+            if f"frozen {want}" in f.read():
+                return
+        time.sleep(0.002)
+    raise CgroupError(f"{v2_dir} did not {'freeze' if frozen else 'thaw'} within {timeout_s:g} s")
+
+
+@dataclass(frozen=True)
+class CpuWeightFile:
+    """Where a cgroup's relative CPU weight is written, and its idle and active values."""
+
+    path: str
+    idle: int
+    active: int
+
+    def write(self, idle: bool) -> int:
+        value = self.idle if idle else self.active
+        _write(self.path, str(value))
+        return value
+
+
+def cpu_weight_file(v2_dir: str, procs_files: list[str]) -> CpuWeightFile | None:
+    """v2 cpu.weight where v2 has the cpu controller, else the v1 cpu.shares beside one of the
+    sandbox's cgroup.procs files; None if neither exists."""
+    v2 = os.path.join(v2_dir, "cpu.weight")
+    if os.path.exists(v2):
+        return CpuWeightFile(v2, IDLE_WEIGHT, ACTIVE_WEIGHT)
+    for procs in procs_files:
+        shares = os.path.join(os.path.dirname(procs), "cpu.shares")
+        if os.path.exists(shares):
+            return CpuWeightFile(shares, IDLE_SHARES, ACTIVE_SHARES)
+    return None

@@ -6,25 +6,26 @@ between request and start. The mark exists for placement: it fails a record stil
 only once its launch request timed out (30 s and more) or after `STUCK_AFTER_S` (120 s), long
 past the grace, so a node's claim on what it builds is always on record by then. Every write
 is checked against the record's revision, so a mark racing the launch's own next write cannot
-overwrite it: one of the two is refused and the launch re-reads.
+overwrite it: one of the two is refused and the launch re-reads. A sandbox sent without its
+record is claimed at once (`claim`), through the same write.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 from sandfleet.errors import ServiceError
 from sandfleet.store import SandboxStore
 from schemas.node import LaunchItem
-from schemas.sandbox import SandboxRecord, State
+from schemas.sandbox import SandboxRecord
+from services.launcher import records
+from services.launcher.keys import LOGGER
+from services.launcher.records import Known
 
-log = logging.getLogger("sandfleet.launcher")
+log = logging.getLogger(LOGGER)
 
-STARTING_GRACE_S = float(os.environ.get("SANDFLEET_STARTING_GRACE_S") or 0.5)
-
-Known = dict[str, tuple[SandboxRecord, int]]
+DEFAULT_GRACE_S = 0.5  # the launcher passes SANDFLEET_STARTING_GRACE_S (settings.py)
 
 
 def placed_record(item: LaunchItem) -> tuple[SandboxRecord, int] | None:
@@ -37,7 +38,7 @@ class StartingMarks:
     marked `starting` in one pipelined write; `settle(id)` comes before a sandbox's next write."""
 
     def __init__(self, store: SandboxStore, ids: list[str], known: Known | None = None,
-                 grace: float = STARTING_GRACE_S) -> None:
+                 grace: float = DEFAULT_GRACE_S) -> None:
         self._store, self._known = store, known or {}
         self._pending = dict.fromkeys(ids)  # insertion-ordered set
         self._written: asyncio.Task[dict[str, ServiceError]] | None = None
@@ -49,8 +50,15 @@ class StartingMarks:
             self._written = asyncio.ensure_future(self._mark(ids))
 
     async def _mark(self, ids: list[str]) -> dict[str, ServiceError]:
-        outcome = await self._store.transition_many(ids, State.STARTING, known=self._known)
+        outcome = await records.starting(self._store, ids, known=self._known)
         return {i: o for i, o in zip(ids, outcome) if isinstance(o, ServiceError)}
+
+    async def claim(self, sandbox_id: str) -> ServiceError | None:
+        """Mark one sandbox `starting` now, before it is built (placement sent no record for it,
+        so nothing says it is scheduled here); the refusal, if the record cannot be claimed."""
+        await self.settle(sandbox_id)
+        [outcome] = await records.starting(self._store, [sandbox_id])
+        return outcome if isinstance(outcome, ServiceError) else None
 
     async def settle(self, sandbox_id: str) -> ServiceError | None:
         """Before the sandbox's next write: not marked yet → it never will be; being marked → wait

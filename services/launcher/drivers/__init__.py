@@ -1,0 +1,63 @@
+"""The drivers this node has, by isolation level: `process` always, `container` where crun was
+found to work at start. See drivers/base.py for the interface and how a level plugs in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from linuxnode import process as process_runtime
+from services.launcher.drivers.base import Anchor, Driver, LaunchRefused
+from services.launcher.drivers.container import ContainerDriver, detect_crun
+from services.launcher.drivers.process import ProcessDriver
+
+
+class Drivers:
+    def __init__(self, drivers: dict[str, Driver]) -> None:
+        self.drivers = drivers
+
+    @classmethod
+    async def open(cls, state_dir: Path) -> Drivers:
+        """Every level this node can run, each ready for its first sandbox."""
+        process_runtime.warm_up()  # the forking helper takes ~50 ms to start; not on the first create
+        drivers: dict[str, Driver] = {"process": ProcessDriver()}
+        crun = await detect_crun(state_dir)  # `container` only where crun really runs here
+        if crun is not None:
+            drivers["container"] = ContainerDriver(crun)
+        return cls(drivers)
+
+    def close(self) -> None:
+        for driver in reversed(list(self.drivers.values())):
+            driver.close()
+        process_runtime.shutdown()
+
+    @property
+    def levels(self) -> list[str]:
+        return list(self.drivers)
+
+    def __contains__(self, isolation: str) -> bool:
+        return isolation in self.drivers
+
+    def driver(self, isolation: str) -> Driver:
+        found = self.drivers.get(isolation)
+        if found is None:
+            raise LaunchRefused(f"this node cannot run isolation {isolation!r}; it offers {self.levels}")
+        return found
+
+    def _or_process(self, isolation: str) -> Driver:
+        """A recorded sandbox of a level this node no longer offers (a container after crun went
+        missing) still has a host process, which `process` can tell alive and end."""
+        return self.drivers.get(isolation) or self.drivers["process"]
+
+    def alive(self, isolation: str, anchor: Anchor) -> bool:
+        return self._or_process(isolation).alive(anchor)
+
+    async def stop(self, isolation: str, sandbox_id: str, anchor: Anchor | None) -> None:
+        """Stop a recorded sandbox of any level, live here or not."""
+        await self._or_process(isolation).stop(sandbox_id, anchor)
+
+    async def leftovers(self, keep: set[str]) -> list[str]:
+        """Remove what a crash left, in any level, of sandboxes not in `keep`."""
+        gone: list[str] = []
+        for driver in self.drivers.values():
+            gone += await driver.leftovers(keep)
+        return gone

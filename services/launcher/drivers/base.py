@@ -1,0 +1,153 @@
+"""The runtime seam: what a driver (one per isolation level) does for the launcher, and the
+typed outcomes and errors it answers with.
+
+A driver owns every operation a sandbox supports on a node: start and stop it, run a
+command in it, read and write its files, freeze and thaw it, change its CPU weight, give a
+checkpoint its writable layer, and tell whether a sandbox recorded before a restart still
+runs and take it back. The launcher orchestrates (records, confinement, roots, timeouts,
+quarantine) and never reaches into what a driver made: `start` returns an opaque
+`Instance` the launcher keeps and hands back to every later call; the only thing it reads
+from it is the `Anchor` it records, so that a restarted launcher can find the sandbox again.
+
+Namespace levels (`process`, `container`) implement it by entering the sandbox from the
+host (setns, openat2, cgroup files); a VM level would implement it through its guest agent
+(over virtio-serial) and its hypervisor process, the anchor being that process.
+
+How a new level plugs in: one module in this package with a class implementing `Driver`
+(its own `Instance` type inside), and one line in `Drivers.open` (drivers/__init__.py)
+that registers it under its level name where the node can run it. Later operations
+(streamed exec, background processes with stdin and re-attach, PTYs, port forwarding) are
+new methods here, implemented by each driver; the launcher's orchestration stays as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from schemas.layers import Rootfs
+from schemas.node import Confinement
+from schemas.sandbox import SandboxSpec
+
+
+class LaunchRefused(Exception):
+    """This node cannot start what was asked (a level it lacks, a container without a root)."""
+
+
+class StartFailed(Exception):
+    """The runtime could not start the sandbox; the message names the step and why."""
+
+
+class ExecFailed(Exception):
+    """The command could not be started in the sandbox (its init is gone, a join failed)."""
+
+
+class SandboxGone(Exception):
+    """The sandbox's processes are gone: there is nothing left to read, write or run in."""
+
+
+class DriverFailure(Exception):
+    """The runtime failed in a way the caller cannot fix (a freeze that never settled)."""
+
+
+class Unsupported(Exception):
+    """This sandbox cannot do what was asked on this node (no CPU weight file to change)."""
+
+
+class NoWritableLayer(Exception):
+    """The sandbox has no writable layer of its own to pack (it runs on the host view)."""
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """What a sandbox's record keeps of its instance: the host process that holds it (an init,
+    later a hypervisor) and that process's start time, so a recycled pid never matches."""
+
+    pid: int
+    start_time: int
+
+
+class Instance(Protocol):
+    """A running sandbox as its driver made it; opaque to the launcher but for its anchor."""
+
+    @property
+    def anchor(self) -> Anchor: ...
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command to run to its end in a sandbox, its output captured."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str = "/workspace"
+    stdin: bytes = b""
+    timeout_s: float = 60.0
+    max_output: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class ExecOutcome:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+    truncated: bool
+
+
+@dataclass(frozen=True)
+class CpuWeight:
+    """The weight a hint set: where it was written and the value."""
+
+    file: str
+    value: int
+
+
+class Driver(Protocol):
+    """One isolation level. File operations raise OSError subclasses with the errno of the
+    failure (FileNotFoundError, PermissionError, IsADirectoryError...), ValueError for a path or
+    file the request cannot have, and SandboxGone when the sandbox has ended."""
+
+    async def start(self, sandbox_id: str, spec: SandboxSpec, confinement: Confinement,
+                    rootfs: Rootfs | None) -> Instance: ...
+
+    async def stop(self, sandbox_id: str, anchor: Anchor | None) -> None:
+        """End the sandbox and remove what the runtime keeps of it; idempotent. It works from the
+        anchor alone (or none), since after a restart the record is all there is."""
+
+    def alive(self, anchor: Anchor) -> bool:
+        """Whether the recorded instance still runs (a restarted launcher re-adopts it)."""
+
+    async def adopt(self, sandbox_id: str, anchor: Anchor, spec: SandboxSpec, confinement: Confinement,
+                    rootfs: Rootfs | None) -> Instance:
+        """The instance of a sandbox that outlived the launcher, as `start` would have made it."""
+
+    def watch(self, instance: Instance, on_exit: Callable[[], None]) -> Callable[[], None]:
+        """Call `on_exit` (on the event loop) when the sandbox ends on its own; returns the unwatch."""
+
+    async def exec(self, instance: Instance, command: Command) -> ExecOutcome: ...
+
+    def read_file(self, instance: Instance, path: str, max_bytes: int) -> bytes: ...
+
+    def write_file(self, instance: Instance, path: str, data: bytes, mode: int) -> int: ...
+
+    async def freeze(self, instance: Instance) -> None:
+        """Stop every process of the sandbox until `thaw`; a kill still ends it. Raises OSError if
+        the sandbox is going away, DriverFailure if the freeze did not settle."""
+
+    async def thaw(self, instance: Instance) -> None: ...
+
+    def set_cpu_weight(self, instance: Instance, idle: bool) -> CpuWeight:
+        """The sandbox's relative CPU weight, lowest when idle (its CPU limit stays); Unsupported
+        if this sandbox has none to change."""
+
+    def writable_layer(self, instance: Instance) -> Path:
+        """The directory holding everything the sandbox wrote over its layers, to be packed into a
+        layer while the sandbox is frozen; NoWritableLayer if it has none."""
+
+    async def leftovers(self, keep: set[str]) -> list[str]:
+        """Remove what a crash left of sandboxes not in `keep`; their ids."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,25 @@
+"""The launcher's own settings, read from the environment once by its composition root."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LauncherSettings:
+    # Sandboxes built at once (launched, or destroyed at shutdown); more only queue in the agent.
+    launch_concurrency: int = 16  # SANDFLEET_LAUNCH_CONCURRENCY
+    # How long a launch builds before its sandboxes are marked `starting` (see starting.py).
+    starting_grace_s: float = 0.5  # SANDFLEET_STARTING_GRACE_S
+    # How often the launcher looks for sandboxes whose records ended elsewhere (see fencing.py).
+    fence_s: float = 15.0  # SANDFLEET_FENCE_S
+
+    @classmethod
+    def from_env(cls) -> LauncherSettings:
+        env = os.environ
+        return cls(
+            launch_concurrency=int(env.get("SANDFLEET_LAUNCH_CONCURRENCY") or cls.launch_concurrency),
+            starting_grace_s=float(env.get("SANDFLEET_STARTING_GRACE_S") or cls.starting_grace_s),
+            fence_s=float(env.get("SANDFLEET_FENCE_S") or cls.fence_s),
+        )
