@@ -17,7 +17,8 @@ from schemas.sandbox import Reason, SandboxRecord, SandboxSpec, State
 from services.launcher import decisions, records
 from services.launcher.drivers import Drivers
 from services.launcher.drivers.base import Anchor, LaunchRefused
-from services.launcher.keys import NodeStamp, about
+from sandfleet.runner import CanonicalFormatter
+from services.launcher.keys import about
 from services.launcher.settings import LauncherSettings
 from services.launcher.state import Intake
 
@@ -174,23 +175,21 @@ def test_intake_counts_what_it_took_and_forgets_what_it_answered():
 
 def test_launcher_log_lines_carry_the_canonical_keys():
     logger = logging.getLogger("sandfleet.launcher.unit-test")
-    seen: list[logging.LogRecord] = []
+    seen: list[str] = []
 
     class Keep(logging.Handler):
         def emit(self, rec: logging.LogRecord) -> None:
-            seen.append(rec)
+            seen.append(self.format(rec))
 
-    handler, stamp = Keep(), NodeStamp(NODE)
+    handler = Keep()
+    handler.setFormatter(CanonicalFormatter("launcher", node_id=NODE))  # as runner.run(node_scoped=True) sets it
     logger.addHandler(handler)
-    logger.addFilter(stamp)
     try:
         logger.warning("launch of %s failed: %s", "sb-1", "boom", extra=about("sb-1"))
     finally:
-        logger.removeFilter(stamp)
         logger.removeHandler(handler)
-    [rec] = seen
-    assert getattr(rec, telemetry.SANDBOX_ID) == "sb-1" and getattr(rec, telemetry.NODE_ID) == NODE
-    assert rec.getMessage() == "launch of sb-1 failed: boom"
+    [line] = seen
+    assert line.endswith(f"launch of sb-1 failed: boom {telemetry.SANDBOX_ID}=sb-1 {telemetry.NODE_ID}={NODE}")
 
 
 # -- the driver registry ------------------------------------------------------------------

@@ -18,7 +18,7 @@ from schemas.sandbox import Reason
 from services.launcher import fencing, handlers, heartbeat, pausing, recovery
 from services.launcher.clients import LayerCache, NodeAgent
 from services.launcher.drivers import Drivers
-from services.launcher.keys import LOGGER, NodeStamp
+from services.launcher.keys import LOGGER
 from services.launcher.lifecycle import Launcher
 from services.launcher.settings import LauncherSettings
 
@@ -51,8 +51,6 @@ def endpoints(launcher: Launcher) -> list[Endpoint]:
 
 async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
     settings = LauncherSettings.from_env()
-    stamp = NodeStamp(config.node_id)
-    log.addFilter(stamp)
     # Sandbox inits are double-forked; as subreaper we reap them instead of a PID 1 that may not.
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     drivers = await Drivers.open(config.data_dir / "launcher")
@@ -77,8 +75,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
             await heartbeat.withdraw(bus, config.node_id)
     finally:
         drivers.close()
-        log.removeFilter(stamp)
 
 
 if __name__ == "__main__":
-    runner.run("launcher", main)
+    runner.run("launcher", main, node_scoped=True)
