@@ -44,6 +44,8 @@ def hand_directly(sub: Subscription, handler: Callable[[Msg], None]) -> None:
     to take off: several µs of queue hop a message. Replacing that queue with `_Handed` is the
     only way in; it also keeps `Subscription._pending_size`, the bytes nats-py counts as
     queued, at 0, since nothing stays queued."""
+    if not (hasattr(sub, "_pending_queue") and hasattr(sub, "_pending_size")):  # else set in vain: no message comes
+        raise RuntimeError("this nats-py keeps a subscription's queue elsewhere: see sandfleet/natspy_internals.py")
     sub._pending_queue = _Handed(sub, handler)  # type: ignore[assignment]
 
 
