@@ -1,8 +1,9 @@
 """JetStream in batches, and every `$JS`/`$KV` subject the SDK speaks: pipelined request bursts,
 fast-ingest batches, batched direct gets, all answered on one reply subscription.
 
-nats-py sends one JetStream request at a time and waits for its reply; a 32,000-sandbox batch
-would be 64,000 round trips. `BatchedJetStream` sends a batch back to back (`Bus.publish_many`)
+Through nats-py every JetStream write is a request of its own (its own reply future, ~30 µs of
+publish overhead, one ack decoded by its own task); at 32,000 sandboxes a batch that is most of
+the time. `BatchedJetStream` sends a batch back to back (`Bus.publish_many`)
 and sorts the replies as the connection reads them (`Bus.subscribe_direct`) by the token each
 request's reply subject carries. It knows subjects, headers and reply frames, never records.
 """
@@ -133,7 +134,8 @@ class BatchedJetStream:
     async def kv_write_many(self, bucket: str, writes: list[tuple[str, bytes, int]], timeout: float) -> list[int | str]:
         """Revision-checked puts of (key, value, expected revision; 0: the key must not exist,
         as `kv.create` asks), one burst: per write its new revision, or the server's refusal."""
-        acks = await self.burst([(kv_subject(bucket, key), value, {"Nats-Expected-Last-Subject-Sequence": str(revision)})
+        expect = "Nats-Expected-Last-Subject-Sequence"
+        acks = await self.burst([(kv_subject(bucket, key), value, {expect: str(revision)})
                                  for key, value, revision in writes], timeout)
         return [refusal(ack) or _ack.decode(ack.data).seq for ack in acks]
 
@@ -204,7 +206,8 @@ class BatchedJetStream:
             if not failed:
                 return
             if not all(f == "disabled" for f in failed):
-                raise errors.ServiceError(ErrorCode.CONFLICT, f"{len(failed)} batch(es) of messages refused: {failed[0]}")
+                raise errors.ServiceError(ErrorCode.CONFLICT,
+                                          f"{len(failed)} batch(es) of messages refused: {failed[0]}")
             self.fast_ingest = False  # nothing was stored: send them the old way
         refused = [why for why in map(refusal, await self.burst(messages, timeout)) if why]
         if refused:

@@ -1,4 +1,5 @@
-"""The sandbox record's state machine, without I/O: what a move does to a record, which event it yields, which moves are refused.
+"""The sandbox record's state machine, without I/O: what a move does to a record, the event it
+yields, the moves refused.
 
 `SandboxStore` decides here, for one sandbox or a batch of them alike, and only does the
 reading, revision-checked writing and publishing around it; so this module is unit-tested
@@ -25,7 +26,7 @@ class Move(NamedTuple):
     event: events.SandboxEvent
 
 
-def advance(record: SandboxRecord, new: State, reason: Reason = Reason.NONE, detail: str = "", at: float = 0.0,
+def advance(record: SandboxRecord, new: State, at: float, reason: Reason = Reason.NONE, detail: str = "",
             change: Callable[[SandboxRecord], SandboxRecord] | None = None,
             only_from: frozenset[State] | None = None) -> Move | None:
     """The move of `record` to `new` at time `at`: the next record (state, reason, detail and
@@ -38,7 +39,8 @@ def advance(record: SandboxRecord, new: State, reason: Reason = Reason.NONE, det
     if not can_transition(record.state, new) or (only_from and record.state not in only_from):
         raise errors.ServiceError(
             ErrorCode.CONFLICT, f"sandbox {record.id} is {record.state.value}, cannot become {new.value}")
-    updated = msgspec.structs.replace(record, state=new, reason=reason, detail=detail, updated_at=at, seq=record.seq + 1)
+    updated = msgspec.structs.replace(record, state=new, reason=reason, detail=detail, updated_at=at,
+                                      seq=record.seq + 1)
     if change is not None:
         updated = change(updated)
     return Move(updated, lifecycle_event(updated, record.state))
@@ -53,7 +55,7 @@ def first(record: SandboxRecord) -> Move:
 def unrecorded_end(record: SandboxRecord, reason: Reason, detail: str, at: float) -> events.SandboxEvent:
     """The `failed` event a sandbox whose record was never stored (while its `scheduled` event
     may have been) would have had: the move of its first record to `failed`, so its trail ends."""
-    move = advance(msgspec.structs.replace(record, state=State.SCHEDULED, seq=1), State.FAILED, reason, detail, at)
+    move = advance(msgspec.structs.replace(record, state=State.SCHEDULED, seq=1), State.FAILED, at, reason, detail)
     assert move is not None  # scheduled -> failed is always allowed
     return move.event
 

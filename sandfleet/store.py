@@ -167,7 +167,7 @@ class SandboxStore:
                 out[i] = errors.ServiceError(ErrorCode.NOT_FOUND, f"no sandbox {i}")
                 continue
             try:
-                move = records.advance(got[0], new, reason, detail, now)
+                move = records.advance(got[0], new, now, reason, detail)
             except errors.ServiceError as refusal:
                 out[i] = refusal
                 continue
@@ -212,7 +212,7 @@ class SandboxStore:
                 await self.publisher.publish(sent.event)
                 return record
             try:
-                move = records.advance(record, new, reason, detail, time.time(), change, only_from)
+                move = records.advance(record, new, time.time(), reason, detail, change, only_from)
             except errors.ServiceError:
                 if cached:
                     continue  # judge a refusal only on what the store holds now

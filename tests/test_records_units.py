@@ -29,7 +29,7 @@ ILLEGAL = [(s, n) for s in State for n in State if n is not s and n not in TRANS
 
 @pytest.mark.parametrize(("state", "new"), LEGAL)
 def test_a_legal_move_sets_the_state_counts_the_event_and_yields_the_event_of_that_move(state, new):
-    move = records.advance(_record(state), new, Reason.VIOLATION, "why", at=9.5)
+    move = records.advance(_record(state), new, 9.5, Reason.VIOLATION, "why")
     assert move is not None
     assert move.record == msgspec.structs.replace(_record(state), state=new, reason=Reason.VIOLATION, detail="why",
                                                   updated_at=9.5, seq=5)
@@ -41,31 +41,31 @@ def test_a_legal_move_sets_the_state_counts_the_event_and_yields_the_event_of_th
 @pytest.mark.parametrize(("state", "new"), ILLEGAL)
 def test_an_illegal_move_is_refused_as_a_conflict_that_names_both_states(state, new):
     with pytest.raises(errors.ServiceError) as refused:
-        records.advance(_record(state), new)
+        records.advance(_record(state), new, 3.0)
     assert refused.value.code is ErrorCode.CONFLICT
     assert refused.value.message == f"sandbox sb-1 is {state.value}, cannot become {new.value}"
 
 
 @pytest.mark.parametrize("state", list(State))
 def test_a_move_to_the_state_it_is_in_writes_nothing_and_publishes_nothing(state):
-    assert records.advance(_record(state), state, Reason.VIOLATION, "other", at=9.5) is None
+    assert records.advance(_record(state), state, 9.5, Reason.VIOLATION, "other") is None
 
 
 def test_a_return_from_paused_is_resumed_and_a_first_run_is_started():
-    assert records.advance(_record(State.PAUSED), State.RUNNING).event.name == "resumed"  # type: ignore[union-attr]
-    assert records.advance(_record(State.STARTING), State.RUNNING).event.name == "started"  # type: ignore[union-attr]
+    assert records.advance(_record(State.PAUSED), State.RUNNING, 3.0).event.name == "resumed"  # type: ignore[union-attr]
+    assert records.advance(_record(State.STARTING), State.RUNNING, 3.0).event.name == "started"  # type: ignore[union-attr]
 
 
 def test_a_move_from_a_state_outside_only_from_is_refused_though_the_state_machine_allows_it():
     started = _record(State.RUNNING)
     with pytest.raises(errors.ServiceError) as refused:
-        records.advance(started, State.FAILED, Reason.LAUNCH_FAILED, only_from=frozenset({State.SCHEDULED}))
+        records.advance(started, State.FAILED, 3.0, Reason.LAUNCH_FAILED, only_from=frozenset({State.SCHEDULED}))
     assert refused.value.code is ErrorCode.CONFLICT
-    assert records.advance(_record(State.SCHEDULED), State.FAILED, only_from=frozenset({State.SCHEDULED})) is not None
+    assert records.advance(_record(State.SCHEDULED), State.FAILED, 3.0, only_from=frozenset({State.SCHEDULED})) is not None
 
 
 def test_the_change_is_made_to_the_moved_record_before_its_event_is_made():
-    move = records.advance(_record(State.SCHEDULED), State.STARTING, at=3.0,
+    move = records.advance(_record(State.SCHEDULED), State.STARTING, 3.0,
                            change=lambda r: msgspec.structs.replace(r, node="n2", detail=r.detail + "+", init_pid=7))
     assert move is not None
     assert (move.record.node, move.record.detail, move.record.init_pid, move.record.seq) == ("n2", "+", 7, 5)
@@ -79,7 +79,7 @@ def test_a_new_record_is_stored_as_event_one_whatever_seq_it_came_with():
 
 
 def test_a_sandbox_never_recorded_ends_with_the_failed_event_its_first_record_would_have_had():
-    event = records.unrecorded_end(_record(State.SCHEDULED, seq=0), Reason.LAUNCH_FAILED, "lost", at=8.0)
+    event = records.unrecorded_end(_record(State.SCHEDULED, seq=0), Reason.LAUNCH_FAILED, "lost", 8.0)
     assert type(event) is events.Failed
     assert (event.seq, event.state, event.reason, event.detail, event.at) == (2, State.FAILED, Reason.LAUNCH_FAILED,
                                                                               "lost", 8.0)
@@ -87,7 +87,7 @@ def test_a_sandbox_never_recorded_ends_with_the_failed_event_its_first_record_wo
 
 def test_an_event_is_stored_on_its_subject_with_the_id_and_body_it_always_had():
     # The wire, spelled out: consumers and the stream's de-duplication depend on each byte.
-    move = records.advance(_record(State.PAUSED), State.RUNNING, at=5.5)
+    move = records.advance(_record(State.PAUSED), State.RUNNING, 5.5)
     assert move is not None
     assert message(move.event) == (
         "events.v1.sandbox.sb-1.resumed",
