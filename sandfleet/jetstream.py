@@ -2,8 +2,7 @@
 fast-ingest batches, batched direct gets, all answered on one reply subscription.
 
 Through nats-py every JetStream write is a request of its own (its own reply future, ~30 µs of
-publish overhead, one ack decoded by its own task); at 32,000 sandboxes a batch that is most of
-the time. `BatchedJetStream` sends a batch back to back (`Bus.publish_many`)
+publish overhead, one awaited ack); for a 32,000-sandbox batch that is most of the time. `BatchedJetStream` sends a batch back to back (`Bus.publish_many`)
 and sorts the replies as the connection reads them (`Bus.subscribe_direct`) by the token each
 request's reply subject carries. It knows subjects, headers and reply frames, never records.
 """
