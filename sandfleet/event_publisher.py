@@ -23,10 +23,10 @@ class EventPublisher(Protocol):
         """Store a batch of events; raises if any is refused or unacknowledged within `timeout`."""
 
 
-def message(event: events.SandboxEvent) -> tuple[str, bytes, dict[str, str]]:
-    """How an event is stored: its subject, its body, and its de-duplication id `<id>:<seq>`."""
-    return (events.sandbox_subject(event.sandbox_id, event.name), encode(event),
-            {"Nats-Msg-Id": f"{event.sandbox_id}:{event.seq}"})
+def messages(batch: list[events.SandboxEvent]) -> list[tuple[str, bytes, dict[str, str]]]:
+    """How each event is stored: its subject, its body, and its de-duplication id `<id>:<seq>`."""
+    return [(events.sandbox_subject(e.sandbox_id, e.name), encode(e), {"Nats-Msg-Id": f"{e.sandbox_id}:{e.seq}"})
+            for e in batch]
 
 
 class JetStreamEventPublisher:
@@ -38,11 +38,11 @@ class JetStreamEventPublisher:
         self.jetstream = jetstream
 
     async def publish(self, event: events.SandboxEvent) -> None:
-        subject, _, headers = message(event)
+        ((subject, _, headers),) = messages([event])
         await self.bus.publish_durable(subject, event, msg_id=headers["Nats-Msg-Id"])  # with trace context
 
     async def publish_many(self, batch: list[events.SandboxEvent], timeout: float) -> None:
-        await self.jetstream.append_many([message(e) for e in batch], timeout)
+        await self.jetstream.append_many(messages(batch), timeout)
 
 
 class NullEventPublisher:

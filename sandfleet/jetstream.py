@@ -121,6 +121,9 @@ class _Batch:
 
 
 class BatchedJetStream:
+    """JetStream requests by the batch, over one reply subscription on the bus's connection (made
+    on first use); any number of batches may be in flight at once."""
+
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
         self._mux: Any = None  # the one reply subscription, made on first use
@@ -130,13 +133,17 @@ class BatchedJetStream:
         self._batch_base = secrets.token_hex(8)  # + a token: a batch id no other sender uses
         self.fast_ingest = True  # appends go as fast-ingest batches until a stream refuses them
 
-    async def kv_write_many(self, bucket: str, writes: list[tuple[str, bytes, int]], timeout: float) -> list[int | str]:
+    async def kv_write_many(self, bucket: str, writes: list[tuple[str, bytes, int]],
+                            timeout: float) -> tuple[list[int], dict[int, str]]:
         """Revision-checked puts of (key, value, expected revision; 0: the key must not exist,
-        as `kv.create` asks), one burst: per write its new revision, or the server's refusal."""
-        expect = "Nats-Expected-Last-Subject-Sequence"
-        acks = await self.burst([(kv_subject(bucket, key), value, {expect: str(revision)})
-                                 for key, value, revision in writes], timeout)
-        return [refusal(ack) or _ack.decode(ack.data).seq for ack in acks]
+        as `kv.create` asks), one burst. Returns each write's new revision (0 if refused) and,
+        by position, the server's answer to each refused one."""
+        prefix, expect = kv_subject(bucket, ""), "Nats-Expected-Last-Subject-Sequence"
+        acks = await self.burst([(prefix + key, value, {expect: str(revision)}) for key, value, revision in writes],
+                                timeout)
+        whys = [refusal(ack) for ack in acks]
+        return ([0 if why else _ack.decode(ack.data).seq for why, ack in zip(whys, acks)],
+                {n: why for n, why in enumerate(whys) if why})
 
     async def kv_read_many(self, bucket: str, keys: list[str], value: Callable[[bytes], T],
                            timeout: float) -> dict[str, tuple[T, int]]:
@@ -288,21 +295,18 @@ class BatchedJetStream:
         waiting = self._waiting.get(token)
         if isinstance(waiting, _Ingest):
             _on_ingest_frame(waiting, msg)
-        elif isinstance(waiting, _Batch):
+            return
+        if isinstance(waiting, _Batch):
             _on_batch_reply(waiting, msg)
-        elif waiting is not None:
-            _on_burst_reply(waiting, msg, rest)
-        # else: an exchange that gave up waiting
-
-
-def _on_burst_reply(waiting: _Burst, msg: Msg, rest: str) -> None:
-    n = int(rest) if rest.isdigit() else -1
-    if not 0 <= n < len(waiting.replies) or waiting.replies[n] is not None:
-        return
-    waiting.replies[n] = msg
-    waiting.left -= 1
-    if waiting.left == 0 and not waiting.done.done():
-        waiting.done.set_result(None)
+            return
+        # A burst's reply, the commonest by far: handled here, without a call of its own.
+        n = int(rest) if rest.isdigit() else -1
+        if waiting is None or not 0 <= n < len(waiting.replies) or waiting.replies[n] is not None:
+            return  # an exchange that gave up waiting, or a reply it has
+        waiting.replies[n] = msg
+        waiting.left -= 1
+        if waiting.left == 0 and not waiting.done.done():
+            waiting.done.set_result(None)
 
 
 def _on_batch_reply(waiting: _Batch, msg: Msg) -> None:

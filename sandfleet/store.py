@@ -139,14 +139,13 @@ class SandboxStore:
         # for a record that was not: for an unanswered batch, whose records the caller then ends
         # (`failed`), or for an id that another sandbox has (one chance in 2^48 per id), where
         # the event's id deduplicates it against that sandbox's own within two minutes.
-        written, _ = await asyncio.gather(
+        (revisions, refused), _ = await asyncio.gather(
             self.jetstream.kv_write_many(sandbox.KV_BUCKET, [(r.id, encode(r), 0) for r, _ in firsts], timeout),
             self.publisher.publish_many([e for _, e in firsts], timeout),
         )
-        refused = {r.id: why for (r, _), why in zip(firsts, written) if isinstance(why, str)}
         if refused:
-            raise BatchRefused(refused)
-        return [(r, revision) for (r, _), revision in zip(firsts, written)]  # type: ignore[misc]
+            raise BatchRefused({firsts[n][0].id: why for n, why in refused.items()})
+        return [(r, revision) for (r, _), revision in zip(firsts, revisions)]
 
     async def transition_many(self, sandbox_ids: list[str], new: State, reason: Reason = Reason.NONE,
                               detail: str = "", known: dict[str, tuple[SandboxRecord, int]] | None = None
@@ -175,17 +174,19 @@ class SandboxStore:
                 out[i] = got[0]
             else:
                 moves.append(move)
-        written = await self.jetstream.kv_write_many(
-            sandbox.KV_BUCKET, [(m.record.id, encode(m.record), known[m.record.id][1]) for m in moves], 30.0)
+        revisions, _ = await self.jetstream.kv_write_many(
+            sandbox.KV_BUCKET, [(r.id, encode(r), known[r.id][1]) for r, _ in moves], 30.0)
+        keep = new not in ENDED  # an ended record is written no more: nothing to remember
         published = []
-        for (updated, event), revision in zip(moves, written):
-            if isinstance(revision, str):  # someone else changed it meanwhile: judge it on what the store holds now
+        for (updated, event), revision in zip(moves, revisions):
+            if not revision:  # refused: someone else changed it meanwhile; judge it on what the store holds now
                 try:
                     out[updated.id] = await self.transition(updated.id, new, reason, detail)
                 except errors.ServiceError as exc:
                     out[updated.id] = exc
                 continue
-            self._remember(updated, revision)
+            if keep:
+                self._written[updated.id] = (updated, revision)
             out[updated.id] = updated
             published.append(event)
         await self.publisher.publish_many(published, 30.0)
@@ -208,8 +209,8 @@ class SandboxStore:
         for attempt in range(20):
             cached = (self._written.pop(sandbox_id, None) or known) if attempt == 0 else None
             record, revision = cached or await self.get(sandbox_id)
-            if sent is not None and record == sent.record:  # our write landed; its ack was lost in a failover
-                await self.publisher.publish(sent.event)
+            if sent is not None and record == sent[0]:  # our write landed; its ack was lost in a failover
+                await self.publisher.publish(sent[1])
                 return record
             try:
                 move = records.advance(record, new, time.time(), reason, detail, change, only_from)
@@ -222,13 +223,15 @@ class SandboxStore:
                     continue  # likewise that there is nothing to do
                 return record
             sent = move
+            updated, event = move
             try:
-                revision = await self._update(sandbox_id, move.record, revision)
+                revision = await self._update(sandbox_id, updated, revision)
             except nats.js.errors.KeyWrongLastSequenceError:
                 continue
-            self._remember(move.record, revision)
-            await self.publisher.publish(move.event)
-            return move.record
+            if new not in ENDED:
+                self._written[sandbox_id] = (updated, revision)
+            await self.publisher.publish(event)
+            return updated
         raise errors.ServiceError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is being changed by others; retry")
 
     async def update(self, sandbox_id: str, change: Callable[[SandboxRecord], SandboxRecord]) -> SandboxRecord:
@@ -244,10 +247,6 @@ class SandboxStore:
             self._written[sandbox_id] = (updated, revision)
             return updated
         raise errors.ServiceError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is being changed by others; retry")
-
-    def _remember(self, record: SandboxRecord, revision: int) -> None:
-        if record.state not in ENDED:  # an ended record is written no more: nothing to keep
-            self._written[record.id] = (record, revision)
 
     async def _update(self, sandbox_id: str, record: SandboxRecord, revision: int) -> int:
         payload = encode(record)

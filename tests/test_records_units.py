@@ -11,7 +11,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from sandfleet import errors, records
-from sandfleet.event_publisher import message
+from sandfleet.event_publisher import messages
 from sandfleet.jetstream import BatchedJetStream, _Batch, _Burst, _Ingest, refusal
 from schemas import events
 from schemas.errors import ErrorCode
@@ -31,11 +31,12 @@ ILLEGAL = [(s, n) for s in State for n in State if n is not s and n not in TRANS
 def test_a_legal_move_sets_the_state_counts_the_event_and_yields_the_event_of_that_move(state, new):
     move = records.advance(_record(state), new, 9.5, Reason.VIOLATION, "why")
     assert move is not None
-    assert move.record == msgspec.structs.replace(_record(state), state=new, reason=Reason.VIOLATION, detail="why",
-                                                  updated_at=9.5, seq=5)
-    assert type(move.event) is events.event_type(state, new)
-    assert (move.event.sandbox_id, move.event.node, move.event.state, move.event.seq, move.event.at,
-            move.event.reason, move.event.detail) == ("sb-1", "n1", new, 5, 9.5, Reason.VIOLATION, "why")
+    record, event = move
+    assert record == msgspec.structs.replace(_record(state), state=new, reason=Reason.VIOLATION, detail="why",
+                                             updated_at=9.5, seq=5)
+    assert type(event) is events.event_type(state, new)
+    assert (event.sandbox_id, event.node, event.state, event.seq, event.at, event.reason, event.detail) == (
+        "sb-1", "n1", new, 5, 9.5, Reason.VIOLATION, "why")
 
 
 @pytest.mark.parametrize(("state", "new"), ILLEGAL)
@@ -52,8 +53,8 @@ def test_a_move_to_the_state_it_is_in_writes_nothing_and_publishes_nothing(state
 
 
 def test_a_return_from_paused_is_resumed_and_a_first_run_is_started():
-    assert records.advance(_record(State.PAUSED), State.RUNNING, 3.0).event.name == "resumed"  # type: ignore[union-attr]
-    assert records.advance(_record(State.STARTING), State.RUNNING, 3.0).event.name == "started"  # type: ignore[union-attr]
+    assert records.advance(_record(State.PAUSED), State.RUNNING, 3.0)[1].name == "resumed"  # type: ignore[index]
+    assert records.advance(_record(State.STARTING), State.RUNNING, 3.0)[1].name == "started"  # type: ignore[index]
 
 
 def test_a_move_from_a_state_outside_only_from_is_refused_though_the_state_machine_allows_it():
@@ -68,14 +69,15 @@ def test_the_change_is_made_to_the_moved_record_before_its_event_is_made():
     move = records.advance(_record(State.SCHEDULED), State.STARTING, 3.0,
                            change=lambda r: msgspec.structs.replace(r, node="n2", detail=r.detail + "+", init_pid=7))
     assert move is not None
-    assert (move.record.node, move.record.detail, move.record.init_pid, move.record.seq) == ("n2", "+", 7, 5)
-    assert (move.event.node, move.event.detail) == ("n2", "+")
+    record, event = move
+    assert (record.node, record.detail, record.init_pid, record.seq) == ("n2", "+", 7, 5)
+    assert (event.node, event.detail) == ("n2", "+")
 
 
 def test_a_new_record_is_stored_as_event_one_whatever_seq_it_came_with():
-    move = records.first(_record(State.SCHEDULED, seq=9))
-    assert move.record.seq == 1 and move.record.state is State.SCHEDULED
-    assert type(move.event) is events.Scheduled and move.event.seq == 1 and move.event.at == 2.0
+    record, event = records.first(_record(State.SCHEDULED, seq=9))
+    assert record.seq == 1 and record.state is State.SCHEDULED
+    assert type(event) is events.Scheduled and event.seq == 1 and event.at == 2.0
 
 
 def test_a_sandbox_never_recorded_ends_with_the_failed_event_its_first_record_would_have_had():
@@ -89,12 +91,12 @@ def test_an_event_is_stored_on_its_subject_with_the_id_and_body_it_always_had():
     # The wire, spelled out: consumers and the stream's de-duplication depend on each byte.
     move = records.advance(_record(State.PAUSED), State.RUNNING, 5.5)
     assert move is not None
-    assert message(move.event) == (
+    assert messages([move[1]]) == [(
         "events.v1.sandbox.sb-1.resumed",
         b'{"type":"sandbox.resumed","v":1,"sandbox_id":"sb-1","node":"n1","state":"running","seq":5,"at":5.5,'
         b'"reason":"none","detail":""}',
         {"Nats-Msg-Id": "sb-1:5"},
-    )
+    )]
 
 
 # -- the reply demultiplexer -----------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The store's event publishers on a real nats-server of their own: the JetStream one stores each
-move's event as `event_publisher.message` spells it, the same one way whether a sandbox moved
+move's event as `event_publisher.messages` spells it, the same one way whether a sandbox moved
 alone or in a batch; the null one lets records change with no event stored."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from sandfleet.bus import Bus
-from sandfleet.event_publisher import NullEventPublisher, message
+from sandfleet.event_publisher import NullEventPublisher, messages
 from sandfleet.records import first, lifecycle_event
 from sandfleet.store import SandboxStore, ensure_state
 from sandfleet.supervisor import free_port, nats_server_binary
@@ -74,9 +74,9 @@ async def test_events_of_moves_alone_and_in_a_batch_are_stored_alike(bus):
     await store.transition_many([batched.id], State.RUNNING)
     for record in (alone, batched):
         running, _ = await store.get(record.id)
-        expected = [first(record).event, lifecycle_event(running, State.SCHEDULED)]
+        expected = messages([first(record)[1], lifecycle_event(running, State.SCHEDULED)])
         stored = await _stored(bus, record.id)
-        assert stored == [(subject, body, headers["Nats-Msg-Id"]) for subject, body, headers in map(message, expected)]
+        assert stored == [(subject, body, headers["Nats-Msg-Id"]) for subject, body, headers in expected]
         assert [i for _, _, i in stored] == [f"{record.id}:1", f"{record.id}:2"]
 
 
