@@ -170,7 +170,8 @@ class BatchedJetStream:
         """One `multi_last` direct get: the last message of each key that has one (then a 204
         status; a 404 alone when none has), or None when the bucket serves no direct gets."""
         waiting = _Batch(done=asyncio.get_running_loop().create_future())
-        request = encode({"multi_last": [kv_subject(bucket, key) for key in keys], "batch": len(keys)})
+        prefix = kv_subject(bucket, "")
+        request = encode({"multi_last": [prefix + key for key in keys], "batch": len(keys)})
         await self._exchange(
             waiting, lambda reply: [(_direct_get_subject(kv_stream(bucket)), request, None, f"{reply}.0")],
             timeout, lambda: f"a read of {len(keys)} keys of {bucket} unanswered")
