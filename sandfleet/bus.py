@@ -28,7 +28,7 @@ from nats.micro.service import EndpointConfig, Service, ServiceConfig
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from sandfleet import errors, telemetry
+from sandfleet import errors, natspy_internals, telemetry
 from sandfleet.config import js_replicas, nats_servers
 from schemas.errors import ErrorBody, ErrorCode
 
@@ -107,8 +107,7 @@ async def kv_values(kv: KeyValue, what: str, timeout: float = 30.0) -> dict[str,
     the entry with nothing pending after it, or at the stream's last message when the listing
     began (writes may go on meanwhile). A key written during the listing keeps its last value;
     one deleted meanwhile is left out."""
-    stream = kv._stream  # nats-py keeps the bucket's stream name here (KV_<bucket>)
-    state = (await through_failover(lambda: kv._js.stream_info(stream), what)).state
+    state = (await through_failover(kv.status, what)).stream_info.state
     if state.messages == 0:
         return {}
     watcher = await through_failover(kv.watchall, what)
@@ -129,34 +128,6 @@ async def kv_values(kv: KeyValue, what: str, timeout: float = 30.0) -> dict[str,
                 return latest
     finally:
         await watcher.stop()
-
-
-class _Handed:
-    """What nats-py takes for a subscription's message queue (`put_nowait`, and what draining and
-    unsubscribing ask of it), handing each message to a function at once. The function runs inside
-    the connection's reader: an exception is logged here, never let through to it."""
-
-    def __init__(self, sub: Any, handler: Callable[[Msg], None]) -> None:
-        self._sub, self._handler = sub, handler
-
-    def put_nowait(self, msg: Msg) -> None:
-        self._sub._pending_size = 0  # nats-py counts bytes queued; nothing stays queued here
-        try:
-            self._handler(msg)
-        except Exception:
-            log.exception("handling a message on %s failed", msg.subject)
-
-    def qsize(self) -> int:
-        return 0
-
-    def empty(self) -> bool:
-        return True
-
-    def task_done(self) -> None:
-        pass
-
-    async def join(self) -> None:
-        pass
 
 
 class ReplicatedJetStream(JetStreamContext):
@@ -274,12 +245,12 @@ class Bus:
             chunk.append(frame)
             size += len(frame)
             if size >= _WRITE_CHUNK:
-                await nc._send_command(b"".join(chunk))  # its outgoing buffer; flushed when over its limit
+                await natspy_internals.write_frames(nc, b"".join(chunk))
                 chunk, size = [], 0
         if chunk:
-            await nc._send_command(b"".join(chunk))
+            await natspy_internals.write_frames(nc, b"".join(chunk))
         nc.stats["out_msgs"] += len(messages)
-        await nc._flush_pending()
+        await natspy_internals.flush_frames(nc)
 
     async def subscribe_direct(self, subject: str, handler: Callable[[Msg], None]) -> Any:
         """A subscription whose messages go to `handler` (a plain function: quick, never blocking)
@@ -287,7 +258,7 @@ class Bus:
         task. That queue hop costs several µs a message; the store's write acks and a batch's
         events come by the tens of thousands. The subscription unsubscribes as any other."""
         sub = await self.nc.subscribe(subject, pending_bytes_limit=-1)  # no callback: nats-py starts no task
-        sub._pending_queue = _Handed(sub, handler)
+        natspy_internals.hand_directly(sub, handler)
         return sub
 
     # -- service side -------------------------------------------------------------------

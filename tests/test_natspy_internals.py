@@ -1,0 +1,151 @@
+"""The nats-py private attributes sandfleet stands on (sandfleet/natspy_internals.py) still do what
+it relies on, checked against a real nats-server: a nats-py upgrade that moves or changes one
+fails here by name, not as a stalled batch or a benchmark gone slow."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import nats
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from sandfleet import natspy_internals
+from sandfleet.bus import Bus
+from sandfleet.supervisor import free_port, nats_server_binary
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory) -> Iterator[str]:
+    port = free_port()
+    server = subprocess.Popen(
+        [nats_server_binary(), "-js", "-sd", str(tmp_path_factory.mktemp("natspy") / "js"), "-p", str(port),
+         "-a", "127.0.0.1"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:  # listening before any test connects (nats-py's first connect does not retry)
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise
+            time.sleep(0.05)
+    yield f"nats://127.0.0.1:{port}"
+    server.terminate()
+    server.wait(timeout=10)
+
+
+@pytest.fixture
+async def nc(nats_url) -> AsyncIterator[Client]:
+    # One connection sends and receives: the server takes its SUB before its later PUBs. (From a
+    # second connection, a flush() right after connecting was seen to return before the server
+    # had the subscription, now and then.)
+    conn = await nats.connect(nats_url)
+    yield conn
+    await conn.close()
+
+
+def test_the_private_names_are_still_there():
+    for name in ("_send_command", "_flush_pending"):
+        assert inspect.iscoroutinefunction(getattr(Client, name, None)), f"nats-py's Client.{name} is gone"
+    assert list(inspect.signature(Client._send_command).parameters)[:2] == ["self", "cmd"]
+    sub = Subscription(conn=None, id=1, subject="x")  # type: ignore[arg-type]
+    assert isinstance(sub._pending_queue, asyncio.Queue) and sub._pending_size == 0
+
+
+async def _collect(nc: Client, subject: str, count: int) -> tuple[list[Msg], asyncio.Future]:
+    got: list[Msg] = []
+    done = asyncio.get_running_loop().create_future()
+
+    async def on(msg: Msg) -> None:
+        got.append(msg)
+        if len(got) == count:
+            done.set_result(None)
+
+    await nc.subscribe(subject, cb=on)
+    return got, done
+
+
+async def test_frames_written_raw_arrive_as_publish_would_send_them(nc):
+    got, done = await _collect(nc, "raw.>", 2)
+    hdr = b"NATS/1.0\r\nNats-Msg-Id: a:1\r\n\r\n"
+    frames = (b"PUB raw.plain reply.1 5\r\nhello\r\n"
+              + f"HPUB raw.headed {len(hdr)} {len(hdr) + 2}\r\n".encode() + hdr + b"hi\r\n")
+    await natspy_internals.write_frames(nc, frames)
+    await natspy_internals.flush_frames(nc)
+    await asyncio.wait_for(done, 10)
+    assert [(m.subject, m.reply, m.data) for m in got] == [("raw.plain", "reply.1", b"hello"), ("raw.headed", "", b"hi")]
+    assert got[1].headers == {"Nats-Msg-Id": "a:1"}
+
+
+async def test_frames_past_the_clients_pending_size_go_out_without_a_flush(nats_url):
+    # Bus.publish_many hands over a 32,000-message batch in pieces relying on this: the buffer
+    # never holds much more than the pending size.
+    conn = await nats.connect(nats_url, pending_size=1 << 20)
+    try:
+        frames = [f"PUB big.{n:02} {64 * 1024}\r\n".encode() + b"x" * (64 * 1024) + b"\r\n" for n in range(20)]
+        crossing = (1 << 20) // len(frames[0]) + 1  # the frames up to the one that takes the buffer past 1 MiB
+        got, past = await _collect(conn, "big.>", crossing)
+        for frame in frames:
+            await natspy_internals.write_frames(conn, frame)
+        await asyncio.wait_for(past, 10)  # went out unasked
+        assert [m.subject for m in got[:crossing]] == [f"big.{n:02}" for n in range(crossing)]
+        _, marked = await _collect(conn, "marker", 1)
+        await natspy_internals.write_frames(conn, b"PUB marker 0\r\n\r\n")
+        await natspy_internals.flush_frames(conn)  # and the rest once asked
+        await asyncio.wait_for(marked, 10)
+        assert [m.subject for m in got] == [f"big.{n:02}" for n in range(len(frames))]
+    finally:
+        await conn.close()
+
+
+async def test_a_subscription_handed_directly_gives_every_message_to_its_handler_and_keeps_nothing_queued(nc):
+    got: list[bytes] = []
+    ended = asyncio.Event()
+
+    def on(msg: Msg) -> None:
+        if msg.data == b"boom":
+            raise ValueError("a handler's bug")  # logged; the connection's reader goes on
+        got.append(msg.data)
+        if msg.data == b"end":
+            ended.set()
+
+    sub = await nc.subscribe("direct.>", pending_bytes_limit=-1)  # no callback: no task of nats-py's
+    natspy_internals.hand_directly(sub, on)
+    sent = [str(n).encode() for n in range(2000)] + [b"end"]
+    for n, data in enumerate(sent):
+        await nc.publish(f"direct.{n}", b"boom" if n == 1000 else data)
+    await asyncio.wait_for(ended.wait(), 10)  # one sender's messages come in order
+    assert got == sent[:1000] + sent[1001:]
+    assert sub.pending_bytes == 0 and sub.pending_msgs == 0
+    await sub.unsubscribe()
+    _, marked = await _collect(nc, "marker", 1)
+    await nc.publish("direct.after", b"late")
+    await nc.publish("marker", b"")  # after the late one
+    await asyncio.wait_for(marked, 10)
+    assert got[-1] == b"end"  # unsubscribed: nothing more
+
+
+async def test_a_subscription_handed_directly_drains_like_any_other(nats_url):
+    # What Bus.close does to a connection with the store's reply subscription on it.
+    bus = await Bus.connect(nats_url, "natspy-drain")
+    got: list[Msg] = []
+    await bus.subscribe_direct("drained.>", got.append)
+    await bus.nc.publish("drained.1", b"x")
+    await asyncio.wait_for(bus.close(), 10)
+    assert bus.nc.is_closed and [m.data for m in got] == [b"x"]
+
+
+def test_a_nats_py_without_the_queue_attribute_is_refused_loudly():
+    class Moved:  # a subscription class of a nats-py that keeps its queue under another name
+        pass
+
+    with pytest.raises(RuntimeError, match="natspy_internals"):
+        natspy_internals.hand_directly(Moved(), lambda msg: None)  # type: ignore[arg-type]
