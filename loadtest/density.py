@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import sandfleet
+from linuxnode import cgroups
 from loadtest.container_rate import LAYER, build_busybox_layer
 from loadtest.platform import leftovers, running_platform
 from loadtest.report import print_table, write_json
@@ -65,28 +66,20 @@ def platform_pss_kib(data_dir: Path) -> dict[str, int]:
     return found
 
 
-def sandbox_cgroup(node_id: str, sandbox_id: str) -> str:
-    for base in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup"):
-        path = f"{base}/sandfleet/{node_id}/{sandbox_id}"
-        if os.path.isdir(path):
-            return path
-    return ""
-
-
 def sandbox_memory(node_id: str, sandbox_ids: list[str]) -> dict[str, float]:
     """Per sandbox (mean over the sample): the PSS of its processes and its cgroup's charge."""
     pss, charged, procs = [], [], []
+    layout = cgroups.CgroupLayout.detect()
     for sid in sandbox_ids:
-        cg = sandbox_cgroup(node_id, sid)
-        if not cg:
+        group = cgroups.SandboxCgroups(layout, node_id, sid)
+        try:
+            pids = group.pids()
+            with open(group.memory_charged_file) as f:
+                charged.append(int(f.read()) / KIB)
+        except OSError:  # it ended meanwhile
             continue
-        with open(f"{cg}/cgroup.procs") as f:
-            pids = [int(p) for p in f.read().split()]
         procs.append(len(pids))
         pss.append(sum(pss_kib(p) for p in pids))
-        usage = f"{cg}/memory.usage_in_bytes" if os.path.exists(f"{cg}/memory.usage_in_bytes") else f"{cg}/memory.current"
-        with open(usage) as f:
-            charged.append(int(f.read()) / KIB)
     mean = lambda xs: round(statistics.mean(xs), 1) if xs else 0.0  # noqa: E731
     return {"processes_pss_kib": mean(pss), "cgroup_charged_kib": mean(charged), "processes": mean(procs)}
 

@@ -1,4 +1,4 @@
-"""JetStream in batches, and every `$JS`/`$KV` subject the SDK speaks: pipelined request bursts,
+"""JetStream in batches, and every `$JS`/`$KV`/`$O` subject sandfleet speaks: pipelined request bursts,
 fast-ingest batches, batched direct gets, all answered on one reply subscription.
 
 Through nats-py every JetStream write is a request of its own (its own reply future, ~30 µs of
@@ -41,8 +41,18 @@ def kv_subject(bucket: str, key: str) -> str:
     return f"$KV.{bucket}.{key}"
 
 
-def _direct_get_subject(stream: str) -> str:
+def direct_get_subject(stream: str) -> str:
+    """Where a stream's messages are read by sequence (any replica answers)."""
     return f"$JS.API.DIRECT.GET.{stream}"
+
+
+def object_stream(bucket: str) -> str:
+    return f"OBJ_{bucket}"  # nats-py's Object Store keeps a bucket in this stream
+
+
+def object_chunk_subject(bucket: str, nuid: str) -> str:
+    """An Object Store object's chunks, in order, are the messages on this subject."""
+    return f"$O.{bucket}.C.{nuid}"
 
 
 def _msg_get_subject(stream: str) -> str:
@@ -173,7 +183,7 @@ class BatchedJetStream:
         prefix = kv_subject(bucket, "")
         request = encode({"multi_last": [prefix + key for key in keys], "batch": len(keys)})
         await self._exchange(
-            waiting, lambda reply: [(_direct_get_subject(kv_stream(bucket)), request, None, f"{reply}.0")],
+            waiting, lambda reply: [(direct_get_subject(kv_stream(bucket)), request, None, f"{reply}.0")],
             timeout, lambda: f"a read of {len(keys)} keys of {bucket} unanswered")
         if waiting.status == "503":  # no responders: the bucket has no allow_direct
             return None

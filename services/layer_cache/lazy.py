@@ -22,6 +22,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from sandfleet import jetstream
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
 from schemas.layers import CHUNK_BYTES, OBJECT_BUCKET
@@ -30,8 +31,7 @@ from services.layer_cache.store import HASH_BYTES, read_manifest
 DATA = ".lazy"
 MAP = ".lazy.map"
 INDEX = ".lazy.json"
-STREAM = f"OBJ_{OBJECT_BUCKET}"  # nats-py's Object Store keeps a bucket in stream OBJ_<bucket>
-CHUNK_SUBJECT = "$O.{bucket}.C.{nuid}"  # and an object's chunks, in order, on this subject
+STREAM = jetstream.object_stream(OBJECT_BUCKET)
 INDEX_TIMEOUT_S = 30.0
 
 
@@ -153,7 +153,7 @@ async def chunk_index(js: JetStreamContext, digest: str) -> ChunkIndex:
     except nats.js.errors.NotFoundError:
         raise ServiceError(ErrorCode.NOT_FOUND, f"no image {digest} in the layer store") from None
     chunk_bytes = (meta.options.max_chunk_size if meta.options else 0) or 0
-    subject = CHUNK_SUBJECT.format(bucket=OBJECT_BUCKET, nuid=meta.nuid)
+    subject = jetstream.object_chunk_subject(OBJECT_BUCKET, meta.nuid)
     want = meta.chunks or 0
     seqs: list[int] = []
     if want:

@@ -38,7 +38,7 @@ import nats.errors
 import pyfuse3
 import pyfuse3.asyncio
 
-from sandfleet import runner
+from sandfleet import jetstream, runner
 from sandfleet.bus import Bus
 from sandfleet.config import ServiceConfig
 from schemas.layers import FetchFailed, fetch_failed_subject
@@ -141,7 +141,7 @@ class ChunkSource:
         if time.monotonic() < until:
             raise ChunkUnavailable(why)
         try:
-            msg = await self.bus.nc.request(f"$JS.API.DIRECT.GET.{index.stream}",
+            msg = await self.bus.nc.request(jetstream.direct_get_subject(index.stream),
                                             json.dumps({"seq": index.seqs[i]}).encode(), timeout=self.fetch_timeout_s)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
             why = UNREACHABLE[0] if isinstance(exc, nats.errors.TimeoutError) else UNREACHABLE[1]
