@@ -309,6 +309,9 @@ class Bus:
                     raise errors.ServiceError(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}") from None
                 except msgspec.DecodeError as exc:
                     raise errors.ServiceError(ErrorCode.INVALID_REQUEST, f"malformed JSON: {exc}") from None
+                sandbox_id = getattr(msg, "sandbox_id", None)  # most node requests concern one sandbox
+                if isinstance(sandbox_id, str):
+                    span.set_attribute(telemetry.SANDBOX_ID, sandbox_id)
                 result = await ep.handler(msg)
                 await req.respond(encode(result))
             except errors.ServiceError as exc:

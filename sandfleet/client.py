@@ -87,8 +87,9 @@ class Fleet(_FleetRollout, _FleetSecurity):
         request_timeout_s: float = 60.0,
     ) -> Sandbox:
         spec = _spec(isolation, cpu, memory_mb, pids, timeout_s, labels, layers, allow, disk_mb, host_view)
-        with telemetry.tracer("sandfleet.sdk").start_as_current_span("sandbox.create", kind=SpanKind.INTERNAL):
+        with telemetry.tracer("sandfleet.sdk").start_as_current_span("sandbox.create", kind=SpanKind.INTERNAL) as span:
             reply = await self.bus.request(sandbox.CREATE, spec, sandbox.CreateReply, timeout=request_timeout_s)
+            span.set_attributes({telemetry.SANDBOX_ID: reply.id, telemetry.NODE_ID: reply.node})
         return Sandbox(self, reply.id, reply.node)
 
     async def create_many(

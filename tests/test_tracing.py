@@ -51,3 +51,23 @@ async def test_one_create_is_one_trace_across_every_service(fleet, otlp):
     hops = chain(confine)
     assert [h.split(":")[0] for h in hops if ":node.v1" in h or ":sandbox.v1" in h] == ["agent", "launcher", "placement"]
     assert root_id in local
+
+
+async def test_a_creation_trace_is_found_by_its_sandbox_id(fleet, otlp):
+    """The SDK's create span names the sandbox it made, and so does every node hop about it:
+    a trace is found by sandbox.id (the canonical key logs carry too)."""
+    memory = InMemorySpanExporter()
+    telemetry.setup("trainer", extra_processor=SimpleSpanProcessor(memory))
+    sb = await fleet.create(memory_mb=64, host_view=True)
+    await sb.destroy()
+    [create] = [s for s in memory.get_finished_spans() if s.name == "sandbox.create"
+                and s.attributes.get(telemetry.SANDBOX_ID) == sb.id]
+    assert create.attributes[telemetry.NODE_ID] == sb.node
+    trace_id = format(create.context.trace_id, "032x")
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        tagged = {s.service for s in otlp.trace(trace_id) if s.attributes.get(telemetry.SANDBOX_ID) == sb.id}
+        if {"launcher", "agent"} <= tagged:
+            break
+        await asyncio.sleep(0.2)
+    assert {"launcher", "agent"} <= tagged, tagged
