@@ -6,27 +6,17 @@ with its schema types; errors are the bus adapter's (sandfleet.errors) for the c
 
 from __future__ import annotations
 
-import asyncio
-import os
-import secrets
-import tarfile
-import tempfile
 from pathlib import Path
 
-import msgspec
-import nats.js.errors
-
-from sandfleet import errors
 from sandfleet.bus import Bus
+from sandfleet.layers_client import Layers
 from schemas import layers as layers_schema
 from schemas import node as node_schema
 from schemas.layers import (
     BuildReply,
-    BuildRequest,
     CacheListing,
     CacheRequest,
     ComposeRequest,
-    DirSource,
     ReleaseRootfsReply,
     ReleaseRootfsRequest,
     Rootfs,
@@ -79,49 +69,7 @@ class LayerCache:
         return await self.bus.request(self._cache, CacheRequest(), CacheListing, timeout=timeout)
 
     async def build_from_dir(self, name: str, path: Path, on: str, timeout: float) -> BuildReply:
-        """Layer `name` over `on` from a directory of this node: sent as a tar through the upload
-        bucket to whichever layer-cache takes the build (it owns the store)."""
-        src = path.resolve()
-        if not src.is_dir():
-            raise errors.InvalidRequest(f"{src} is not a directory")
-        with tempfile.TemporaryDirectory(prefix="sandfleet-layer-") as tmp:
-            archive = Path(tmp) / "dir.tar"
-            await asyncio.to_thread(_tar_directory, src, archive)
-            upload = await self._upload(archive)
-        raw = {"name": name, "source": msgspec.to_builtins(DirSource(upload=upload, path=str(src))), "on": on,
-               "tags": [], "compression": "lz4"}
-        try:
-            request = msgspec.convert(raw, BuildRequest)  # checks the name and refs before the round trip
-        except msgspec.ValidationError as exc:
-            raise errors.InvalidRequest(str(exc)) from None
-        return await self.bus.request(layers_schema.BUILD, request, BuildReply, timeout=timeout)
-
-    async def _upload(self, archive: Path) -> str:
-        try:
-            bucket = await self.bus.js.object_store(layers_schema.UPLOAD_BUCKET)
-        except nats.js.errors.BucketNotFoundError:
-            raise errors.NoResponders("no layer-cache has run on this bus (its upload bucket is missing)") from None
-        name = "up-" + secrets.token_hex(12)
-        with open(archive, "rb") as f:
-            await bucket.put(name, f)
-        return name
-
-
-def _tar_directory(src: Path, out: Path) -> None:
-    """A pax tar of `src` (as `.`) keeping owners, modes, links, devices and extended attributes,
-    which the builder unpacks as the layer's files. (The SDK packs a user's directory the same
-    way; a shared packer would live below both.)"""
-
-    def with_xattrs(info: tarfile.TarInfo) -> tarfile.TarInfo:
-        path = src / info.name
-        try:
-            names = os.listxattr(path, follow_symlinks=False)
-        except OSError:
-            names = []
-        for name in names:
-            info.pax_headers[f"SCHILY.xattr.{name}"] = os.getxattr(path, name, follow_symlinks=False).decode(
-                "utf-8", "surrogateescape")
-        return info
-
-    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
-        tar.add(src, arcname=".", filter=with_xattrs)
+        """Layer `name` over `on` from a directory of this node: the same cluster build request a
+        user's `layer build --dir` makes (sent as a tar through the upload bucket to whichever
+        layer-cache takes it: it owns the store), so it is the SDK's layer client that makes it."""
+        return await Layers(self.bus).build_dir(name, path, on=on, timeout=timeout)
