@@ -79,7 +79,7 @@ def test_every_request_with_fds_has_its_report_pipe_first():
         assert not cls.FDS or cls.FDS[0] == "report", cls
 
 
-@pytest.mark.parametrize("version", [VERSION + 1, 0, "1", None])
+@pytest.mark.parametrize("version", [VERSION + 1, 0, "1", None, True, 1.0])
 def test_another_version_is_refused(version):
     body = _body(EXAMPLES[1]) | {"v": version}
     with pytest.raises(UnsupportedVersion, match="version"):

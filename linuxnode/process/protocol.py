@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 VERSION = 1  # raise on any change a spawner of the old form would misread
@@ -57,7 +57,8 @@ _W = TypeVar("_W", bound=type[_Wire])
 _KINDS: dict[str, type[_Wire]] = {}
 
 # The field types a request may declare: the check a decoded JSON value must pass, and its
-# conversion to the dataclass's form (JSON has lists where requests hold tuples).
+# conversion to the dataclass's form (JSON has lists where requests hold tuples; a JSON
+# object's keys are always strings).
 _TYPES: dict[str, tuple[Callable[[Any], bool], Callable[[Any], Any] | None]] = {
     "int": (lambda v: type(v) is int, None),
     "str": (lambda v: type(v) is str, None),
@@ -89,7 +90,6 @@ def _request(tag: str) -> Callable[[_W], _W]:
 @dataclass(frozen=True, kw_only=True)
 class Ping(_Wire):
     """Nothing to do: starts the spawner ahead of the first real request (warm_up)."""
-
 
 
 @_request("signal")
@@ -137,25 +137,29 @@ class ExecCommand(_Wire):
 Request = Ping | Signal | StartInit | ExecCommand
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"), check_circular=False)  # json.dumps makes one a call
+_DECODER = json.JSONDecoder()
+
+
 def encode(request: Request) -> tuple[bytes, list[int]]:
     """The datagram and the fds to send beside it, in the request's FDS order."""
     body = {"v": VERSION, "type": request.TYPE}
     for name in request.DATA:
         body[name] = getattr(request, name)
-    return json.dumps(body, separators=(",", ":")).encode(), [getattr(request, name) for name in request.FDS]
+    return _ENCODER.encode(body).encode(), [getattr(request, name) for name in request.FDS]
 
 
 def decode(data: bytes, fds: list[int]) -> Request:
     """The request a datagram and its fds carry; a ProtocolError says why it is none. The fds
     stay the caller's to close, whatever happens."""
     try:
-        body = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+        body = _DECODER.decode(data.decode())
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise MalformedRequest(f"request is not JSON: {exc}") from None
     if type(body) is not dict:
         raise MalformedRequest(f"request is a JSON {type(body).__name__}, not an object")
     version = body.pop("v", None)
-    if version != VERSION:
+    if type(version) is not int or version != VERSION:  # true == 1 in Python, not on this wire
         raise UnsupportedVersion(f"request version {version!r}, this spawner speaks {VERSION}")
     tag = body.pop("type", None)
     cls = _KINDS.get(tag) if type(tag) is str else None
