@@ -92,7 +92,7 @@ def exec_child(request: ExecCommand, last_cap: int, seccomp: bytes) -> None:
     """C: enters the sandbox, vfork-spawns the command into its pid namespace, waits for it
     and writes its status. C stays outside the pid namespace, so the sandbox never sees it.
     SIGTERM (the spawner, on timeout or cancel) kills the command's process group. Never returns."""
-    report, argv, env = request.report, request.argv, request.env
+    report, pidfd, root, argv, env = request.report, request.pidfd, request.root, request.argv, request.env
     stdio = (request.stdin, request.stdout, request.stderr)
     command, killed = 0, False
 
@@ -110,14 +110,14 @@ def exec_child(request: ExecCommand, last_cap: int, seccomp: bytes) -> None:
     signal.set_wakeup_fd(-1)
     step = "close inherited fds"
     try:
-        _close_all_but({report, request.pidfd, request.root, *stdio})  # C lives as long as the command: hold nothing else
+        _close_all_but({report, pidfd, root, *stdio})  # C lives as long as the command: hold nothing else
         step = "join cgroups"
         _join_cgroups(request.cgroup_procs)
         _tag_for_audit(request.cgroup_procs)
         step = "enter namespaces"
-        linux.setns(request.pidfd, _ENTER_NS | linux.CLONE_NEWPID)
+        linux.setns(pidfd, _ENTER_NS | linux.CLONE_NEWPID)
         step = "enter root"
-        os.fchdir(request.root)
+        os.fchdir(root)
         os.chroot(".")
         step = "chdir " + request.cwd
         os.chdir(request.cwd)
