@@ -8,8 +8,9 @@ nothing in the other process, so fds never appear in the JSON. Where a request h
 pipe it is its first fd: a spawner that cannot read a request still knows where to say so.
 
 Plain data only (JSON, never pickle or marshal) so the form can be read and checked, and the
-standard library only: the spawner runs `python -S -I`. Encoding is one json.dumps per
-request (~10 µs for an exec), beside a fork of milliseconds.
+standard library only: the spawner runs `python -S -I`. A request is encoded once; encoding
+and decoding an exec take ~8 µs each on the 2-core dev VM (the marshal they replace, ~1 µs),
+beside a fork and exec of milliseconds.
 """
 
 from __future__ import annotations
