@@ -3,8 +3,9 @@ of fresh pid, mount, ipc, uts and cgroup namespaces, inside a given network name
 cgroups, on a root it cannot write that shows nothing of the host but read-only /usr.
 
 Every sandbox process is forked by the *spawner*, a small helper interpreter started on
-first use. Fork copies the parent's page tables and exec tears the copy down again: on this
-VM that costs ~1.5 ms each for a 50 MB launcher and a fraction of it for the 12 MB spawner.
+first use, which the launcher asks for each with a typed request (protocol.py). Fork copies
+the parent's page tables and exec tears the copy down again: on this VM that costs ~1.5 ms
+each for a 50 MB launcher and a fraction of it for the 12 MB spawner.
 - start: the spawner forks B as pid 1 of a new pid namespace (a pid namespace applies to
   the children of the thread that unshares it, so the spawner unshares, forks once and
   goes back, signals blocked). B joins the cgroups before anything else, enters the netns,
@@ -25,6 +26,7 @@ package, so nothing heavy is imported at the top (exec imports asyncio).
 
 model.py      what callers pass and get back, and the two errors
 rootfs.py     the plan B replays to build and seal the sandbox root
+protocol.py   the requests the launcher sends the spawner: typed, versioned, fds named
 spawner.py    the helper process, its loop, and the launcher's handle on it
 children.py   B and C, the code that runs after fork
 reports.py    the records children and spawner write on the report pipes

@@ -12,6 +12,7 @@ import signal
 from linuxnode import landlock
 from linuxnode import syscalls as linux
 from linuxnode.process.model import CATATONIT, DEFAULT_ENV
+from linuxnode.process.protocol import ExecCommand, StartInit
 from linuxnode.process.reports import READY, report_failure, status_record
 
 _LANDLOCK_ABI = landlock.abi()  # asked once, in the spawner: 0 where the kernel has none
@@ -21,7 +22,7 @@ PR_SET_MEMORY_MERGE = 67
 _ENTER_NS = linux.CLONE_NEWNS | linux.CLONE_NEWNET | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS | linux.CLONE_NEWCGROUP
 
 
-def _join_cgroups(paths: list[str]) -> None:
+def _join_cgroups(paths: tuple[str, ...]) -> None:
     for path in paths:  # "0" is the writer itself, whatever pid namespace it is in
         fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         try:
@@ -30,7 +31,7 @@ def _join_cgroups(paths: list[str]) -> None:
             os.close(fd)
 
 
-def _tag_for_audit(cgroup_procs: list[str]) -> None:
+def _tag_for_audit(cgroup_procs: tuple[str, ...]) -> None:
     """Name the sandbox in the audit records of its processes (see landlock.audit_tag)."""
     with contextlib.suppress(OSError):  # attribution only: the agent falls back to /proc/<pid>/cgroup
         landlock.set_audit_tag(landlock.audit_tag(cgroup_procs))
@@ -52,14 +53,15 @@ def _drop_privileges(last_cap: int, seccomp: bytes) -> None:
         linux.install_seccomp(seccomp)
 
 
-def init_child(report: int, netns_fd: int, cgroup_procs: list[str], plan, last_cap: int, seccomp: bytes) -> None:
+def init_child(request: StartInit, plan, last_cap: int, seccomp: bytes) -> None:
     """B: pid 1 of the new pid namespace. Never returns."""
+    report = request.report
     step = "join cgroups"
     try:
-        _join_cgroups(cgroup_procs)
-        _tag_for_audit(cgroup_procs)
+        _join_cgroups(request.cgroup_procs)
+        _tag_for_audit(request.cgroup_procs)
         step = "enter netns"
-        linux.setns(netns_fd, linux.CLONE_NEWNET)
+        linux.setns(request.netns, linux.CLONE_NEWNET)
         step = "unshare namespaces"
         linux.unshare(linux.CLONE_NEWNS | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS | linux.CLONE_NEWCGROUP)
         for item in plan:
@@ -86,11 +88,12 @@ def init_child(report: int, netns_fd: int, cgroup_procs: list[str], plan, last_c
 _SPAWN_DEFAULT_SIGNALS = tuple(signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP})
 
 
-def exec_child(report: int, pidfd: int, root: int, cgroup_procs: list[str], cwd: str, stdio: list[int],
-                argv: list[str], env: dict[str, str], last_cap: int, seccomp: bytes) -> None:
+def exec_child(request: ExecCommand, last_cap: int, seccomp: bytes) -> None:
     """C: enters the sandbox, vfork-spawns the command into its pid namespace, waits for it
     and writes its status. C stays outside the pid namespace, so the sandbox never sees it.
     SIGTERM (the spawner, on timeout or cancel) kills the command's process group. Never returns."""
+    report, pidfd, root, argv, env = request.report, request.pidfd, request.root, request.argv, request.env
+    stdio = (request.stdin, request.stdout, request.stderr)
     command, killed = 0, False
 
     def kill_command() -> None:
@@ -109,15 +112,15 @@ def exec_child(report: int, pidfd: int, root: int, cgroup_procs: list[str], cwd:
     try:
         _close_all_but({report, pidfd, root, *stdio})  # C lives as long as the command: hold nothing else
         step = "join cgroups"
-        _join_cgroups(cgroup_procs)
-        _tag_for_audit(cgroup_procs)
+        _join_cgroups(request.cgroup_procs)
+        _tag_for_audit(request.cgroup_procs)
         step = "enter namespaces"
         linux.setns(pidfd, _ENTER_NS | linux.CLONE_NEWPID)
         step = "enter root"
         os.fchdir(root)
         os.chroot(".")
-        step = "chdir " + cwd
-        os.chdir(cwd)
+        step = "chdir " + request.cwd
+        os.chdir(request.cwd)
         step = "drop privileges"
         _drop_privileges(last_cap, seccomp)
         step = "spawn"

@@ -13,6 +13,7 @@ from linuxnode.pipes import LoopPipes
 from linuxnode.process import spawner
 from linuxnode.process.lifecycle import open_init
 from linuxnode.process.model import DEFAULT_ENV, ExecError, ExecResult, InitProcess
+from linuxnode.process.protocol import ExecCommand, Signal
 from linuxnode.process.reports import Report
 
 OUTPUT_GRACE_S = 0.1  # after the command exits, how long a background process may hold its pipes
@@ -48,8 +49,8 @@ async def exec(
         for _ in range(4):
             fds += os.pipe2(os.O_CLOEXEC)
         _, _, report_r, report_w, in_r, in_w, out_r, out_w, err_r, err_w = fds
-        request = ("exec", (list(cgroup_procs), cwd, list(argv), full_env))
-        spawner.send(request, [report_w, pidfd, root, in_r, out_w, err_w])
+        spawner.send(ExecCommand(cgroup_procs=tuple(cgroup_procs), cwd=cwd, argv=tuple(argv), env=full_env,
+                                 report=report_w, pidfd=pidfd, root=root, stdin=in_r, stdout=out_w, stderr=err_w))
     except BaseException as exc:
         for fd in fds:
             os.close(fd)
@@ -92,7 +93,7 @@ class _Run(LoopPipes):
         if pid is not None and not self.killed:
             self.killed = True
             with contextlib.suppress(OSError):
-                spawner.send(("kill", (pid, int(signal.SIGTERM))), [])
+                spawner.send(Signal(pid=pid, signal=int(signal.SIGTERM)))
 
     async def result(self, deadline: float) -> ExecResult:
         import asyncio

@@ -14,6 +14,7 @@ import time
 from linuxnode import layered_root, names, procfs
 from linuxnode.process import rootfs, spawner
 from linuxnode.process.model import ExecError, InitProcess, ProcessSpec, RuntimeStartError
+from linuxnode.process.protocol import Signal, StartInit
 from linuxnode.process.reports import Report
 
 START_TIMEOUT_S = 10.0
@@ -59,9 +60,9 @@ def _send_start(spec: ProcessSpec) -> int:
         raise RuntimeStartError(f"sandbox {spec.sandbox_id}: open netns {spec.netns}: {exc.strerror}") from None
     report_r, report_w = os.pipe2(os.O_CLOEXEC)
     try:
-        request = ("start", (list(spec.cgroup_procs), spec.tmp_size_mb, spec.workspace_size_mb, spec.hostname,
-                             spec.rootfs_dir))
-        spawner.send(request, [report_w, netns_fd])
+        spawner.send(StartInit(cgroup_procs=tuple(spec.cgroup_procs), tmp_size_mb=spec.tmp_size_mb,
+                               workspace_size_mb=spec.workspace_size_mb, hostname=spec.hostname,
+                               rootfs_dir=spec.rootfs_dir, report=report_w, netns=netns_fd))
     except BaseException as exc:
         os.close(report_r)
         if isinstance(exc, OSError):
@@ -77,7 +78,7 @@ def _started(spec: ProcessSpec, report: Report) -> InitProcess:
     if report.errors or not report.ready:
         if report.pid is not None and not report.errors:  # hung: a failed init exits by itself
             with contextlib.suppress(OSError):
-                spawner.send(("kill", (report.pid, int(signal.SIGKILL))), [])
+                spawner.send(Signal(pid=report.pid, signal=int(signal.SIGKILL)))
         why = "; ".join(m for _, m in report.errors) or "init died without a report"
         raise RuntimeStartError(f"sandbox {spec.sandbox_id}: {why}")
     info = procfs.read_stat(report.pid)

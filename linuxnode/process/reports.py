@@ -1,9 +1,13 @@
 """Reports on the pipes between launcher, spawner and children: how they are written and
 parsed back into one Report.
 
-Records: "P" pid (the spawner forked it), "R" (the init is about to exec), "X" the command's
-wait status (from its exec helper), "E" errno + message (a step failed). Each record is one
-write of less than PIPE_BUF bytes, so records from different writers never interleave.
+Records are tagged, of fixed layout: "P" pid (the spawner forked it), "R" (the init is about
+to exec), "X" the command's wait status (from its exec helper), "E" errno + message (a step
+failed, or the spawner refused the request: protocol.py). Each record is one write of less
+than PIPE_BUF bytes, so records from different writers never interleave. They stay binary,
+not JSON as the requests are: children write them between fork and exec, where the least
+code should run. They need no version of their own: their writers are the spawner that
+accepted the request's version and its children.
 """
 
 from __future__ import annotations
@@ -13,22 +17,22 @@ import os
 import struct
 from dataclasses import dataclass
 
-_INT = struct.Struct("<i")
-_ERR = struct.Struct("<iH")
-READY = b"R"
+PID, READY, STATUS, ERROR = b"P", b"R", b"X", b"E"  # the tags; READY is a whole record
+_INT = struct.Struct("<i")  # after PID and STATUS
+_ERR = struct.Struct("<iH")  # after ERROR: errno, then the length of the message that follows
 
 
 def pid_record(pid: int) -> bytes:
-    return b"P" + _INT.pack(pid)
+    return PID + _INT.pack(pid)
 
 
 def status_record(status: int) -> bytes:
-    return b"X" + _INT.pack(status)
+    return STATUS + _INT.pack(status)
 
 
 def error_record(err: int, message: str) -> bytes:
     data = message.encode(errors="replace")[:1000]
-    return b"E" + _ERR.pack(err, len(data)) + data
+    return ERROR + _ERR.pack(err, len(data)) + data
 
 
 def report_failure(fd: int, step: str, exc: BaseException) -> None:
@@ -56,16 +60,16 @@ class Report:
         report, errors_, i = cls(), [], 0
         while i < len(data):
             kind = data[i:i + 1]
-            if kind == b"R":
+            if kind == READY:
                 report.ready, i = True, i + 1
-            elif kind in (b"P", b"X") and i + 1 + _INT.size <= len(data):
+            elif kind in (PID, STATUS) and i + 1 + _INT.size <= len(data):
                 (value,) = _INT.unpack_from(data, i + 1)
-                if kind == b"P":
+                if kind == PID:
                     report.pid = value
                 else:
                     report.status = value
                 i += 1 + _INT.size
-            elif kind == b"E" and i + 1 + _ERR.size <= len(data):
+            elif kind == ERROR and i + 1 + _ERR.size <= len(data):
                 err, length = _ERR.unpack_from(data, i + 1)
                 start = i + 1 + _ERR.size
                 errors_.append((err, data[start:start + length].decode(errors="replace")))

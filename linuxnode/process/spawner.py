@@ -2,15 +2,15 @@
 process (see the package docstring for why), reaps them and is a subreaper for the rest;
 and the launcher's handle on it, which sends it requests over a SOCK_SEQPACKET socket.
 
-The helper runs `python -S -I`: it has no site-packages, so nothing this package imports
-may need more than the standard library and linuxnode.syscalls.
+Requests are the typed messages of protocol.py. The helper runs `python -S -I`: it has no
+site-packages, so nothing this package imports may need more than the standard library and
+linuxnode.syscalls.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import marshal
 import os
 import select
 import signal
@@ -21,12 +21,13 @@ import time
 
 from linuxnode import layered_root
 from linuxnode import syscalls as linux
-from linuxnode.process import children, rootfs
+from linuxnode.process import children, protocol, rootfs
+from linuxnode.process.protocol import Ping, Request, Signal, StartInit
 from linuxnode.process.reports import error_record, pid_record, report_failure
 
 _HOST_PIDNS = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
 _MAX_MESSAGE = 32 << 10
-_LARGE = b"large"
+_LARGE = b"large"  # this datagram's first fd is a memfd holding the request
 
 
 @contextlib.contextmanager
@@ -74,14 +75,15 @@ def main(sock_fd: int, seccomp: bytes = b"") -> None:
             if not message:
                 _finish(reports)
                 os._exit(0)
+            passed = fds  # the request's own, after a memfd that held the request itself
             try:
-                if message == _LARGE:  # the request itself is in the first fd (a memfd)
-                    message, fds = _read_all(fds[0]), fds[1:] + fds[:1]
-                _serve(marshal.loads(message), fds, reports, last_cap, seccomp)
+                if message == _LARGE:
+                    message, passed = _read_all(fds[0]), fds[1:]
+                _serve(protocol.decode(message, passed), reports, last_cap, seccomp)
             except Exception as exc:  # a bad request must not take the other sandboxes' execs down
                 os.write(2, f"sandfleet spawner: request failed: {exc!r}\n".encode())
-                if fds:
-                    report_failure(fds[0], "spawner", exc)
+                if passed:  # a request's report pipe is its first fd (protocol.py)
+                    report_failure(passed[0], "spawner", exc)
             finally:
                 for f in fds:
                     os.close(f)
@@ -130,36 +132,32 @@ def _reap_children(reports: dict[int, int | None]) -> None:
             os.close(report)
 
 
-def _serve(request: tuple, fds: list[int], reports: dict[int, int | None], last_cap: int, seccomp: bytes) -> None:
-    op, args = request
-    if op == "ping":
+def _serve(request: Request, reports: dict[int, int | None], last_cap: int, seccomp: bytes) -> None:
+    if isinstance(request, Ping):
         return
-    if op == "kill":  # only a child not yet reaped: its pid cannot be anyone else's
-        pid, sig = args
-        if pid in reports:
+    if isinstance(request, Signal):  # only a child not yet reaped: its pid cannot be anyone else's
+        if request.pid in reports:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
+                os.kill(request.pid, request.signal)
         return
-    report = fds[0]
     try:
-        if op == "start":
-            tmp_size_mb, workspace_size_mb, hostname, rootfs_dir = args[1:5]
-            plan = (rootfs.plan(tmp_size_mb, workspace_size_mb, hostname) if rootfs_dir is None
-                    else layered_root.plan(rootfs_dir, tmp_size_mb, hostname, rootfs.STAGE))
+        if isinstance(request, StartInit):
+            plan = (rootfs.plan(request.tmp_size_mb, request.workspace_size_mb, request.hostname)
+                    if request.rootfs_dir is None
+                    else layered_root.plan(request.rootfs_dir, request.tmp_size_mb, request.hostname, rootfs.STAGE))
             with _children_in_new_pidns():
                 pid = os.fork()
                 if pid == 0:
-                    children.init_child(report, fds[1], args[0], plan, last_cap, seccomp)
+                    children.init_child(request, plan, last_cap, seccomp)
             reports[pid] = None
-        else:
+        else:  # ExecCommand
             pid = os.fork()
             if pid == 0:
-                children.exec_child(report, fds[1], fds[2], args[0], args[1], fds[3:6], args[2], args[3], last_cap,
-                                   seccomp)
-            reports[pid] = os.dup(report)
-        os.write(report, pid_record(pid))
+                children.exec_child(request, last_cap, seccomp)
+            reports[pid] = os.dup(request.report)
+        os.write(request.report, pid_record(pid))
     except OSError as exc:
-        report_failure(report, f"spawner {op}", exc)
+        report_failure(request.report, f"spawner {request.TYPE}", exc)
 
 
 class Spawner:
@@ -171,8 +169,11 @@ class Spawner:
         self.proc = None
         atexit.register(self.stop)  # or the spawner outlives us as a zombie nobody reaps
 
-    def send(self, request: tuple, fds: list[int]) -> None:
-        message = marshal.dumps(request)
+    def send(self, request: Request) -> None:
+        self.send_datagram(*protocol.encode(request))
+
+    def send_datagram(self, message: bytes, fds: list[int]) -> None:
+        """Send one encoded request (the tests send malformed ones through it)."""
         big = -1
         if len(message) > _MAX_MESSAGE:  # argv and env may reach a few MB; a datagram may not
             big = os.memfd_create("sandfleet-request", os.MFD_CLOEXEC)
@@ -233,14 +234,15 @@ class Spawner:
 handle = Spawner()
 
 
-def send(request: tuple, fds: list[int]) -> None:
-    """One request to the spawner, with the fds it acts on; OSError if it cannot be reached."""
-    handle.send(request, fds)
+def send(request: Request) -> None:
+    """One request to the spawner, its fds passed beside it (they stay the caller's to close);
+    OSError if it cannot be reached."""
+    handle.send(request)
 
 
 def warm_up() -> None:
     """Start the spawner now instead of on the first start or exec (it takes ~50 ms)."""
-    handle.send(("ping", None), [])
+    handle.send(Ping())
 
 
 def shutdown() -> None:
