@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 
 from sandfleet import cli_layers, cli_rollout, client, errors
-from sandfleet.config import DEFAULT_PORT, default_data_dir, default_node_id, nats_url
+from sandfleet.config import DEFAULT_PORT, default_data_dir, nats_url, node_id
 from sandfleet.extras import MissingExtra, require
 from sandfleet.supervisor import Supervisor, free_port, plan_nodes, read_state
 from schemas import layers, reclaim
@@ -180,7 +180,7 @@ def _detached(args: argparse.Namespace, data_dir: Path) -> int:
         if getattr(args, opt, None) is not None:
             argv += ["--" + opt.replace("_", "-"), str(getattr(args, opt))]
     nodes = getattr(args, "nodes", 1)
-    want = {n.id or default_node_id() for n in plan_nodes(data_dir, nodes, args.node_id)}
+    want = {n.id or node_id() for n in plan_nodes(data_dir, nodes, args.node_id)}
     log = open(data_dir / "supervisor.log", "ab")
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     wait_s = 60 + 30 * (nodes - 1)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -19,7 +18,7 @@ from typing import Any
 import msgspec
 
 from sandfleet import errors
-from sandfleet.config import default_node_id
+from sandfleet.config import node_id
 from sandfleet.layers_client import Layers, connect
 
 
@@ -182,7 +181,7 @@ async def _rm(layers: Layers, args: argparse.Namespace) -> int:
 
 
 async def _cache(layers: Layers, args: argparse.Namespace) -> int:
-    node = args.node or default_node_id_from_env()
+    node = args.node or node_id()
     if args.drop:
         dropped = await layers.cache_drop(node)
         if args.json:
@@ -209,10 +208,6 @@ async def _cache(layers: Layers, args: argparse.Namespace) -> int:
         broken = f"  BROKEN: {r.broken}" if r.broken else ""
         print(f"rootfs {r.sandbox_id}: {r.path} over {' < '.join(_short(d) for d in reversed(r.layers))}{broken}")
     return 0
-
-
-def default_node_id_from_env() -> str:
-    return os.environ.get("SANDFLEET_NODE_ID") or default_node_id()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,11 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("SANDFLEET_DATA_DIR") or Path.home() / ".local/share/sandfleet")
 
 
+def node_id(explicit: str | None = None) -> str:
+    """The node a process works for: --node-id, else SANDFLEET_NODE_ID, else the host name."""
+    return explicit or os.environ.get("SANDFLEET_NODE_ID") or default_node_id()
+
+
 def nats_url(explicit: str | None = None) -> str:
     return explicit or os.environ.get("SANDFLEET_NATS_URL") or DEFAULT_URL
 
@@ -52,7 +57,7 @@ class ServiceConfig:
     def from_env(cls) -> ServiceConfig:
         return cls(
             nats_url=nats_url(),
-            node_id=os.environ.get("SANDFLEET_NODE_ID") or default_node_id(),
+            node_id=node_id(),
             data_dir=default_data_dir(),
             capacity=int(os.environ.get("SANDFLEET_CAPACITY", "2000")),
             layer_fetch=os.environ.get("SANDFLEET_LAYER_FETCH") or "lazy",

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sandfleet.config import DEFAULT_EGRESS_SUBNET, default_node_id
+from sandfleet.config import DEFAULT_EGRESS_SUBNET, node_id
 
 PR_SET_CHILD_SUBREAPER = 36
 # Counts a node's sandbox cgroups; run as a process: this package imports no node code.
@@ -145,7 +145,7 @@ def plan_nodes(data_dir: Path, count: int, base_id: str | None, subnet: str | No
     of the egress subnet, so two agents never hand out the same /30 or DNS stub address."""
     if count == 1:
         return [NodePlan(base_id, data_dir, subnet)]
-    base = base_id or default_node_id()
+    base = node_id(base_id)
     parent = ipaddress.IPv4Network(subnet or DEFAULT_EGRESS_SUBNET)
     shares = list(parent.subnets(prefixlen_diff=(count - 1).bit_length()))
     ids = [f"{base}-{i + 1}" for i in range(count)]
@@ -199,9 +199,9 @@ class Supervisor:
             conf = write_nats_config(self.data_dir, server.port, server, self.servers if clustered else None)
             self.children.append(Child(server.name, [nats_server_binary(), "-c", str(conf)],
                                        logs / f"{server.name}.log", group="nats"))
-        node_id = self.env.get("SANDFLEET_NODE_ID") or os.environ.get("SANDFLEET_NODE_ID")
+        base_id = self.env.get("SANDFLEET_NODE_ID") or os.environ.get("SANDFLEET_NODE_ID")
         subnet = self.env.get("SANDFLEET_EGRESS_SUBNET") or os.environ.get("SANDFLEET_EGRESS_SUBNET")
-        self.plan = plan_nodes(self.data_dir, self.nodes, node_id, subnet)
+        self.plan = plan_nodes(self.data_dir, self.nodes, base_id, subnet)
         for name, module in SERVICES:
             if name in CLUSTER_SERVICES:
                 if not self.join:
@@ -304,7 +304,7 @@ class Supervisor:
     def _sandboxes_left(self) -> int:
         """Sandbox cgroups of this supervisor's nodes: while launchers destroy thousands of
         sandboxes at shutdown this falls, and a stop that still makes progress is not cut short."""
-        ids = [node.id or default_node_id() for node in self.plan]
+        ids = [node.id or node_id() for node in self.plan]
         try:
             done = subprocess.run([sys.executable, "-m", COUNT_SANDBOXES, *ids], stdin=subprocess.DEVNULL,
                                   capture_output=True, text=True, timeout=10)

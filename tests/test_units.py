@@ -144,3 +144,15 @@ print(len(alive_while_progressing), all(alive_while_progressing), gone)
     checks, alive, gone = int(out[0]), out[1] == "True", out[2] == "True"
     assert checks >= 2 and alive  # a 1 s timeout did not cut a 3 s stop that kept progressing
     assert gone  # once progress stopped, it was killed
+
+
+def test_the_node_id_comes_from_the_flag_then_the_environment_then_the_host_name(monkeypatch, tmp_path):
+    from sandfleet import config
+    from sandfleet.supervisor import plan_nodes
+
+    monkeypatch.setenv("SANDFLEET_NODE_ID", "from-env")
+    assert config.node_id("from-flag") == "from-flag" and config.node_id() == "from-env"
+    # `up --nodes 2` with the id only in the environment names its nodes after it, as `up --detach` waits for them
+    assert [n.id for n in plan_nodes(tmp_path, 2, None)] == ["from-env-1", "from-env-2"]
+    monkeypatch.delenv("SANDFLEET_NODE_ID")
+    assert config.node_id() == config.default_node_id()
