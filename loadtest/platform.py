@@ -28,7 +28,8 @@ def running_platform(node_id: str, env: dict[str, str] | None = None, nodes: int
         full_env = {**os.environ, "SANDFLEET_LOG_LEVEL": "WARNING", **(env or {})}
         up = subprocess.run([*CLI, "up", "--detach", "--port", str(free_port()), "--data-dir", tmp,
                              "--node-id", node_id, "--nodes", str(nodes)], capture_output=True, text=True, env=full_env)
-        if up.returncode != 0:
+        if up.returncode != 0:  # what did start (a supervisor that never became healthy) must not outlive us
+            subprocess.run([*CLI, "down", "--data-dir", tmp], capture_output=True, env=full_env)
             raise RuntimeError(f"sandfleet up failed: {up.stderr}")
         supervisor = json.loads((Path(tmp) / "supervisor.json").read_text())["pid"]
         try:
