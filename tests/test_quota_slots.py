@@ -102,6 +102,22 @@ async def test_a_slot_comes_back_when_a_policy_kills_the_sandbox(fleet):
     await _slot_back(fleet, task)
 
 
+async def _trail(fleet, platform, sandbox_id: str) -> str:
+    """What the quota release saw, for a failure message: its consumer, the member key, the
+    sandbox's events and placement's warnings."""
+    consumer = await fleet.bus.js.consumer_info("EVENTS", "placement-quotas")
+    kv = await fleet.bus.js.key_value("quotas")
+    try:
+        member = (await kv.get(f"m.{sandbox_id}")).value
+    except Exception as exc:  # noqa: BLE001 (a failure message: whatever it was)
+        member = type(exc).__name__
+    warnings = [line for line in (platform.data_dir / "logs" / "placement.log").read_text().splitlines()
+                if " INFO " not in line]
+    return (f"consumer delivered={consumer.delivered.stream_seq} ack_floor={consumer.ack_floor.stream_seq} "
+            f"pending={consumer.num_pending} ack_pending={consumer.num_ack_pending} member={member!r} "
+            f"events={[(e.state.value, e.seq) for e in await fleet.history(sandbox_id)]} placement={warnings[-5:]}")
+
+
 @pytest.fixture(scope="module")
 def losable(leak_check, tmp_path_factory):
     """A platform of its own whose node placement gives up 4 s after its last heartbeat."""
@@ -119,10 +135,16 @@ async def test_a_slot_comes_back_when_the_node_is_lost(losable):
         os.kill(launcher, signal.SIGSTOP)  # no heartbeats: the node is lost to placement
         try:
             assert await _ended(fleet, sb.id) == (State.FAILED, Reason.NODE_LOST)
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 45  # past the release consumer's ack wait (30 s): a redelivery counts
             while (active := (await fleet.quota(task=task)).active) != 0:
-                assert time.monotonic() < deadline, f"a lost node's sandbox still counts: {active}"
+                if time.monotonic() > deadline:
+                    trail = await _trail(fleet, losable, sb.id)
+                    raise AssertionError(f"a lost node's sandbox still counts ({active}): {trail}")
                 await asyncio.sleep(0.2)
         finally:
             os.kill(launcher, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while losable.node_id not in {n.id for n in await fleet.nodes()}:  # its registration expired meanwhile
+            assert time.monotonic() < deadline, "the node never registered again"
+            await asyncio.sleep(0.2)
         await _slot_back(fleet, task, timeout=60)  # the node is back (and fenced what it ran)
