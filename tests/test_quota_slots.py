@@ -13,6 +13,7 @@ import os
 import secrets
 import signal
 import time
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -20,6 +21,7 @@ import pytest
 import sandfleet
 from sandfleet import errors
 from schemas.sandbox import ENDED, Reason, State
+from services.placement.quotas import Quotas
 from tests.conftest import NODE_ID, start_platform, stop_platform
 
 CHEAT = ("import socket\n"
@@ -148,3 +150,42 @@ async def test_a_slot_comes_back_when_the_node_is_lost(losable):
             assert time.monotonic() < deadline, "the node never registered again"
             await asyncio.sleep(0.2)
         await _slot_back(fleet, task, timeout=60)  # the node is back (and fenced what it ran)
+
+
+async def test_the_release_consumer_pulls_on_after_the_plain_timeout_nats_py_raises_under_load():
+    """nats-py's `fetch` raises a plain asyncio.TimeoutError, not its own subclass, when the
+    server's answer to its no-wait probe lands just before its timer (a loaded machine). The
+    consumer caught only the subclass and died without a word: from then on no slot of any
+    sandbox came back (the node-loss test above caught it: its consumer had delivered nothing).
+    A unit test: only the pull subscription is faked, to raise what nats-py raises."""
+    pulled_again = asyncio.Event()
+
+    class Subscription:
+        calls = 0
+
+        async def fetch(self, batch: int, timeout: float) -> list:
+            self.calls += 1
+            if self.calls == 1:
+                raise asyncio.TimeoutError
+            pulled_again.set()
+            await asyncio.Event().wait()  # idle until cancelled
+            return []
+
+        async def unsubscribe(self) -> None:
+            pass
+
+    async def add_consumer(*_: object, **__: object) -> None:
+        pass
+
+    async def bind(*_: object, **__: object) -> Subscription:
+        return Subscription()
+
+    bus = SimpleNamespace(js=SimpleNamespace(add_consumer=add_consumer, pull_subscribe_bind=bind))
+    consumer = asyncio.create_task(Quotas(bus, kv=None).release_ended())  # type: ignore[arg-type]
+    pulling = asyncio.create_task(pulled_again.wait())
+    try:
+        await asyncio.wait({consumer, pulling}, return_when=asyncio.FIRST_COMPLETED)
+        assert not consumer.done(), f"the release consumer died: {consumer.exception()!r}"
+    finally:
+        consumer.cancel()
+        pulling.cancel()
