@@ -8,7 +8,8 @@ stopping), a sandbox whose init already ran is re-adopted, the service serves ag
 the module's `down` nothing of the platform is left on the machine.
 
 All of it runs on one platform of the module's own (a crash mid-work is no neighbour for the
-session's other tests); the supervisor's own crash gets a second one.
+session's other tests); the supervisor's own crash comes last and ends it. Counts of each
+outcome are printed (`-s`) for the record: they vary with the moment the kill lands.
 """
 
 from __future__ import annotations
