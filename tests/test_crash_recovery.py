@@ -1,4 +1,6 @@
-"""`kill -9` of a service while sandboxes run: after its restart each sandbox is usable or failed with a reason."""
+"""`kill -9` of a service while sandboxes run: after its restart each sandbox is usable or failed with a reason.
+
+Kills in the middle of a service's own work are in tests/test_crash_midwork.py."""
 
 from __future__ import annotations
 
@@ -45,20 +47,31 @@ async def test_agent_killed_keeps_sandboxes_usable_and_reclaims_orphans(fleet, p
     assert not os.path.exists(f"/run/netns/sf-{platform.node_id}.{sb.id}")
 
 
-async def test_a_sandbox_left_scheduled_by_a_dead_placement_is_failed_not_lost(fleet):
+async def test_a_sandbox_left_scheduled_by_a_placement_killed_before_its_launch_is_failed_by_the_restarted_one(
+        fleet, platform):
+    """A placement replica that died between writing a record and asking its node leaves it
+    `scheduled` with no launch. The record is left here as such a replica leaves it, aged past
+    STUCK_AFTER_S (a real kill in that window would make the test wait 120 s and more); then
+    placement is killed for real and its restarted process must fail it as it starts."""
     from sandfleet.store import SandboxStore
     from schemas.sandbox import SandboxRecord, SandboxSpec
-    from services.placement import handlers
-    from services.placement.policy import NodeView
+    from services.placement.handlers import STUCK_AFTER_S
 
     store = await SandboxStore.open(fleet.bus)
-    old = time.time() - 3600
-    record = SandboxRecord(id="sb-stuck0001", node="gone", spec=SandboxSpec(host_view=True), state=State.SCHEDULED,
-                           created_at=old, updated_at=old)
-    await store.create(record)
-    failed = await handlers.fail_stuck(handlers.Deps(fleet.bus, store, NodeView()), time.time())
-    # The platform's own placement sweeps too and may get there first; either way it ends failed.
-    assert "sb-stuck0001" in failed or (await fleet.get("sb-stuck0001")).state is State.FAILED
-    got = await fleet.get("sb-stuck0001")
-    assert got.state is State.FAILED and got.reason is Reason.LAUNCH_FAILED
-    await store.forget("sb-stuck0001")
+    old = time.time() - STUCK_AFTER_S - 60
+    stuck = f"sb-stuck{os.getpid():x}"
+    await store.create(SandboxRecord(id=stuck, node="gone", spec=SandboxSpec(host_view=True), state=State.SCHEDULED,
+                                     created_at=old, updated_at=old))
+    killed = platform.service_pid("placement")
+    os.kill(killed, signal.SIGKILL)
+    await platform.restarted(fleet, "placement", killed)
+
+    deadline = time.monotonic() + 30
+    while (got := await fleet.get(stuck)).state is State.SCHEDULED:
+        assert time.monotonic() < deadline, "the restarted placement left the sandbox scheduled"
+        await asyncio.sleep(0.2)
+    assert (got.state, got.reason, got.detail) == (State.FAILED, Reason.LAUNCH_FAILED, "never launched")
+    sb = await fleet.create(memory_mb=64, host_view=True)  # and it places again
+    assert (await sb.exec(["true"])).exit_code == 0
+    await sb.destroy()
+    await store.forget(stuck)

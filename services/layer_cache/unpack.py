@@ -9,9 +9,13 @@ empties its directory of them). With `--keep-whiteouts` (a layer built on anothe
 they also become overlayfs whiteouts (a 0:0 character device, a `trusted.overlay.opaque`
 directory), so they hide files of the layers under it when composed.
 
-The chroot is why this is a process: an archive may hold `../` names, absolute symlinks and
-links through symlinks; inside the chroot every one of them lands inside the directory.
-Prints one JSON line: {"format": ..., "layers": N}.
+An archive is the tenant's input. A member that names a place out of the tree (an absolute or
+`../` name, a hard link to one, a relative symlink that climbs above the root) or a device node
+(other than a 0:0 whiteout) refuses the whole archive, as no image tool makes one. Setuid and
+setgid bits are dropped: sandboxes run with no_new_privs, so they only ever worked on the host,
+where a layer is mounted. The chroot is why this is a process: absolute symlinks are normal in
+images, and a member written through one, or through a symlink the archive made, lands inside
+the directory all the same. Prints one JSON line: {"format": ..., "layers": N}.
 """
 
 from __future__ import annotations
@@ -43,6 +47,27 @@ class UnpackError(Exception):
 def normalise(name: str) -> str:
     """A member name as a path relative to the root ("" for the root itself)."""
     return posixpath.normpath("/" + name).lstrip("/")
+
+
+def _escapes(name: str) -> bool:
+    """Whether a member name or hard-link target leaves the tree: absolute, or `..` above the root."""
+    return name.startswith("/") or posixpath.normpath(name).split("/")[0] == ".."
+
+
+def check_member(member: tarfile.TarInfo) -> None:
+    """Refuse a member that points out of the tree or is a device; see the module's docstring."""
+    if _escapes(member.name):
+        raise UnpackError(f"member {member.name!r} points out of the root")
+    if member.islnk() and _escapes(member.linkname):
+        raise UnpackError(f"hard link {member.name!r} -> {member.linkname!r} points out of the root")
+    if member.issym() and not member.linkname.startswith("/"):
+        parent = posixpath.dirname(posixpath.normpath(member.name))
+        if _escapes(posixpath.join(parent, member.linkname)):
+            raise UnpackError(f"symlink {member.name!r} -> {member.linkname!r} climbs out of the root")
+    if (member.ischr() or member.isblk()) and not (member.ischr() and member.devmajor == member.devminor == 0):
+        raise UnpackError(f"device node {member.name!r} in the archive")
+    if member.isreg():  # a setgid directory only passes its group on; a file's bits are privileges
+        member.mode &= ~(stat.S_ISUID | stat.S_ISGID)
 
 
 def classify(name: str) -> tuple[str, str]:
@@ -123,7 +148,10 @@ def _empty_dir(path: str) -> None:
 
 def apply_layer(layer: tarfile.TarFile, whiteouts: bool, keep_whiteouts: bool) -> None:
     entries: list[tarfile.TarInfo] = []
-    for member in layer.getmembers():
+    members = layer.getmembers()
+    for member in members:  # all checked before anything is written
+        check_member(member)
+    for member in members:
         kind, path = classify(member.name) if whiteouts else ("entry", normalise(member.name))
         target = "/" + path
         if kind == "opaque":

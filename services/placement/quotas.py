@@ -4,7 +4,8 @@ Limits and usage live in KV `quotas` (`q.<scope>.<name>` the limit, `u.<scope>.<
 usage, updated with a revision check so replicas never admit past a limit together). A
 sandbox under a quota gets a member key `m.<id>` naming what it counts against, written
 before its record; placement replicas share one durable consumer of `stopped`/`failed`
-events that deletes the member key (revision-checked, so once) and gives the slot back.
+events that deletes the member key (revision-checked, so once) and gives the slot back; that
+consumer outlives any error, since while it is down no slot comes back.
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ class Quotas:
                     while True:
                         try:
                             msgs = await psub.fetch(batch=256, timeout=1.0)
-                        except nats.errors.TimeoutError:
+                        except asyncio.TimeoutError:  # nats-py raises its own subclass, or under load the plain one
                             continue
                         await asyncio.gather(*(self._ended(m) for m in msgs))
                 finally:
@@ -189,6 +190,9 @@ class Quotas:
                         await psub.unsubscribe()
             except (nats.js.errors.Error, nats.errors.Error) as exc:
                 log.warning("quota release consumer interrupted (%s); resuming", exc)
+                await asyncio.sleep(0.5)
+            except Exception:  # a dead consumer would keep every later slot for ever, silently
+                log.exception("quota release consumer failed; resuming")
                 await asyncio.sleep(0.5)
 
     async def _ended(self, msg) -> None:  # type: ignore[no-untyped-def]

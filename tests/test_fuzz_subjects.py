@@ -1,0 +1,170 @@
+"""Every subject a client or a node answers, fuzzed like `sandbox.v1.create` (tests/test_bad_input.py).
+
+The subjects are the ones `schemas/` spells, each with the request type its service decodes.
+Generated payloads are arbitrary bytes, non-objects, and objects of the request's own fields
+holding values of any JSON type (plus, sometimes, a field it does not know); only those the
+schema itself refuses are sent, so none can act on the shared platform. Each must get a
+typed error reply (NATS micro error headers and an ErrorBody, code `invalid_request`); the
+service must not crash (the supervisor would restart it under a new pid) and must answer a
+valid request afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import msgspec
+import nats
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sandfleet.bus import decode
+from schemas import layers, node, reclaim, sandbox, security
+from schemas.errors import ErrorBody, ErrorCode
+
+EXAMPLES = 30  # per subject: ~40 subjects, each payload refused at decoding, so seconds in all
+ERROR_CODE = "Nats-Service-Error-Code"
+
+
+@dataclass(frozen=True)
+class Subject:
+    service: str  # the supervisor's name for the process that answers it
+    verb: str  # a cluster subject, or a node verb (`node.v1.<node>.<verb>`)
+    request: type
+    probe: dict  # a valid request that changes nothing: answered, whatever the answer
+    on_node: bool = True
+
+    def address(self, node_id: str) -> str:
+        if not self.on_node:
+            return self.verb
+        if self.verb == reclaim.SAVINGS:
+            return reclaim.savings_subject(node_id)
+        return node.subject(node_id, self.verb)
+
+
+NOWHERE = {"sandbox_id": "sb-fuzz-none"}
+SUBJECTS = [
+    # placement (sandbox.v1.create is fuzzed in tests/test_bad_input.py)
+    Subject("placement", sandbox.CREATE_MANY, sandbox.CreateManyRequest, {}, on_node=False),
+    Subject("placement", sandbox.GET, sandbox.GetRequest, {"id": "sb-fuzz-none"}, on_node=False),
+    Subject("placement", sandbox.LIST, sandbox.ListRequest, {}, on_node=False),
+    Subject("placement", sandbox.QUOTA_SET, sandbox.Quota, {"name": "fuzz-none"}, on_node=False),
+    Subject("placement", sandbox.QUOTA_GET, sandbox.QuotaGetRequest, {"name": "fuzz-none"}, on_node=False),
+    # security monitor
+    Subject("security-monitor", security.POLICY_SET, security.Policy, {"task": "fuzz-none"}, on_node=False),
+    Subject("security-monitor", security.POLICY_GET, security.PolicyGetRequest, {"task": "fuzz-none"}, on_node=False),
+    Subject("security-monitor", security.POLICY_LIST, security.PolicyListRequest, {}, on_node=False),
+    Subject("security-monitor", security.SANDBOX_GET, security.SandboxGetRequest, NOWHERE, on_node=False),
+    # layer-cache, cluster-wide
+    Subject("layer-cache", layers.BUILD, layers.BuildRequest, {}, on_node=False),
+    Subject("layer-cache", layers.LIST, layers.ListRequest, {}, on_node=False),
+    Subject("layer-cache", layers.GET, layers.GetRequest, {"ref": "fuzz-none"}, on_node=False),
+    Subject("layer-cache", layers.REMOVE, layers.RemoveRequest, {"ref": "fuzz-none"}, on_node=False),
+    Subject("layer-cache", layers.PUSH, layers.TransferRequest, {}, on_node=False),
+    Subject("layer-cache", layers.PULL, layers.TransferRequest, {}, on_node=False),
+    # layer-cache, this node
+    Subject("layer-cache", layers.ROOTFS_COMPOSE, layers.ComposeRequest, {"sandbox_id": "sb-fuzz-none",
+                                                                           "layers": ["fuzz-none"]}),
+    Subject("layer-cache", layers.ROOTFS_RELEASE, layers.ReleaseRootfsRequest, NOWHERE),
+    Subject("layer-cache", layers.CACHE, layers.CacheRequest, {}),
+    Subject("layer-cache", layers.CACHE_DROP, layers.CacheDropRequest, {}),
+    # launcher
+    Subject("launcher", node.LAUNCH, node.LaunchRequest, {}),
+    Subject("launcher", node.EXEC, node.ExecRequest, NOWHERE | {"argv": ["true"]}),
+    Subject("launcher", node.WRITE_FILE, node.WriteFileRequest, NOWHERE | {"path": "/x", "data": ""}),
+    Subject("launcher", node.READ_FILE, node.ReadFileRequest, NOWHERE | {"path": "/x"}),
+    Subject("launcher", node.DESTROY, node.DestroyRequest, NOWHERE),
+    Subject("launcher", node.QUARANTINE, node.QuarantineRequest, NOWHERE),
+    Subject("launcher", node.PAUSE, node.PauseRequest, NOWHERE),
+    Subject("launcher", node.RESUME, node.ResumeRequest, NOWHERE),
+    Subject("launcher", node.PAUSE_SELECTED, node.SelectedRequest, {"labels": {"fuzz": "none"}}),
+    Subject("launcher", node.RESUME_SELECTED, node.SelectedRequest, {"labels": {"fuzz": "none"}}),
+    Subject("launcher", node.HINT, node.HintRequest, NOWHERE | {"hint": "idle"}),
+    Subject("launcher", node.CHECKPOINT, node.CheckpointRequest, NOWHERE | {"name": "fuzz-none"}),
+    # node agent
+    Subject("agent", node.CONFINE, node.ConfineRequest, {}),
+    Subject("agent", node.RELEASE, node.ReleaseRequest, NOWHERE),
+    Subject("agent", node.AGENT_LIST, node.Empty, {}),
+    Subject("agent", node.SECURITY, node.Empty, {}),
+    # reclaimer
+    Subject("reclaimer", reclaim.SAVINGS, reclaim.SavingsRequest, {}),
+]
+# A probe that would act (create, build, confine, launch, drop the cache, transfer) is replaced
+# by one to the same service that only reads.
+READ_ONLY = {s.service: s for s in SUBJECTS if s.verb in (sandbox.LIST, layers.LIST, node.EXEC, node.AGENT_LIST)}
+ACTING = {sandbox.CREATE_MANY, layers.BUILD, layers.PUSH, layers.PULL, layers.CACHE_DROP, node.LAUNCH, node.CONFINE}
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=10,
+)
+
+
+def _payloads(request: type) -> st.SearchStrategy[bytes]:
+    fields = sorted(request.__struct_fields__)
+    objects = st.dictionaries(st.sampled_from(fields), json_values, max_size=4) if fields else st.just({})
+    with_unknown = objects.flatmap(lambda d: st.text(min_size=1, max_size=12).map(lambda k: {**d, k: 1}))
+    candidates = st.one_of(
+        st.binary(max_size=200),
+        objects.map(lambda d: json.dumps(d).encode()),
+        with_unknown.map(lambda d: json.dumps(d).encode()),
+        st.lists(json_values, max_size=3).map(lambda v: json.dumps(v).encode()),
+        json_values.map(lambda v: json.dumps(v).encode()),
+    )
+    return candidates.filter(lambda p: _refused(p, request))
+
+
+def _refused(payload: bytes, request: type) -> bool:
+    """Whether the services' own decoding refuses it (an empty body stands for `{}` there)."""
+    try:
+        decode(payload, request)
+    except msgspec.MsgspecError:
+        return True
+    return False
+
+
+def _gather(request: type) -> list[bytes]:
+    found: list[bytes] = []
+
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(_payloads(request))
+    def gather(p):
+        found.append(p)
+
+    gather()
+    return found
+
+
+@pytest.fixture(scope="module")
+async def nc(platform):
+    conn = await nats.connect(platform.url)
+    yield conn
+    await conn.drain()
+
+
+async def _answered(nc, subject: str, payload: dict) -> None:
+    """A valid request gets a reply: a result, or a typed error that is not about its shape."""
+    msg = await nc.request(subject, json.dumps(payload).encode(), timeout=30)
+    if msg.headers and ERROR_CODE in msg.headers:
+        body = msgspec.json.decode(msg.data, type=ErrorBody)
+        assert body.code is not ErrorCode.INVALID_REQUEST, (subject, payload, body)
+
+
+@pytest.mark.parametrize("s", SUBJECTS, ids=[f"{s.service}:{s.verb}" for s in SUBJECTS])
+async def test_generated_bad_requests_get_typed_errors_and_the_service_serves_on(nc, platform, s):
+    pid = platform.service_pid(s.service)
+    subject = s.address(platform.node_id)
+    payloads = _gather(s.request)
+    assert len(payloads) >= EXAMPLES // 2, f"too few refused payloads generated for {s.request.__name__}"
+    for p in payloads:
+        msg = await nc.request(subject, p, timeout=10)
+        assert msg.headers and msg.headers.get(ERROR_CODE) == "400", (subject, p, msg.headers, msg.data[:300])
+        body = msgspec.json.decode(msg.data, type=ErrorBody)
+        assert body.code is ErrorCode.INVALID_REQUEST and "Traceback" not in body.message, (subject, p, body)
+
+    probe = READ_ONLY[s.service] if s.verb in ACTING else s
+    await _answered(nc, probe.address(platform.node_id), probe.probe)
+    assert platform.service_pid(s.service) == pid, f"{s.service} was restarted: it crashed on a payload"
