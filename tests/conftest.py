@@ -53,6 +53,20 @@ class Platform:
             await asyncio.sleep(0.1)
         raise AssertionError(f"{service} was not restarted within {timeout}s")
 
+    def mechanisms(self, status: str | None = None) -> dict[str, str]:
+        """What `sandfleet status` (or its output `status`) says of each security mechanism on
+        this platform's node."""
+        found: dict[str, str] = {}
+        mine = False
+        for line in (status if status is not None else self.cli("status").stdout.decode()).splitlines():
+            if not line.startswith(" "):
+                mine = line.split()[:2] == ["node", self.node_id]
+            elif mine:
+                name, state = line.split(None, 1)
+                found[name] = state
+        assert found, f"sandfleet status shows no node {self.node_id}"
+        return found
+
     def cli(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
         return subprocess.run(
             [*CLI, *args], env={**self.env, "SANDFLEET_NATS_URL": self.url}, capture_output=True,
