@@ -28,6 +28,9 @@ CLI = [sys.executable, "-m", "sandfleet.cli"]
 # Several sessions may share a machine (parallel development); each gets its own node id so
 # they never reclaim each other's sandboxes.
 NODE_ID = os.environ.get("SANDFLEET_TEST_NODE_ID", "testnode")
+# How long a test waits for an event to reach the bus: a deadline a loaded CI machine meets, not
+# a latency figure (loadtest/violation_latency measures how soon violations arrive).
+EVENT_DEADLINE_S = 30.0
 
 
 @dataclass(frozen=True)
