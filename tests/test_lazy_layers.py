@@ -355,8 +355,9 @@ async def test_fetched_chunks_and_the_daemon_survive_a_layer_cache_restart(layer
 # -- failure --------------------------------------------------------------------------
 
 
-async def test_a_store_that_does_not_answer_fails_reads_in_that_sandbox_only(layers, service, built, nats_server, tmp_path):
-    nats, url, _ = nats_server
+async def test_a_store_that_does_not_answer_fails_reads_in_that_sandbox_only(layers, service, built, lazy_root,
+                                                                              nats_server, tmp_path):
+    nats, url, _ = nats_server  # lazy_root holds `base`, so the cache drop below keeps it whole
     (tmp_path / "files").mkdir()
     for i in range(3):
         (tmp_path / "files" / f"f{i}").write_bytes(os.urandom(1 << 20))
