@@ -134,11 +134,12 @@ class Snapshot:
         )
 
     def added_since(self, before: Snapshot) -> dict[str, list[str]]:
+        known = {_pid_comm(b) for b in before.processes}
         left = {
             "mounts": sorted(self.mounts - before.mounts),
             "cgroups": sorted(self.cgroups - before.cgroups),
             "netns": sorted(self.netns - before.netns),
-            "processes": sorted(p for p in self.processes if _pid_comm(p) not in {_pid_comm(b) for b in before.processes}),
+            "processes": sorted(p for p in self.processes if _pid_comm(p) not in known),
             "links": sorted(self.links - before.links),
             "nft_tables": sorted(self.nft_tables - before.nft_tables),
         }
