@@ -28,6 +28,9 @@ CLI = [sys.executable, "-m", "sandfleet.cli"]
 # Several sessions may share a machine (parallel development); each gets its own node id so
 # they never reclaim each other's sandboxes.
 NODE_ID = os.environ.get("SANDFLEET_TEST_NODE_ID", "testnode")
+# How long a test waits for an event to reach the bus: a deadline a loaded CI machine meets, not
+# a latency figure (loadtest/violation_latency measures how soon violations arrive).
+EVENT_DEADLINE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,20 @@ class Platform:
                 return pid
             await asyncio.sleep(0.1)
         raise AssertionError(f"{service} was not restarted within {timeout}s")
+
+    def mechanisms(self, status: str | None = None) -> dict[str, str]:
+        """What `sandfleet status` (or its output `status`) says of each security mechanism on
+        this platform's node."""
+        found: dict[str, str] = {}
+        mine = False
+        for line in (status if status is not None else self.cli("status").stdout.decode()).splitlines():
+            if not line.startswith(" "):
+                mine = line.split()[:2] == ["node", self.node_id]
+            elif mine:
+                name, state = line.split(None, 1)
+                found[name] = state
+        assert found, f"sandfleet status shows no node {self.node_id}"
+        return found
 
     def cli(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -108,16 +125,33 @@ def _processes_of(data_dir: Path) -> list[str]:
     return found
 
 
-def left_behind(before: Snapshot, data_dir: Path, node_ids: list[str]) -> dict[str, list[str]]:
-    """What this platform left: kernel resources naming one of its nodes or its data dir (others
-    may be working on this machine at the same time), and its processes."""
-    marks = [str(data_dir), *(f"/{n}" for n in node_ids), *(f"sf-{n}." for n in node_ids),
-             *(f"sandfleet-{n}" for n in node_ids), *(f"sandfleet:{n}:" for n in node_ids),
-             *(f"sandfleet-dns:{n}" for n in node_ids)]
+def _marks(dirs: list[str], node_ids: list[str], prefix: bool = False) -> list[str]:
+    """What names a resource as made under one of `dirs` or for one of `node_ids` (or, with
+    `prefix`, a node whose id starts with one: a platform's nodes are named after it): paths,
+    cgroups (`/<node>`), namespaces, links, nft tables, the DNS stub's addresses, a process's
+    cgroup, argv, node id or data dir (tests/leaks.py `_owner`)."""
+    end = "" if prefix else "."
+    sep = "" if prefix else ":"
+    return [*dirs, *(f"/{n}" for n in node_ids), *(f"sf-{n}{end}" for n in node_ids),
+            *(f"sandfleet-{n}" for n in node_ids), *(f"sandfleet:{n}{sep}" for n in node_ids),
+            *(f"sandfleet-dns:{n}" for n in node_ids), *(f"node={n}{'' if prefix else ' '}" for n in node_ids)]
+
+
+def _marked(before: Snapshot, marks: list[str]) -> dict[str, list[str]]:
+    """What was added since `before` and carries one of `marks`: others may be working on this
+    machine at the same time, and only what is ours counts."""
     left = {kind: [r for r in found if any(m in r for m in marks)]
             for kind, found in Snapshot.take().added_since(before).items()}
-    left["processes"] = _processes_of(data_dir)
     return {k: v for k, v in left.items() if v}
+
+
+def left_behind(before: Snapshot, data_dir: Path, node_ids: list[str]) -> dict[str, list[str]]:
+    """What this platform left: kernel resources naming one of its nodes or its data dir, and
+    its processes."""
+    left = _marked(before, _marks([str(data_dir)], node_ids))
+    if processes := left.pop("processes", []) + _processes_of(data_dir):
+        left["processes"] = processes
+    return left
 
 
 def assert_nothing_left(before: Snapshot, data_dir: Path, node_ids: list[str]) -> None:
@@ -157,14 +191,23 @@ def _become_subreaper() -> None:
 _become_subreaper()
 
 
+# The node ids this session's tests give what they make: every platform's starts with NODE_ID
+# (NODE_ID, NODE_ID + "m-1", ...); the kernel tests' carry this process's pid
+# (tests/test_kernel_runtime.py NODE, tests/security/netlab.py NODE).
+SESSION_NODES = [NODE_ID, f"krt{os.getpid()}", f"sectest{os.getpid()}"]
+
+
 @pytest.fixture(scope="session")
-def leak_check():
+def leak_check(tmp_path_factory):
     before = Snapshot.take()
     yield before
+    # Every data dir of the session is under its base temp dir (with the slash: pytest-5 is not pytest-50).
+    marks = [*_marks([f"{tmp_path_factory.getbasetemp()}/"], SESSION_NODES, prefix=True),
+             f"parent={os.getpid()}:"]  # a zombie child of this process
     deadline = time.monotonic() + 15
     while True:
         _reap_adopted_orphans()
-        left = Snapshot.take().added_since(before)
+        left = _marked(before, marks)
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -183,6 +226,7 @@ def platform(leak_check, otlp, tmp_path_factory):
     p = start_platform(tmp_path_factory.mktemp("platform"), NODE_ID, otlp)
     yield p
     stop_platform(p)
+    assert_nothing_left(leak_check, p.data_dir, [NODE_ID])  # not one of its services or sandboxes remains
 
 
 @pytest.fixture(scope="session")

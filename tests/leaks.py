@@ -9,8 +9,14 @@ from dataclasses import dataclass
 
 
 def _mounts() -> list[str]:
+    """Every mount of this mount namespace, whatever its type: mount point, type, source."""
+    found = []
     with open("/proc/self/mountinfo") as f:
-        return [line.split(" - ")[0].split()[4] + " " + line.split(" - ")[1].split()[0] for line in f]
+        for line in f:
+            left, right = line.split(" - ", 1)
+            fstype, source = right.split()[:2]
+            found.append(f"{left.split()[4]} {fstype} {source}")
+    return found
 
 
 def _cgroups() -> list[str]:
@@ -24,20 +30,45 @@ def _cgroups() -> list[str]:
     return found
 
 
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _stat(pid: str) -> tuple[str, str, str] | None:
+    """(command name, state, parent pid) of a process, or None if it is gone."""
+    stat = _read(f"/proc/{pid}/stat").decode(errors="replace")
+    if not stat:
+        return None
+    comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+    state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+    return comm, state, ppid
+
+
+def _owner(pid: str) -> str:
+    """What says whose a process is: its cgroups (a sandbox's name its node), its command line,
+    and the node id and data dir in its environment (what a platform's services inherit)."""
+    groups = sorted({line.split(":", 2)[2] for line in _read(f"/proc/{pid}/cgroup").decode().splitlines() if line})
+    argv = _read(f"/proc/{pid}/cmdline").replace(b"\0", b" ").decode(errors="replace").strip()
+    env = dict(kv.split(b"=", 1) for kv in _read(f"/proc/{pid}/environ").split(b"\0") if b"=" in kv)
+    node, data_dir = (env.get(k, b"").decode(errors="replace") for k in (b"SANDFLEET_NODE_ID", b"SANDFLEET_DATA_DIR"))
+    return f"cgroup={','.join(groups)} argv={argv[:200]} node={node} data_dir={data_dir}"
+
+
 def _processes(names: set[str]) -> list[str]:
+    """Processes named `names`, and zombies, each with its owner's marks and its parent's (a
+    zombie has no command line of its own left): `pid:comm:state owner parent=ppid:(owner)`."""
     found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        stat = _stat(pid)
+        if stat is None:
             continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        state = stat[stat.rindex(")") + 2]
+        comm, state, ppid = stat
         if comm in names or state == "Z":
-            found.append(f"{pid}:{comm}:{state}")
+            found.append(f"{pid}:{comm}:{state} {_owner(pid)} parent={ppid}:({_owner(ppid)})")
     return found
 
 
@@ -76,6 +107,11 @@ def _nft_tables() -> list[str]:
     return [line.strip() for line in out.stdout.splitlines() if " sandfleet" in line]
 
 
+def _pid_comm(process: str) -> str:
+    """`pid:comm` of a process entry: the same process, whatever its state or cgroup now."""
+    return ":".join(process.split(" ", 1)[0].split(":")[:2])
+
+
 @dataclass(frozen=True)
 class Snapshot:
     mounts: frozenset[str]
@@ -89,7 +125,7 @@ class Snapshot:
     def take(cls) -> Snapshot:
         netns = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
         return cls(
-            mounts=frozenset(m for m in _mounts() if " overlay" in m or " erofs" in m or " fuse" in m or "sandfleet" in m),
+            mounts=frozenset(_mounts()),
             cgroups=frozenset(_cgroups()),
             netns=frozenset(n for n in netns if n.startswith("sf-")),
             processes=frozenset(_processes({"catatonit", "nats-server", "crun"}) + lazy_daemons()),
@@ -98,11 +134,12 @@ class Snapshot:
         )
 
     def added_since(self, before: Snapshot) -> dict[str, list[str]]:
+        known = {_pid_comm(b) for b in before.processes}
         left = {
             "mounts": sorted(self.mounts - before.mounts),
             "cgroups": sorted(self.cgroups - before.cgroups),
             "netns": sorted(self.netns - before.netns),
-            "processes": sorted(self.processes - before.processes),
+            "processes": sorted(p for p in self.processes if _pid_comm(p) not in known),
             "links": sorted(self.links - before.links),
             "nft_tables": sorted(self.nft_tables - before.nft_tables),
         }

@@ -145,6 +145,27 @@ def sources(tmp_path_factory):
     return src
 
 
+@pytest.fixture(scope="module")
+async def built(layers, sources):
+    """`base` (tagged v1), `tools` on it and `task`, built once for the module: name → the first
+    build's reply."""
+    replies = {"base": await layers.build_dir("base", sources / "base", tags=["v1"])}
+    for name in ("tools", "task"):
+        replies[name] = await layers.build_dir(name, sources / name, on="base" if name == "tools" else None)
+    return replies
+
+
+@pytest.fixture(scope="module")
+async def roots(layers, built, service):
+    """sb-a and sb-b, two roots of base + tools + task held for the module: those layers are in
+    use while a test runs (never idle, never evicted)."""
+    made = {s: await layers.compose(NODE, s, ["base", "tools", "task"]) for s in ("sb-a", "sb-b")}
+    yield made
+    if service.proc is not None:  # the last test stops the service, after releasing them
+        for s in made:
+            await layers.release(NODE, s)
+
+
 def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
@@ -172,8 +193,8 @@ def _chroot(rootfs: str, script: str) -> str:
 # -- building -------------------------------------------------------------------------
 
 
-async def test_build_a_layer_from_a_directory(layers, service, sources):
-    reply = await layers.build_dir("base", sources / "base", tags=["v1"])
+async def test_build_a_layer_from_a_directory(layers, service, sources, built):
+    reply = built["base"]
     layer = reply.layer
     assert reply.stored and reply.node == NODE and layer.name == "base" and layer.tags == ["v1"]
     cached = service.root / "images" / (layer.digest.removeprefix("sha256:") + ".erofs")
@@ -190,8 +211,6 @@ async def test_build_a_layer_from_a_directory(layers, service, sources):
     assert (await layers.get("base:v1")).digest == layer.digest
     assert (await layers.get(layer.digest)).name == "base"
 
-    for name in ("tools", "task"):
-        await layers.build_dir(name, sources / name, on="base" if name == "tools" else None)
     assert (await layers.get("tools")).parent_digest == layer.digest
     assert not any((service.root / "build").iterdir())  # build dirs are gone
 
@@ -199,22 +218,23 @@ async def test_build_a_layer_from_a_directory(layers, service, sources):
 # -- composing ------------------------------------------------------------------------
 
 
-async def test_compose_three_layers_top_layer_wins(layers, service):
-    rootfs = await layers.compose(NODE, "sb-a", ["base", "tools", "task"])
+async def test_compose_three_layers_top_layer_wins(layers, service, built):
+    rootfs = await layers.compose(NODE, "sb-three", ["base", "tools", "task"])
     assert rootfs.layers == [(await layers.get(n)).digest for n in ("base", "tools", "task")]
     assert _chroot(rootfs.path, "cat /etc/hostname /etc/base-only /etc/tools /workspace/task.txt") == (
         "tools\nfrom base\na tool\nsolve it\n"
     )
     assert os.stat(rootfs.path).st_mode & 0o777 == 0o755  # `/` is the base system's, not the task dir's
-    again = await layers.compose(NODE, "sb-a", ["base", "tools", "task"])
+    again = await layers.compose(NODE, "sb-three", ["base", "tools", "task"])
     assert again.path == rootfs.path  # a retried compose gets the same root
     with pytest.raises(errors.Conflict):
-        await layers.compose(NODE, "sb-a", ["base"])
+        await layers.compose(NODE, "sb-three", ["base"])
+    assert await layers.release(NODE, "sb-three")
 
 
-async def test_writes_stay_in_their_own_rootfs_and_never_change_a_layer(layers, service):
-    a = await layers.compose(NODE, "sb-a", ["base", "tools", "task"])
-    b = await layers.compose(NODE, "sb-b", ["base", "tools", "task"])
+async def test_writes_stay_in_their_own_rootfs_and_never_change_a_layer(layers, service, built):
+    a = await layers.compose(NODE, "sb-wa", ["base", "tools", "task"])
+    b = await layers.compose(NODE, "sb-wb", ["base", "tools", "task"])
     original = _sha256(BUSYBOX)
     _chroot(a.path, "echo evil > /bin/busybox.new && echo changed > /workspace/task.txt && echo x > /new")
     with open(Path(a.path) / "bin" / "busybox", "wb") as f:  # overwrite the shell itself
@@ -232,9 +252,12 @@ async def test_writes_stay_in_their_own_rootfs_and_never_change_a_layer(layers, 
     assert (upper / "bin" / "busybox").read_bytes() == b"#!/bin/false\n"
     assert os.stat(upper / "etc" / "tools", follow_symlinks=False).st_rdev == 0  # an overlay whiteout
     assert not (Path(b.upper) / "bin" / "busybox").exists()
+    assert await layers.release(NODE, "sb-wa") and await layers.release(NODE, "sb-wb")
 
 
-async def test_each_layer_is_mounted_once_however_many_roots_use_it(layers, service):
+async def test_each_layer_is_mounted_once_however_many_roots_use_it(layers, service, roots):
+    overlays = len(_overlays(service.root))  # the module's roots, and any other test's still held
+    held = {i.digest.removeprefix("sha256:"): i.users for i in (await layers.cache(NODE)).images}
     extra = [f"sb-m{i}" for i in range(6)]
     for sandbox_id in extra:
         await layers.compose(NODE, sandbox_id, ["base", "tools", "task"])
@@ -245,19 +268,19 @@ async def test_each_layer_is_mounted_once_however_many_roots_use_it(layers, serv
         entry = erofs[d][0]
         assert entry.source == str(service.root / "images" / f"{d}.erofs")  # the file itself, no loop device
         assert "directio" in entry.options
-    assert len(_overlays(service.root)) == 2 + len(extra)
+    assert len(_overlays(service.root)) == overlays + len(extra)
     listing = await layers.cache(NODE)
     users = {i.digest.removeprefix("sha256:"): i.users for i in listing.images}
-    assert all(users[d] == 2 + len(extra) for d in digests)
+    assert all(held[d] >= len(roots) and users[d] == held[d] + len(extra) for d in digests)
     for sandbox_id in extra:
         assert await layers.release(NODE, sandbox_id)
-    assert len(_overlays(service.root)) == 2
+    assert len(_overlays(service.root)) == overlays
     assert {d: len(_erofs_mounts(service.root)[d]) for d in digests} == {d: 1 for d in digests}
     assert not any((service.root / "sandboxes" / s).exists() for s in extra)
     assert not await layers.release(NODE, extra[0])  # already gone
 
 
-async def test_bad_compose_requests_fail_cleanly(layers, service):
+async def test_bad_compose_requests_fail_cleanly(layers, service, built):
     overlays = _overlays(service.root)
     with pytest.raises(errors.NotFound):
         await layers.compose(NODE, "sb-bad", ["base", "no-such-layer"])
@@ -269,7 +292,7 @@ async def test_bad_compose_requests_fail_cleanly(layers, service):
     assert not (service.root / "sandboxes" / "sb-bad").exists()
 
 
-async def test_a_compose_that_fails_half_way_undoes_its_mounts(layers, service, tmp_path):
+async def test_a_compose_that_fails_half_way_undoes_its_mounts(layers, service, roots, tmp_path):
     (tmp_path / "fresh").write_text("never mounted before")
     digest = (await layers.build_dir("fresh", tmp_path)).layer.digest
     clash = service.root / "sandboxes" / "sb-clash"
@@ -343,7 +366,7 @@ def oci_layout(path: Path, layer_tars: list[bytes]) -> None:
         _add(tar, "oci-layout", b'{"imageLayoutVersion": "1.0.0"}')
 
 
-async def test_docker_archive_layers_are_flattened_with_whiteouts(layers, service, tmp_path):
+async def test_docker_archive_layers_are_flattened_with_whiteouts(layers, service, built, tmp_path):
     lower = _layer_tar({"etc/": None, "etc/a": b"a", "etc/b": b"b", "opt/": None, "opt/x/": None,
                         "opt/x/1": b"1", "opt/x/2": b"2", "etc/link-me": b"l"})
     upper = _layer_tar({"etc/.wh.a": b"", "opt/x/3": b"3", "opt/x/.wh..wh..opq": b"", "etc/link-me": b"new"})
@@ -360,7 +383,7 @@ async def test_docker_archive_layers_are_flattened_with_whiteouts(layers, servic
     assert await layers.release(NODE, "sb-img")
 
 
-async def test_oci_layer_built_on_another_keeps_its_whiteouts(layers, service, tmp_path):
+async def test_oci_layer_built_on_another_keeps_its_whiteouts(layers, service, built, tmp_path):
     patch = _layer_tar({"etc/": None, "etc/.wh.hostname": b"", "workspace/": None, "workspace/.wh..wh..opq": b"",
                         "workspace/patched": b"p"})
     archive = tmp_path / "oci.tar"
@@ -390,7 +413,7 @@ async def test_a_broken_archive_is_refused_and_leaves_nothing(layers, service, t
 # -- the cache ------------------------------------------------------------------------
 
 
-async def test_least_recently_used_idle_layers_are_evicted(layers, service, tmp_path):
+async def test_least_recently_used_idle_layers_are_evicted(layers, service, roots, tmp_path):
     """Budget 8 MiB; base (1.4 MiB), tools and task stay in use by sb-a and sb-b throughout."""
     fillers = []
     for i in range(3):
@@ -421,9 +444,13 @@ async def test_least_recently_used_idle_layers_are_evicted(layers, service, tmp_
 # -- restart --------------------------------------------------------------------------
 
 
-async def test_a_restarted_service_readopts_roots_and_reclaims_leftovers(layers, service, tmp_path):
-    b = await layers.compose(NODE, "sb-b", ["base", "tools", "task"])
+async def test_a_restarted_service_readopts_roots_and_reclaims_leftovers(layers, service, roots, tmp_path):
+    b = roots["sb-b"]
     (Path(b.path) / "workspace" / "kept").write_text("still here")
+    await layers.compose(NODE, "sb-r", ["base", "tools"])  # released by this test once readopted
+    before = await layers.cache(NODE)
+    held = {r.sandbox_id for r in before.rootfs}
+    assert held >= {*roots, "sb-r"}
     service.stop(signal.SIGKILL)
 
     # What a crash half way could leave: a root dir with no overlay, a foreign overlay, an
@@ -442,27 +469,27 @@ async def test_a_restarted_service_readopts_roots_and_reclaims_leftovers(layers,
     service.start()
     await _until_serving(layers, service)
     listing = await layers.cache(NODE)
-    assert {r.sandbox_id for r in listing.rootfs} == {"sb-a", "sb-b"}
+    assert {r.sandbox_id for r in listing.rootfs} == held
     assert next(r for r in listing.rootfs if r.sandbox_id == "sb-b").layers == b.layers
     assert (Path(b.path) / "workspace" / "kept").read_text() == "still here"
     assert not (sandboxes / "sb-stale").exists() and not foreign.exists() and not odd.exists()
-    assert sorted(_overlays(service.root)) == sorted([str(sandboxes / s / "rootfs") for s in ("sb-a", "sb-b")])
+    assert sorted(_overlays(service.root)) == sorted([str(sandboxes / s / "rootfs") for s in held])
     erofs = _erofs_mounts(service.root)
     assert all(len(erofs[d.removeprefix("sha256:")]) == 1 for d in b.layers)
     users = {i.digest: i.users for i in listing.images}
-    assert all(users[d] == 2 for d in b.layers)
+    assert {d: users[d] for d in b.layers} == {i.digest: i.users for i in before.images if i.digest in b.layers}
 
     # A clean stop keeps what running sandboxes use and unmounts only idle layers.
     assert service.stop() == 0
-    assert len(_overlays(service.root)) == 2
-    assert set(_erofs_mounts(service.root)) == {d.removeprefix("sha256:") for d in b.layers}
+    assert len(_overlays(service.root)) == len(held)
+    in_use = {d.removeprefix("sha256:") for r in listing.rootfs for d in r.layers}
+    assert in_use >= {d.removeprefix("sha256:") for d in b.layers} and set(_erofs_mounts(service.root)) == in_use
     service.start()
     await _until_serving(layers, service)
-    assert {r.sandbox_id for r in (await layers.cache(NODE)).rootfs} == {"sb-a", "sb-b"}
+    assert {r.sandbox_id for r in (await layers.cache(NODE)).rootfs} == held
 
-    assert await layers.release(NODE, "sb-b")
-    assert await layers.release(NODE, "sb-a")
-    assert _overlays(service.root) == []
+    assert await layers.release(NODE, "sb-r")
+    assert sorted(_overlays(service.root)) == sorted([str(sandboxes / s / "rootfs") for s in held - {"sb-r"}])
 
 
 # -- the catalogue and the command line -----------------------------------------------
@@ -479,11 +506,12 @@ async def test_command_line_builds_lists_shows_the_cache_and_removes(layers, ser
     out = _cli(service, "build", "cli-layer", "--dir", str(tmp_path), "--tag", "t1")
     assert out.returncode == 0, out.stderr
     assert "cli-layer  sha256:" in out.stdout
+    digest = "sha256:" + out.stdout.split("cli-layer  sha256:")[1][:64]
     out = _cli(service, "ls")
     assert out.returncode == 0 and "cli-layer" in out.stdout and "latest,t1" in out.stdout
     out = _cli(service, "cache", "--json")
     listing = json.loads(out.stdout)
-    assert listing["node"] == NODE and listing["images"] and all(i["users"] == 0 for i in listing["images"])
+    assert listing["node"] == NODE and [i["users"] for i in listing["images"] if i["digest"] == digest] == [0]
     out = _cli(service, "rm", "cli-layer:t1")
     assert out.returncode == 0 and "removed cli-layer:t1" in out.stdout and "deleted" not in out.stdout
     out = _cli(service, "rm", "cli-layer")
@@ -492,14 +520,16 @@ async def test_command_line_builds_lists_shows_the_cache_and_removes(layers, ser
     assert out.returncode == 2 and "NotFound" in out.stderr
 
 
-async def test_removing_a_layer_keeps_node_copies_but_stops_new_roots(layers, service):
-    digest = (await layers.get("img")).digest
-    rootfs = await layers.compose(NODE, "sb-rm", ["base", "img"])
-    reply = await layers.remove("img")
-    assert reply.removed == ["img"] and reply.deleted_images == [digest]
+async def test_removing_a_layer_keeps_node_copies_but_stops_new_roots(layers, service, built, tmp_path):
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "b").write_text("b")
+    digest = (await layers.build_dir("doomed", tmp_path)).layer.digest
+    rootfs = await layers.compose(NODE, "sb-rm", ["base", "doomed"])
+    reply = await layers.remove("doomed")
+    assert reply.removed == ["doomed"] and reply.deleted_images == [digest]
     assert (Path(rootfs.path) / "etc" / "b").read_text() == "b"  # the running root is untouched
     with pytest.raises(errors.NotFound):
-        await layers.compose(NODE, "sb-rm2", ["base", "img"])
+        await layers.compose(NODE, "sb-rm2", ["base", "doomed"])
     with pytest.raises(errors.NotFound):
         await layers.compose(NODE, "sb-rm2", [digest])  # gone from the store too
     assert await layers.release(NODE, "sb-rm")
@@ -508,7 +538,7 @@ async def test_removing_a_layer_keeps_node_copies_but_stops_new_roots(layers, se
 # -- Debian ---------------------------------------------------------------------------
 
 
-async def test_a_minimal_debian_root_with_packages(layers, service):
+async def test_a_minimal_debian_root_with_packages(layers, service, built):
     require(shutil.which("debootstrap") is not None, "debootstrap")
     reply = await layers.build_debian("debian-min", ["busybox"])
     assert reply.layer.built_from.startswith("debian ") and "busybox" in reply.layer.built_from
@@ -523,7 +553,9 @@ async def test_a_minimal_debian_root_with_packages(layers, service):
 # -- nothing left ---------------------------------------------------------------------
 
 
-async def test_a_stopped_service_leaves_no_mount_behind(layers, service):
+async def test_a_stopped_service_leaves_no_mount_behind(layers, service, roots):
+    for sandbox_id in roots:
+        assert await layers.release(NODE, sandbox_id)
     assert (await layers.cache(NODE)).rootfs == []
     assert _erofs_mounts(service.root)  # idle layer mounts are kept while it runs
     assert service.stop() == 0

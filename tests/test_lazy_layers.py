@@ -172,6 +172,16 @@ async def built(layers, tmp_path_factory):
             "blob": hashlib.sha256((big / "data" / "blob").read_bytes()).hexdigest()}
 
 
+@pytest.fixture(scope="module")
+async def lazy_root(layers, built, service):
+    """sb-lazy, a root over `big` fetched lazily, held while the module's tests run (its FUSE
+    daemon lives as long as a lazy root is mounted); the test that kills the daemon releases it."""
+    rootfs = await layers.compose(NODE, "sb-lazy", ["base", "big"])
+    yield rootfs
+    if service.proc is not None:
+        await layers.release(NODE, "sb-lazy")
+
+
 class Events:
     """`layer.fetch_failed` events of the test node, on a connection of the test's own."""
 
@@ -240,8 +250,8 @@ def _erofs_source(service: Service, digest: str) -> str:
 # -- reading --------------------------------------------------------------------------
 
 
-async def test_a_lazy_layer_fetches_only_what_is_read(layers, service, built):
-    rootfs = await layers.compose(NODE, "sb-lazy", ["base", "big"])
+async def test_a_lazy_layer_fetches_only_what_is_read(layers, service, built, lazy_root):
+    rootfs = lazy_root
     assert _erofs_source(service, built["big"]) == str(service.root / "lazy" / (built["big"][7:] + ".erofs"))
     out = _chroot(rootfs.path, "cat /data/small.txt")
     assert out.returncode == 0 and out.stdout == "just this\n", out.stderr
@@ -315,7 +325,8 @@ async def test_a_missed_chunk_brings_the_next_chunks_with_it(layers, service, bu
     assert await layers.release(NODE, "sb-ahead")
 
 
-async def test_fetched_chunks_and_the_daemon_survive_a_layer_cache_restart(layers, service, built, tmp_path):
+async def test_fetched_chunks_and_the_daemon_survive_a_layer_cache_restart(layers, service, built, lazy_root,
+                                                                           tmp_path):
     # A fresh image (its name differs, its content too) so the chunks read now are all there is.
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "blob").write_bytes(os.urandom(8 << 20))
@@ -344,8 +355,9 @@ async def test_fetched_chunks_and_the_daemon_survive_a_layer_cache_restart(layer
 # -- failure --------------------------------------------------------------------------
 
 
-async def test_a_store_that_does_not_answer_fails_reads_in_that_sandbox_only(layers, service, built, nats_server, tmp_path):
-    nats, url, _ = nats_server
+async def test_a_store_that_does_not_answer_fails_reads_in_that_sandbox_only(layers, service, built, lazy_root,
+                                                                              nats_server, tmp_path):
+    nats, url, _ = nats_server  # lazy_root holds `base`, so the cache drop below keeps it whole
     (tmp_path / "files").mkdir()
     for i in range(3):
         (tmp_path / "files" / f"f{i}").write_bytes(os.urandom(1 << 20))
@@ -454,7 +466,7 @@ async def test_an_image_stored_without_a_manifest_is_fetched_whole_once_and_gets
     assert await layers.release(NODE, "sb-legacy")
 
 
-async def test_a_dead_daemon_marks_its_roots_broken_and_a_new_one_serves_new_roots(layers, service, built):
+async def test_a_dead_daemon_marks_its_roots_broken_and_a_new_one_serves_new_roots(layers, service, built, lazy_root):
     async with Events(service.url) as events:
         old = service.daemon_pid()
         os.kill(old, signal.SIGKILL)

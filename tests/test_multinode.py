@@ -31,7 +31,7 @@ import sandfleet
 from sandfleet import errors
 from schemas import node as node_schema
 from schemas.node import ConfinedList, Empty
-from schemas.sandbox import ENDED, State
+from schemas.sandbox import ENDED, Reason, State
 from sandfleet.config import DEFAULT_EGRESS_SUBNET
 from sandfleet.supervisor import nats_server_binary, plan_nats, plan_nodes, write_nats_config
 from tests.conftest import CLI, NODE_ID, ROOT, Platform, assert_nothing_left, platform_env, stop_platform
@@ -320,8 +320,10 @@ async def test_losing_a_nats_server_mid_batch_loses_no_request(nats_cluster):
         # The victim also leads the sandbox records, so losing it loses the leader that writes them.
         assert await _lead_on(p.url, "KV_sandboxes", victim) == victim
         first = asyncio.Event()
+        started_ids: set[str] = set()
 
-        async def started(_: object) -> None:
+        async def started(msg) -> None:  # type: ignore[no-untyped-def]
+            started_ids.add(msg.subject.split(".")[3])  # events.v1.sandbox.<id>.started
             first.set()
 
         sub = await fleet.bus.nc.subscribe("events.v1.sandbox.*.started", cb=started)
@@ -329,12 +331,16 @@ async def test_losing_a_nats_server_mid_batch_loses_no_request(nats_cluster):
                                                       labels={"batch": "failover"}, request_timeout_s=180))
         await asyncio.wait_for(first.wait(), 120)  # mid-batch: the first sandbox has just started
         os.kill(state["services"][victim], signal.SIGKILL)
+        ran_before_the_kill = set(started_ids)
         await sub.unsubscribe()
         try:
             created = {b.id for b in await batch}
-            assert len(created) == count
+            reported_failed = 0
         except errors.SandfleetError as exc:  # an explicit failure is an allowed end, a lost request is not
             created = {b.id for b in getattr(exc, "created", [])}
+            reported = re.match(r"(\d+) of \d+ sandboxes failed", exc.message)
+            assert reported, exc.message  # the batch had been placed: only its launches can have failed
+            reported_failed = int(reported[1])
         # Every sandbox of the batch ends running or failed, none stays in between.
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -343,14 +349,18 @@ async def test_losing_a_nats_server_mid_batch_loses_no_request(nats_cluster):
                 break
             await asyncio.sleep(0.25)
         states = Counter(r.state for r in records.values())
-        why = Counter(f"{r.reason.value}: {r.detail[:80]}" for r in records.values() if r.state is State.FAILED)
+        failed = {i: r for i, r in records.items() if r.state is State.FAILED}
+        why = Counter(f"{r.reason.value}: {r.detail[:80]}" for r in failed.values())
         print(f"killed {victim} (meta and KV_sandboxes leader) mid-batch: {len(created)} of {count} created, "
               f"records {dict(Counter(s.value for s in states.elements()))}; failures: {dict(why)}")
-        assert set(states) <= {State.RUNNING, State.FAILED}, states
+        # Placement had answered (a sandbox had started), so every one of the batch has its record.
+        assert len(records) == count and set(states) <= {State.RUNNING, State.FAILED}, states
         running = {i for i, r in records.items() if r.state is State.RUNNING}
-        assert created <= running
-        if len(created) == count:
-            assert len(records) == count and running == created
+        # What had started before the kill still runs; the SDK's account is the records' own.
+        assert ran_before_the_kill and ran_before_the_kill <= running, (ran_before_the_kill, running)
+        assert created == running and reported_failed == len(failed) == count - len(running)
+        # A sandbox the kill made fail failed to launch (its node's bus connection was on the lost server).
+        assert all(r.reason is Reason.LAUNCH_FAILED and r.detail for r in failed.values()), why
         # The records agree with the node: it holds exactly the running ones, and each answers.
         assert await _confined(fleet, p.node_id) == running
         for sandbox_id in running:

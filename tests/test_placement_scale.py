@@ -21,11 +21,11 @@ from sandfleet.bus import Bus, encode
 from sandfleet.store import BatchRefused, SandboxStore, ensure_state
 from schemas import events
 from schemas import node as node_schema
-from schemas.node import NodePressure
+from schemas.node import NodeInfo, NodePressure
 from schemas.errors import ErrorCode
-from schemas.sandbox import KV_BUCKET, Reason, SandboxRecord, SandboxSpec, State
+from schemas.sandbox import KV_BUCKET, MAX_BATCH, CreateManyRequest, Reason, SandboxRecord, SandboxSpec, State
 from services.launcher.starting import StartingMarks
-from services.placement.handlers import Deps, _unplace, new_id
+from services.placement.handlers import Deps, _unplace, create_many, new_id
 from services.placement.policy import NodeView
 
 LOST_S = 5.0
@@ -272,12 +272,29 @@ async def test_simulated_nodes_in_a_process_of_their_own_take_a_gang_batch():
     assert not cp.simnode_pids
 
 
-async def test_a_gang_reply_of_32000_ids_fits_one_message():
-    from schemas.sandbox import CreateManyReply, NodePlacement
-
-    reply = CreateManyReply(placements=[NodePlacement(node=f"node-{n:03d}", ids=[f"sb-{n:03d}{i:09x}" for i in range(200)])
-                                        for n in range(160)])
-    assert len(msgspec.json.encode(reply)) < 1024 * 1024  # NATS's default max_payload
+async def test_placements_reply_to_the_largest_batch_fits_one_bus_message(plane):
+    """The largest gang reply there is: MAX_BATCH sandboxes one a node, every node with the longest
+    id a node may have (64 characters, what its cgroups allow), so each sandbox carries a placement
+    of its own. Placement's handler answers two such batches for real (recording all of MAX_BATCH
+    would cost the suite many seconds); each sandbox adds the same bytes to its reply, so the size
+    at MAX_BATCH follows exactly, and it must fit the payload limit of the bus placement answers on."""
+    _, bus, store, _ = plane
+    sizes = {}
+    for count in (50, 100):
+        now, view = time.time(), NodeView()
+        for n in range(count):
+            view.heartbeat(NodeInfo(id=f"reply{count}-{n:05d}".ljust(64, "x"), isolation=["process"], capacity=1,
+                                    running=0, cpus=4, memory_mb=4096, at=now))
+        deps = Deps(bus=bus, store=store, nodes=view)
+        reply = await create_many(deps, CreateManyRequest(count=count, spec=SandboxSpec(cpu=0.01, memory_mb=16),
+                                                          wait=False))
+        assert sorted(len(p.ids) for p in reply.placements) == [1] * count
+        sizes[count] = len(encode(reply))  # as the bus sends it
+        await asyncio.gather(*deps.launches)  # no such nodes: their launches end the records failed
+    per_sandbox, rest = divmod(sizes[100] - sizes[50], 50)
+    assert rest == 0, sizes  # the reply grows by whole placements, nothing else
+    largest = sizes[100] + per_sandbox * (MAX_BATCH - 100)
+    assert largest <= bus.nc.max_payload, f"a reply of {largest} bytes, over the bus's {bus.nc.max_payload}"
 
 
 async def test_a_real_node_heartbeat_reports_allocation_pressure_and_what_it_took(fleet):

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import nats
 import pytest
 
 import sandfleet
 from sandfleet import errors
 from sandfleet.store import SandboxStore
 from schemas import node as node_schema
+from schemas import sandbox
 from schemas.errors import ErrorCode
 from schemas.node import LaunchItem, LaunchReply, LaunchRequest
 from schemas.sandbox import Reason, SandboxRecord, SandboxSpec, State
@@ -126,9 +128,20 @@ async def test_sandbox_sees_host_system_read_only_and_nothing_private(fleet):
         await sb.destroy()
 
 
-async def test_sdk_rejects_bad_limits_before_sending(fleet):
-    with pytest.raises(errors.InvalidRequest):
-        await fleet.create(memory_mb=-5)
+async def test_sdk_rejects_bad_limits_before_sending(fleet, platform):
+    watcher = await nats.connect(platform.url)  # a connection of its own sees what the SDK sends
+    try:
+        subs = [await watcher.subscribe(s) for s in (sandbox.CREATE, sandbox.CREATE_MANY)]
+        await watcher.flush()
+        with pytest.raises(errors.InvalidRequest):
+            await fleet.create(memory_mb=-5)
+        with pytest.raises(errors.InvalidRequest):
+            await fleet.create_many(2, memory_mb=-5)
+        await fleet.bus.nc.flush()  # whatever the SDK sent has reached the server...
+        await watcher.flush()  # ...and been delivered to this connection's queues
+        assert [sub.pending_msgs for sub in subs] == [0, 0]
+    finally:
+        await watcher.close()
 
 
 async def test_unreachable_bus_is_no_responders():

@@ -1,9 +1,11 @@
-"""A sandbox's refused network attempts fail at once and arrive on the bus as violation events."""
+"""A sandbox's refused network attempts fail (EPERM: refused, not left to time out) and arrive on
+the bus as violation events (how soon: loadtest/violation_latency)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
+
+from tests.conftest import EVENT_DEADLINE_S
 
 CONNECT = "import socket; s = socket.socket(); s.connect(('10.1.2.3', 80))"
 SENDTO = "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('192.0.2.7', 53))"
@@ -23,19 +25,16 @@ async def _attempt(fleet, code: str):
         waiter = asyncio.create_task(_next_violation(fleet, sb.id, started))
         await started.wait()
         await asyncio.sleep(0.2)  # let the consumer attach
-        t0 = time.monotonic()
         r = await sb.exec(["python3", "-c", code], timeout_s=10)
-        took = time.monotonic() - t0
-        violation = await asyncio.wait_for(waiter, 2)
-        return sb, r, took, violation
+        violation = await asyncio.wait_for(waiter, EVENT_DEADLINE_S)
+        return sb, r, violation
     finally:
         await sb.destroy()
 
 
-async def test_connect_to_a_host_not_allowed_is_refused_at_once_and_reported(fleet, platform):
-    sb, r, took, v = await _attempt(fleet, CONNECT)
-    assert r.exit_code != 0 and b"PermissionError" in r.stderr
-    assert took < 5  # refused, not hanging on a timeout
+async def test_connect_to_a_host_not_allowed_is_refused_and_reported(fleet, platform):
+    sb, r, v = await _attempt(fleet, CONNECT)
+    assert r.exit_code != 0 and b"PermissionError" in r.stderr  # refused, not hanging on a timeout
     assert (v.sandbox_id, v.kind, v.address, v.port) == (sb.id, "network.connect", "10.1.2.3", 80)
     assert v.labels == {"task": "cheat-test"} and v.command == "python3"
     stored = platform.cli("events", "--violations", "--task", "cheat-test").stdout.decode()
@@ -43,7 +42,7 @@ async def test_connect_to_a_host_not_allowed_is_refused_at_once_and_reported(fle
 
 
 async def test_udp_sendto_a_host_not_allowed_is_refused_and_reported(fleet):
-    sb, r, _, v = await _attempt(fleet, SENDTO)
+    sb, r, v = await _attempt(fleet, SENDTO)
     assert b"PermissionError" in r.stderr
     assert (v.kind, v.address, v.port) == ("network.sendmsg", "192.0.2.7", 53)
 
@@ -63,7 +62,7 @@ async def test_a_restarted_agent_keeps_policing_and_reporting_sandboxes_that_out
         await asyncio.sleep(0.2)
         r = await sb.exec(["python3", "-c", CONNECT], timeout_s=10)
         assert b"PermissionError" in r.stderr
-        v = await asyncio.wait_for(waiter, 2)
+        v = await asyncio.wait_for(waiter, EVENT_DEADLINE_S)
         assert v.address == "10.1.2.3"
     finally:
         await sb.destroy()

@@ -2,8 +2,8 @@
 network namespaces, a fake internet in another, the DNS stub in the router between them.
 
 Each attempt runs as a sandbox process (placed in the cgroup, then the netns, CAP_NET_RAW
-dropped as the runtime does) and must fail with EPERM at once *and* leave a denial record
-on the ring buffer within 2 s.
+dropped as the runtime does) and must fail with EPERM (refused, not left to time out) *and* leave a denial record on the
+ring buffer (how soon: loadtest/connect_rate's violation latency).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import pytest
 
 from agents.node.allow_rules import AllowList, parse_allow
 from linuxnode import cgroups
+from tests.conftest import EVENT_DEADLINE_S
 from tests.kernel import require
 from tests.security.netlab import NODE, STUB_ADDRESS, DNS_UPSTREAM, DenialCollector, Lab, NetnsLoop, Sandbox
 
@@ -76,17 +77,15 @@ class World:
         self.stub_loop.call(self.stub.register, client)
         return rules
 
-    def denial(self, result: dict, kind: str, address: str | None, port: int, timeout: float = 2.0, **fields):
-        """The record of the probe step's refusal, asserted to arrive within timeout of the syscall."""
+    def denial(self, result: dict, kind: str, address: str | None, port: int, **fields):
+        """The record of the probe step's refusal, waited for up to EVENT_DEADLINE_S."""
         found = self.denials.wait_for(
             lambda d: d.pid == result["pid"] and d.kind.value == kind and d.address == address and d.port == port
             and all(getattr(d, k) == v for k, v in fields.items()),
-            timeout=timeout + 1,
+            timeout=EVENT_DEADLINE_S,
         )
         assert found is not None, f"no {kind} denial for {address}:{port} from pid {result['pid']}"
-        denial, decoded_at = found
-        assert (decoded_at - result["t_ns"]) < timeout * 1e9, "denial record later than 2 s"
-        return denial
+        return found[0]
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +148,7 @@ def test_allowed_address_and_port_connects_and_anything_else_is_refused_at_once(
     ])
     assert ok["ok"] and ok["data"] == "hello 10.77.100.1:80"
     for refused, host, port in ((other_port, "10.77.100.1", 443), (other_host, "10.77.100.2", 80)):
-        assert refused["errno"] == EPERM, refused
-        assert refused["elapsed_ms"] < 100, "a refused connect must not hang"
+        assert refused["errno"] == EPERM, refused  # refused, not hanging on a timeout
         d = world.denial(refused, "connect", host, port)
         assert (d.cgroup_id, d.family, d.protocol, d.socket_type) == (world.a.cgroup_id, AF_INET, 6, 1)
         assert d.comm.startswith("python") and d.tid == d.pid
@@ -293,13 +291,12 @@ def test_a_refused_name_is_a_violation_and_the_upstream_cannot_be_asked_directly
     assert json.loads(apex["data"])["rcode"] == "NXDOMAIN", "*.mirror.test does not cover mirror.test"
     assert direct["errno"] == EPERM
     world.denial(direct, "sendmsg", DNS_UPSTREAM[0], 53)
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + EVENT_DEADLINE_S
     while len(world.violations) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [(v.sandbox_id, v.cgroup_id, v.name, v.qtype) for v in world.violations] == [
         ("sbx-a", world.a.cgroup_id, "evil.test", "A"), ("sbx-a", world.a.cgroup_id, "mirror.test", "A"),
     ]
-    assert all(v.monotonic_ns - evil["t_ns"] < 2e9 for v in world.violations)
 
 
 def test_a_learned_address_stays_denied_to_a_sandbox_that_may_not_use_it(world):
@@ -315,7 +312,7 @@ def test_a_learned_address_stays_denied_to_a_sandbox_that_may_not_use_it(world):
     assert direct["errno"] == EPERM
     assert world.denial(direct, "connect", "10.77.100.1", 80).cgroup_id == world.b.cgroup_id
     assert json.loads(via_stub["data"])["rcode"] == "NXDOMAIN"
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + EVENT_DEADLINE_S
     while not world.violations and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [(v.sandbox_id, v.name) for v in world.violations] == [("sbx-b", "allowed.test")]

@@ -1,5 +1,5 @@
 """Red team: file attacks from inside real sandboxes, refused by namespaces, mount masks and
-Landlock; each Landlock refusal arrives on the bus as a `file.landlock` violation within 2 s.
+Landlock; each Landlock refusal arrives on the bus as a `file.landlock` violation.
 
 Most paths a cheating agent tries (the platform's data dir, another sandbox's workspace, the
 host's /proc) do not exist in a sandbox's mount and pid namespaces at all, so the attempt
@@ -13,8 +13,8 @@ where those paths do exist, and show the refusal and its event.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from linuxnode import cgroups, landlock
-from tests.kernel import require
+from tests.conftest import EVENT_DEADLINE_S
+from tests.kernel import active_lsms, only_where, require
 from tests.test_layered_sandboxes import LAYERS, layers  # noqa: F401  (fixture)
 
 ANSWER = b"sandfleet-leftover-answer-7f3c9e: 42\n"
@@ -50,7 +51,7 @@ async def _violations(fleet, sandbox_id: str, kind: str = "file.landlock") -> tu
     return task, seen
 
 
-async def _first(seen: list, what: bytes | str, within: float) -> object:
+async def _first(seen: list, what: bytes | str, within: float = EVENT_DEADLINE_S) -> object:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         for v in seen:
@@ -119,14 +120,14 @@ async def test_overwriting_bin_bash_is_refused_reported_and_leaves_the_layer_alo
         assert r.exit_code != 0 and b"Permission denied" in r.stderr
         # Opened with O_CREAT, so the record may name the directory it would be made in; the
         # command line comes with it.
-        v = await _first(seen, "> /bin/bash", 2.0)
+        v = await _first(seen, "> /bin/bash")
         assert "fs.write_file" in v.attempted or "fs.make_reg path=/bin " in v.attempted
         assert v.labels == {"task": "landlock-bin"} and v.command == "sh"
         assert v.pid > 0
 
         r = await sb.exec(["rm", "/bin/sh"])
         assert r.exit_code != 0
-        v = await _first(seen, "fs.remove_file", 2.0)
+        v = await _first(seen, "fs.remove_file")
         assert "path=/bin" in v.attempted
 
         assert (await sb.exec(["/bin/bash"])).stdout == b"the real bash\n"
@@ -153,7 +154,7 @@ async def test_a_container_sandbox_runs_under_the_same_policy(fleet, layers, bas
         # the record cannot be attributed (a known gap, see agents/node/audit.py).
         r = await sb.exec(["sh", "-c", "echo 'echo pwned' > /bin/bash || { sleep 1; exit 1; }"])
         assert r.exit_code != 0 and b"Permission denied" in r.stderr
-        v = await _first(seen, "path=/bin", 2.0)
+        v = await _first(seen, "path=/bin")
         assert v.labels == {"task": "landlock-ct"} and v.command == "sh" and v.pid > 0
         assert (await sb.exec(["/bin/bash"])).stdout == b"the real bash\n"
         r = await sb.exec(["sh", "-c", "echo ok > /workspace/out && echo ok > /tmp/out && cat /workspace/out /tmp/out"])
@@ -175,7 +176,7 @@ async def test_a_new_top_level_directory_cannot_be_made(fleet, layers):
     try:
         r = await sb.exec(["sh", "-c", "echo x > /answers"])
         assert r.exit_code != 0 and b"Permission denied" in r.stderr
-        v = await _first(seen, "fs.make_reg", 2.0)
+        v = await _first(seen, "fs.make_reg")
         assert "path=/ " in v.attempted
     finally:
         task.cancel()
@@ -209,7 +210,7 @@ async def test_python_imports_in_a_layered_sandbox_without_a_landlock_violation(
         # default environment (PYTHONDONTWRITEBYTECODE=1) spares every Python sandbox.
         r = await sb.exec(["python3", "-c", "import json"], env={"PYTHONDONTWRITEBYTECODE": ""}, timeout_s=60)
         assert r.exit_code == 0, r.stderr
-        v = await _first(seen, "path=/usr/lib/python3", 2.0)
+        v = await _first(seen, "path=/usr/lib/python3")
         assert v.kind == "file.landlock"
     finally:
         task.cancel()
@@ -252,7 +253,7 @@ async def test_the_sandbox_policy_refuses_the_platform_data_dir_even_where_it_is
         assert _as_sandbox(platform.node_id, sb.id, root, "etc/passwd", held=root) == 0  # its own root: yes
         for path in (answer, log_file):
             assert _as_sandbox(platform.node_id, sb.id, root, str(path)) == 13  # EACCES
-            v = await _first(seen, str(path), 2.0)
+            v = await _first(seen, str(path))
             assert "fs.read_file" in v.attempted and v.labels == {"task": "landlock-data"}
     finally:
         task.cancel()
@@ -287,7 +288,7 @@ async def test_the_sandbox_policy_refuses_another_sandboxs_workspace_even_where_
         root_a = f"/proc/{(await fleet.get(a.id)).init_pid}/root"
         root_b = f"/proc/{(await fleet.get(b.id)).init_pid}/root"
         assert _as_sandbox(platform.node_id, b.id, root_b, "workspace/answer.txt", held=root_a) == 13
-        v = await _first(seen, "/workspace/answer.txt", 2.0)
+        v = await _first(seen, "/workspace/answer.txt")
         assert v.sandbox_id == b.id and "fs.read_file" in v.attempted
     finally:
         task.cancel()
@@ -312,7 +313,7 @@ async def test_the_hosts_processes_are_not_in_a_sandboxs_proc(fleet, platform):
 @pytest.mark.parametrize("root", ["host view", "layers"])
 async def test_kpagecgroup_reads_nothing_in_a_sandbox(fleet, layers, root):  # noqa: F811
     require(os.path.exists("/proc/kpagecgroup"), "the kernel has /proc/kpagecgroup")
-    with contextlib.suppress(OSError), open("/proc/kpagecgroup", "rb") as f:
+    with open("/proc/kpagecgroup", "rb") as f:
         assert f.read(8)  # the host's file has data: the mask is what empties it
     if root == "layers":
         sb = await fleet.create(memory_mb=64, layers=LAYERS)
@@ -386,10 +387,22 @@ def test_the_audit_tag_of_a_sandbox_is_stable_and_never_a_real_or_unset_uid():
     assert audit.TAG_MIN <= a <= audit.TAG_MAX  # the agent's audit task rules spare exactly this range
 
 
-def test_the_node_reports_landlock_and_apparmor_in_status(platform):
-    out = platform.cli("status").stdout.decode()
-    if landlock.abi():
-        assert f"on: ABI {landlock.abi()}, process sandboxes" in out and "denials on: audit netlink" in out
-    else:
-        assert "off: not in this kernel" in out
-    assert "apparmor" in out
+def test_the_node_reports_landlock_and_apparmor_as_the_kernel_runs_them(platform):
+    require("landlock" in active_lsms(), f"the kernel runs Landlock (its LSMs: {sorted(active_lsms())})")
+    mechanisms = platform.mechanisms()
+    abi = re.fullmatch(r"on: ABI (\d+), .*", mechanisms["landlock"])
+    assert abi, mechanisms["landlock"]
+    logged = "" if int(abi[1]) >= 7 else re.escape(" (denials are logged from ABI 7 on)")
+    # Denials go to audit; "turned on by the agent" depends on whether another agent of this
+    # machine had turned audit on first.
+    assert re.fullmatch(
+        rf"on: ABI {abi[1]}, process sandboxes and container sandboxes through the exec shim; "
+        r"denials on: audit netlink, task rules spare non-sandbox processes a syscall audit context"
+        r"( \(audit turned on by the agent: off again when the last agent stops\))?" + logged,
+        mechanisms["landlock"]), mechanisms["landlock"]
+
+
+def test_the_node_reports_apparmor_off_where_the_kernel_runs_none(platform):
+    only_where("apparmor" not in active_lsms(), "the kernel runs AppArmor (test_apparmor_profile.py covers it)")
+    assert platform.mechanisms()["apparmor"] == ("off: not in this kernel (profiles are generated and validated "
+                                                 "offline with apparmor_parser)")

@@ -16,7 +16,6 @@ import struct
 import pytest
 
 from linuxnode import seccomp
-from linuxnode import process as runtime
 from tests.kernel import require
 from tests.test_containers import BASE, base  # noqa: F401  (fixture)
 from tests.test_kernel_runtime import layout, sandbox, sandboxes  # noqa: F401  (fixtures)
@@ -150,9 +149,11 @@ async def test_namespace_and_ptrace_tools_fail_inside_a_sandbox(sandbox):
     for flag in ("-U", "-n", "-m", "-p"):
         r = await sandbox.run("unshare", flag, "true")
         assert r.exit_code != 0 and b"Operation not permitted" in r.stderr, (flag, r)
-    if shutil.which("strace"):
-        r = await sandbox.run("strace", "-o", "/dev/null", "true")
-        assert r.exit_code != 0 and b"Operation not permitted" in r.stderr, r
+    # strace is a test dependency (Debian package strace, installed by `make install`): ptrace
+    # through a real tracer, not only the bare call below.
+    assert shutil.which("strace"), "strace is not installed: run `make install`"
+    r = await sandbox.run("strace", "-o", "/dev/null", "true")
+    assert r.exit_code != 0 and b"Operation not permitted" in r.stderr, r
     r = await sandbox.run("python3", "-S", "-c", "import ctypes; l = ctypes.CDLL(None, use_errno=True); "
                           "print(l.ptrace(0, 0, 0, 0), ctypes.get_errno())")
     assert r.stdout.split() == [b"-1", b"1"]
@@ -185,7 +186,6 @@ def test_install_seccomp_refuses_a_malformed_program():
         linux.install_seccomp(b"")
     with pytest.raises(OSError):
         linux.install_seccomp(b"1234567")
-    assert runtime.CATATONIT  # the runtime package imports with the filter wiring
 
 
 async def test_container_processes_run_under_the_same_rules(fleet, base):  # noqa: F811
