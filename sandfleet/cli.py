@@ -19,7 +19,7 @@ import msgspec
 from sandfleet import cli_layers, cli_rollout, client, errors
 from sandfleet.config import DEFAULT_PORT, default_data_dir, nats_url, node_id
 from sandfleet.extras import MissingExtra, require
-from sandfleet.supervisor import Supervisor, free_port, plan_nodes, read_state
+from sandfleet.supervisor import Supervisor, free_port, plan_nodes, read_state, stop_unsupervised
 from schemas import layers, reclaim
 from schemas import node as node_schema
 
@@ -224,8 +224,17 @@ async def _healthy(url: str, nodes: set[str]) -> bool:
 def _down(args: argparse.Namespace) -> int:
     data_dir = _data_dir(args.data_dir)
     state = read_state(data_dir)
-    if not state or not _alive(state["pid"]):
+    if not state:
         print("sandfleet is not running", file=sys.stderr)
+        return 0
+    if not _alive(state["pid"]):  # killed without its stop: what it started may still run
+        left = stop_unsupervised(data_dir, state)
+        (data_dir / "supervisor.json").unlink(missing_ok=True)
+        if not left:
+            print("sandfleet is not running", file=sys.stderr)
+            return 0
+        print(f"the supervisor was gone; stopped what it had started: {', '.join(left)}", file=sys.stderr)
+        print("sandfleet is down")
         return 0
     os.kill(state["pid"], signal.SIGTERM)
     deadline = time.monotonic() + 120

@@ -13,10 +13,12 @@ while the node agent is still there to take back their cgroups and namespaces.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ipaddress
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -350,6 +352,49 @@ def _terminate(pids: list[int], timeout: float, progress: Callable[[], int] | No
             os.waitpid(pid, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
+
+
+def stop_unsupervised(data_dir: Path, state: dict, timeout: float = STOP_TIMEOUT_S) -> list[str]:
+    """Stop what a supervisor killed without its own stop left running (its services go on
+    serving unsupervised): in reverse start order, as its stop would, so the launchers destroy
+    their sandboxes while the agents are there, and the bus last. Only a process that still
+    carries this platform's data dir is signalled: a pid the kernel has reused since is not ours.
+    Returns the names of what it stopped."""
+    stopped = []
+    for name, pid in reversed(list(state.get("services", {}).items())):
+        if pid and _runs_for(pid, data_dir):
+            _terminate_unrelated(pid, timeout)
+            stopped.append(name)
+    return stopped
+
+
+def _runs_for(pid: int, data_dir: Path) -> bool:
+    """The supervisor hands its data dir to every child, in its environment or its argv."""
+    mark = str(data_dir).encode()
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as env, open(f"/proc/{pid}/cmdline", "rb") as argv:
+            return mark in env.read() or mark in argv.read()
+    except OSError:
+        return False
+
+
+def _terminate_unrelated(pid: int, timeout: float) -> None:
+    """SIGTERM a process that is not our child, wait on its pidfd, SIGKILL past `timeout`."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGTERM)
+        if not select.select([fd], [], [], timeout)[0]:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+            select.select([fd], [], [], 5)
+    except ProcessLookupError:
+        pass
+    finally:
+        os.close(fd)
+    with contextlib.suppress(ChildProcessError):  # ours to reap if it was handed to us as subreaper
+        os.waitpid(pid, os.WNOHANG)
 
 
 def _wait_for_port(port: int, timeout: float) -> None:

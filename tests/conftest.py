@@ -99,6 +99,9 @@ def start_platform(data_dir: Path, node_id: str, otlp: OtlpReceiver | None = Non
 
 
 def stop_platform(p: Platform) -> None:
+    """`down`; a platform a test already brought down (its state file gone) is only checked."""
+    if not (p.data_dir / "supervisor.json").exists():
+        return
     supervisor = p.state()["pid"]
     subprocess.run([*CLI, "down", "--data-dir", str(p.data_dir)], env=p.env, timeout=150, check=True, cwd=ROOT)
     # `up --detach` leaves the supervisor an orphan; as subreaper we are its parent now, and

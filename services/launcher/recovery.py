@@ -11,6 +11,7 @@ import time
 from sandfleet import errors
 from schemas.layers import Rootfs
 from services.launcher import decisions, records
+from services.launcher.drivers.base import Driver, DriverFailure, Instance
 from services.launcher.keys import LOGGER, about
 from services.launcher.lifecycle import Launcher
 from services.launcher.state import Live
@@ -35,6 +36,7 @@ async def recover(launcher: Launcher) -> None:
             else:
                 rootfs = roots.get(record.id) if roots is not None else None
                 instance = await driver.adopt(record.id, anchor, record.spec, confinement, rootfs)
+                await _settle_frozen(driver, instance, record.id, frozen=plan.paused or plan.quarantined)
                 launcher.adopt(Live(record.id, record.spec, driver, instance, record.deadline or time.time(),
                                     rootfs=rootfs, paused=plan.paused, quarantined=plan.quarantined))
                 log.info("re-adopted sandbox %s (pid %d)", record.id, anchor.pid, extra=about(record.id))
@@ -48,6 +50,17 @@ async def recover(launcher: Launcher) -> None:
         log.info("released the root of %s, which no live sandbox owns", sandbox_id, extra=about(sandbox_id))
     for sandbox_id in await launcher.drivers.leftovers(set(launcher.live)):
         log.info("removed container %s, which no live sandbox owns", sandbox_id, extra=about(sandbox_id))
+
+
+async def _settle_frozen(driver: Driver, instance: Instance, sandbox_id: str, frozen: bool) -> None:
+    """The kernel as the record says: a launcher killed mid-checkpoint (or mid-pause) leaves a
+    `running` sandbox frozen, and every command in it would hang; a `paused` one may have been
+    thawed halfway. Freezing or thawing what already is so changes nothing."""
+    try:
+        await (driver.freeze(instance) if frozen else driver.thaw(instance))
+    except (OSError, DriverFailure) as exc:  # it is ending meanwhile: its exit watch ends it
+        log.warning("could not %s %s after restart: %s", "freeze" if frozen else "thaw", sandbox_id, exc,
+                    extra=about(sandbox_id))
 
 
 async def _roots(launcher: Launcher) -> dict[str, Rootfs] | None:
