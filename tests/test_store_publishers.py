@@ -4,8 +4,6 @@ alone or in a batch; the null one lets records change with no event stored."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -15,29 +13,15 @@ from sandfleet.bus import Bus
 from sandfleet.event_publisher import NullEventPublisher, messages
 from sandfleet.records import first, lifecycle_event
 from sandfleet.store import SandboxStore, ensure_state
-from sandfleet.supervisor import free_port, nats_server_binary
 from schemas import events
 from schemas.sandbox import SandboxRecord, SandboxSpec, State
+from tests.natsd import bare_nats_server
 
 
 @pytest.fixture(scope="module")
 def nats_url(tmp_path_factory) -> Iterator[str]:
-    port = free_port()
-    server = subprocess.Popen(
-        [nats_server_binary(), "-js", "-sd", str(tmp_path_factory.mktemp("publishers") / "js"), "-p", str(port),
-         "-a", "127.0.0.1"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:  # listening before the test connects (nats-py's first connect does not retry)
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise
-            time.sleep(0.05)
-    yield f"nats://127.0.0.1:{port}"
-    server.terminate()
-    server.wait(timeout=10)
+    with bare_nats_server(tmp_path_factory.mktemp("publishers") / "js") as url:
+        yield url
 
 
 @pytest.fixture
