@@ -57,8 +57,10 @@ def test_a_kernel_without_apparmor_is_reported_off():
                                       "with apparmor_parser)")
 
 
-def test_a_kernel_running_apparmor_is_reported_available():
-    only_where("apparmor" in active_lsms(), f"the kernel runs no AppArmor (its LSMs: {sorted(active_lsms())})")
+def test_a_kernel_running_apparmor_is_reported_available(monkeypatch):
+    """This kernel has no AppArmor, so the other case is taken from the node's one kernel probe;
+    the profile it reports on is still compiled by the real apparmor_parser."""
+    monkeypatch.setattr(apparmor.lsm, "apparmor_enabled", lambda: True)
     assert apparmor.node_status() == ("available: profiles generated and validated; loading them per sandbox "
                                       "is not wired yet")
 
