@@ -119,6 +119,16 @@ def test_destroying_what_is_not_live_here():
     assert decisions.destroy_refusal("sb-1", record(State.RUNNING), NODE) is None
 
 
+def test_a_retried_kill_of_a_sandbox_already_killed_for_a_violation_is_answered_not_refused():
+    killed = record(State.FAILED, reason=Reason.VIOLATION)
+    assert decisions.already_destroyed(killed, Reason.VIOLATION, NODE)
+    assert not decisions.already_destroyed(killed, Reason.REQUESTED, NODE)  # a user's destroy: not found
+    assert not decisions.already_destroyed(record(State.FAILED, reason=Reason.PROCESS_EXITED), Reason.VIOLATION, NODE)
+    assert not decisions.already_destroyed(record(State.RUNNING), Reason.VIOLATION, NODE)  # live: destroyed for real
+    assert not decisions.already_destroyed(record(State.FAILED, reason=Reason.VIOLATION, node="n2"), Reason.VIOLATION,
+                                           NODE)
+
+
 def test_a_destroyed_sandbox_ends_failed_only_when_it_crashed_or_cheated():
     assert decisions.destroyed_state(Reason.REQUESTED) is State.STOPPED
     assert decisions.destroyed_state(Reason.EXPIRED) is State.STOPPED

@@ -72,6 +72,14 @@ def destroy_reason_refusal(reason: Reason) -> ServiceError | None:
                         f"a destroy's reason is requested or violation, not {reason.value}")
 
 
+def already_destroyed(record: SandboxRecord, reason: Reason, node_id: str) -> bool:
+    """A kill for a violation of a sandbox this node already ended for a violation: the security
+    monitor retrying an action that landed before it crashed. Answered with the record, so the
+    audit trail says the kill was done, not refused."""
+    return (reason is Reason.VIOLATION and record.reason is Reason.VIOLATION and record.state in ENDED
+            and record.node == node_id)
+
+
 def destroy_refusal(sandbox_id: str, record: SandboxRecord, node_id: str) -> ServiceError | None:
     """Whether a sandbox that is not live here may still be destroyed from its record: one that
     ended or lives elsewhere is not found; one still being scheduled or started is not ours yet.

@@ -199,6 +199,8 @@ class Launcher:
         live = self.live.get(sandbox_id)
         if live is None:
             record, _ = await self.store.get(sandbox_id)
+            if decisions.already_destroyed(record, reason, self.node_id):
+                return record
             refused = decisions.destroy_refusal(sandbox_id, record, self.node_id)
             if refused is not None:
                 raise refused
