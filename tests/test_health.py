@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import time
 from types import SimpleNamespace
@@ -218,6 +219,8 @@ async def test_top_shows_the_sandbox_and_ends_quietly_on_a_closed_pipe(fleet, pl
             subprocess.run, ["bash", "-o", "pipefail", "-c", command], capture_output=True, timeout=60, cwd=ROOT,
             env={**platform.env, "SANDFLEET_NATS_URL": platform.url})
         assert piped.returncode == 0 and piped.stderr == b"" and len(piped.stdout.splitlines()) == 1
+        interrupted = await asyncio.to_thread(_interrupted_top, platform)
+        assert interrupted.returncode == 0 and interrupted.stderr == b""
         moved = await asyncio.to_thread(platform.cli, "set-timeout", sb.id, "900")
         assert sb.id.encode() in moved.stdout
         assert (await sb.info()).deadline >= time.time() + 800
@@ -235,3 +238,18 @@ def test_net_dev_lines_give_each_interfaces_receive_and_transmit_bytes():
             b"  eth0:99 1 0 0 0 0 0 0 77 1 0 0 0 0 0 0\n"
             b"broken: x\n")
     assert [(i.name, i.rx_bytes, i.tx_bytes) for i in parse_net_dev(text)] == [("lo", 1234, 1234), ("eth0", 99, 77)]
+
+
+def _interrupted_top(platform) -> subprocess.CompletedProcess:
+    """`sandfleet top` sent SIGINT (Ctrl-C) once it has drawn its first frame."""
+    proc = subprocess.Popen([*CLI, "top", "--interval", "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=ROOT, env={**platform.env, "SANDFLEET_NATS_URL": platform.url})
+    try:
+        assert proc.stdout.readline()  # the frame's first line
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

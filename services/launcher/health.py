@@ -24,6 +24,7 @@ from services.launcher.keys import tag
 from services.launcher.lifecycle import Launcher
 from services.launcher.state import Live
 
+_SETTING: set[tuple[str, str]] = set()  # (node, sandbox) whose set_timeout is writing its record now
 NODE_METRICS_AT_ONCE = 16  # sandboxes read at once for `node_metrics` (each is a few file reads in a thread)
 
 
@@ -36,11 +37,18 @@ async def set_timeout(launcher: Launcher, req: SetTimeoutRequest) -> SetTimeoutR
     if req.timeout_s > limit:
         raise ServiceError(ErrorCode.INVALID_REQUEST, f"timeout_s {req.timeout_s:g} is beyond this node's "
                                                       f"maximum of {limit:g} s")
-    live = _not_ending(launcher, req.sandbox_id)
-    deadline = time.time() + req.timeout_s
-    record = await records.deadline_set(launcher.store, req.sandbox_id, deadline)
-    live = _not_ending(launcher, req.sandbox_id)  # it may have begun to end during the write
-    live.deadline = deadline
+    _not_ending(launcher, req.sandbox_id)
+    key = (launcher.node_id, req.sandbox_id)
+    if key in _SETTING:  # two at once could leave the record with one deadline and the expiry loop the other
+        raise ServiceError(ErrorCode.CONFLICT, f"sandbox {req.sandbox_id} is getting another timeout; retry")
+    _SETTING.add(key)
+    try:
+        deadline = time.time() + req.timeout_s
+        record = await records.deadline_set(launcher.store, req.sandbox_id, deadline)
+        live = _not_ending(launcher, req.sandbox_id)  # it may have begun to end during the write
+        live.deadline = deadline
+    finally:
+        _SETTING.discard(key)
     return SetTimeoutReply(record=record)
 
 
