@@ -21,6 +21,7 @@ ROOT = "/sys/fs/cgroup"
 PARENT = "sandfleet"
 V1_CONTROLLERS = ("memory", "cpu", "pids")
 CPU_PERIOD_US = 100_000
+MEMORY_PEAK_V1, MEMORY_PEAK_V2 = "memory.max_usage_in_bytes", "memory.peak"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -136,6 +137,11 @@ class SandboxCgroups:
     def memory_charged_file(self) -> str:
         """Bytes the sandbox's memory is charged."""
         return self._file("memory", "memory.usage_in_bytes", "memory.current")
+
+    @property
+    def memory_peak_file(self) -> str:
+        """The most bytes the sandbox's memory was ever charged."""
+        return self._file("memory", MEMORY_PEAK_V1, MEMORY_PEAK_V2)
 
     @property
     def memory_limit_file(self) -> str:
@@ -310,3 +316,59 @@ def cpu_weight_file(v2_dir: str, procs_files: list[str]) -> CpuWeightFile | None
         if os.path.exists(shares):
             return CpuWeightFile(shares, IDLE_SHARES, ACTIVE_SHARES)
     return None
+
+
+# -- what a sandbox uses, read from the directories its confinement names ---------------------------
+
+@dataclass(frozen=True)
+class CgroupUsage:
+    """A sandbox's use as its cgroups count it; -1 where this kernel keeps no such file."""
+
+    cpu_usec: int  # user + system CPU time of every task it ran (v2 cpu.stat, a core file on both layouts)
+    memory_bytes: int
+    memory_peak_bytes: int
+    memory_limit_bytes: int
+    processes: int  # processes (not threads) in its v2 cgroup and any below it
+
+
+def read_usage(v2_dir: str, procs_files: list[str]) -> CgroupUsage:
+    """Read from the v2 directory and the directories of its cgroup.procs files (on a hybrid host
+    the v1 memory directory is one of them; on a unified host everything is in the v2 one).
+    FileNotFoundError if the v2 directory is gone (the sandbox ended)."""
+    cpu = _stat_field(f"{v2_dir}/cpu.stat", "usage_usec")  # raises if the cgroup is gone
+    memory_dir = next((d for d in [v2_dir, *(os.path.dirname(p) for p in procs_files)]
+                       if os.path.exists(f"{d}/memory.current") or os.path.exists(f"{d}/memory.usage_in_bytes")), None)
+    if memory_dir is None:
+        current = peak = limit = -1
+    elif os.path.exists(f"{memory_dir}/memory.current"):
+        current = _int_file(f"{memory_dir}/memory.current")
+        peak = _int_file(f"{memory_dir}/{MEMORY_PEAK_V2}")  # kernels before 5.19 lack it
+        limit = _int_file(f"{memory_dir}/memory.max")
+    else:
+        current = _int_file(f"{memory_dir}/memory.usage_in_bytes")
+        peak = _int_file(f"{memory_dir}/{MEMORY_PEAK_V1}")
+        limit = _int_file(f"{memory_dir}/memory.limit_in_bytes")
+    processes = 0
+    for d, _, _ in os.walk(v2_dir):
+        processes += len(_read_pids(f"{d}/cgroup.procs"))
+    return CgroupUsage(cpu_usec=cpu, memory_bytes=current, memory_peak_bytes=peak, memory_limit_bytes=limit,
+                       processes=processes)
+
+
+def _int_file(path: str) -> int:
+    """An integer cgroup file; `max` (no limit) and a missing file read as -1."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return -1
+    return -1 if text == "max" else int(text)
+
+
+def _stat_field(path: str, key: str) -> int:
+    with open(path) as f:
+        for line in f:
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    return -1

@@ -70,3 +70,37 @@ def psi_some_avg10(path: str) -> float:
 def node_pressure(kind: str) -> float:
     """The node's `some avg10` for `cpu`, `memory` or `io`."""
     return psi_some_avg10(f"/proc/pressure/{kind}")
+
+
+@dataclass(frozen=True)
+class InterfaceCounters:
+    """One line of /proc/<pid>/net/dev: an interface of that process's network namespace."""
+
+    name: str
+    rx_bytes: int
+    tx_bytes: int
+
+
+def read_net_dev(pid: int) -> list[InterfaceCounters]:
+    """The interfaces of the network namespace `pid` is in, read from the host (the file shows the
+    reader the namespace of the process it names, not its own). [] if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/net/dev", "rb") as f:
+            return parse_net_dev(f.read())
+    except OSError:
+        return []
+
+
+def parse_net_dev(data: bytes) -> list[InterfaceCounters]:
+    # Two header lines, then `name: rx_bytes rx_packets ... (8 receive fields) tx_bytes ...`.
+    found = []
+    for line in data.decode(errors="replace").splitlines()[2:]:
+        name, sep, counters = line.partition(":")
+        fields = counters.split()
+        if not sep or len(fields) < 9:
+            continue
+        try:
+            found.append(InterfaceCounters(name=name.strip(), rx_bytes=int(fields[0]), tx_bytes=int(fields[8])))
+        except ValueError:
+            continue
+    return found

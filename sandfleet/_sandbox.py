@@ -6,6 +6,7 @@ from __future__ import annotations
 import secrets
 from typing import TYPE_CHECKING
 
+from sandfleet import _health
 from sandfleet._requests import _convert
 from schemas import node
 from schemas.sandbox import SandboxRecord
@@ -81,3 +82,16 @@ class Sandbox:
         req = _convert(dict(sandbox_id=self.id, name=name, keep_paused=keep_paused), node.CheckpointRequest)
         return await self._fleet.bus.request(self._subject(node.CHECKPOINT), req, node.Checkpoint,
                                              timeout=timeout_s + 10)
+
+    # -- lifetime and health (sandfleet/_health.py) --------------------------------------------
+
+    async def set_timeout(self, seconds: float) -> SandboxRecord:
+        """End the sandbox (reason `expired`) `seconds` from now, later or sooner than it would
+        have; returns its record with the new `deadline`. `InvalidRequest` for 0, a negative
+        value or one past the node's maximum, `Conflict` if it is already ending."""
+        return await _health.set_timeout(self._fleet, self.node, self.id, seconds)
+
+    async def metrics(self) -> _health.SandboxMetrics:
+        """What it uses now, read by its node from outside it: CPU time, memory (current, peak),
+        disk of its writable layer, processes, and network bytes of its netns's interfaces."""
+        return await _health.metrics(self._fleet, self.node, self.id)

@@ -12,10 +12,11 @@ from sandfleet import runner
 from sandfleet.bus import Endpoint
 from sandfleet.config import ServiceConfig
 from sandfleet.store import SandboxStore
+from schemas import health as health_schema
 from schemas import node as node_schema
 from schemas.node import MAX_FILE_BYTES
 from schemas.sandbox import Reason
-from services.launcher import fencing, handlers, heartbeat, pausing, recovery
+from services.launcher import fencing, handlers, health, heartbeat, pausing, recovery
 from services.launcher.clients import LayerCache, NodeAgent
 from services.launcher.drivers import Drivers
 from services.launcher.keys import LOGGER
@@ -46,6 +47,16 @@ def endpoints(launcher: Launcher) -> list[Endpoint]:
                  h(handlers.resume_selected, launcher)),
         Endpoint("hint", s.subject(n, s.HINT), s.HintRequest, h(handlers.hint, launcher)),
         Endpoint("checkpoint", s.subject(n, s.CHECKPOINT), s.CheckpointRequest, h(handlers.checkpoint, launcher)),
+        *_health_endpoints(launcher),
+    ]
+
+
+def _health_endpoints(launcher: Launcher) -> list[Endpoint]:
+    n, h, s = launcher.node_id, functools.partial, health_schema
+    return [
+        Endpoint("set_timeout", s.subject(n, s.SET_TIMEOUT), s.SetTimeoutRequest, h(health.set_timeout, launcher)),
+        Endpoint("metrics", s.subject(n, s.METRICS), s.MetricsRequest, h(health.metrics, launcher)),
+        Endpoint("node_metrics", s.subject(n, s.NODE_METRICS), s.NodeMetricsRequest, h(health.node_metrics, launcher)),
     ]
 
 

@@ -87,3 +87,9 @@ async def quarantined(store: SandboxStore, sandbox_id: str, detail: str) -> Sand
 async def checkpointed(store: SandboxStore, sandbox_id: str, layers: list[str]) -> None:
     """Kept on the record: placement restores the sandbox from it elsewhere if this node is lost."""
     await store.update(sandbox_id, lambda r: msgspec.structs.replace(r, checkpoint=layers))
+
+
+async def deadline_set(store: SandboxStore, sandbox_id: str, deadline: float) -> SandboxRecord:
+    """A new deadline (`set_timeout`), kept on the record so a restarted launcher expires it then."""
+    return await store.update(sandbox_id, lambda r: msgspec.structs.replace(r, deadline=deadline,
+                                                                            updated_at=time.time()))

@@ -14,6 +14,8 @@ class LauncherSettings:
     starting_grace_s: float = 0.5  # SANDFLEET_STARTING_GRACE_S
     # How often the launcher looks for sandboxes whose records ended elsewhere (see fencing.py).
     fence_s: float = 15.0  # SANDFLEET_FENCE_S
+    # The longest life `set_timeout` may give a sandbox, from now (a create's own limit: 7 days).
+    max_timeout_s: float = 7 * 24 * 3600.0  # SANDFLEET_MAX_TIMEOUT_S
 
     @classmethod
     def from_env(cls) -> LauncherSettings:
@@ -22,4 +24,5 @@ class LauncherSettings:
             launch_concurrency=int(env.get("SANDFLEET_LAUNCH_CONCURRENCY") or cls.launch_concurrency),
             starting_grace_s=float(env.get("SANDFLEET_STARTING_GRACE_S") or cls.starting_grace_s),
             fence_s=float(env.get("SANDFLEET_FENCE_S") or cls.fence_s),
+            max_timeout_s=float(env.get("SANDFLEET_MAX_TIMEOUT_S") or cls.max_timeout_s),
         )

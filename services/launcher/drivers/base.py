@@ -105,6 +105,19 @@ class CpuWeight:
     value: int
 
 
+@dataclass(frozen=True)
+class Usage:
+    """What a sandbox uses now (see schemas/health.py for each figure); -1 where unreadable."""
+
+    cpu_s: float
+    memory_bytes: int
+    memory_peak_bytes: int
+    memory_limit_bytes: int
+    disk_bytes: int
+    processes: int
+    interfaces: list[tuple[str, int, int]]  # (name, rx bytes, tx bytes) of each interface of its netns
+
+
 class Driver(Protocol):
     """One isolation level. File operations raise OSError subclasses with the errno of the
     failure (FileNotFoundError, PermissionError, IsADirectoryError...), ValueError for a path or
@@ -151,3 +164,10 @@ class Driver(Protocol):
         """Remove what a crash left of sandboxes not in `keep`; their ids."""
 
     def close(self) -> None: ...
+
+    # -- health: what a sandbox uses, read from outside it ------------------------------------
+
+    async def usage(self, instance: Instance) -> Usage:
+        """CPU time, memory, disk of its writable layer, processes and network bytes, read from
+        outside the sandbox (a VM level asks its hypervisor and guest agent); SandboxGone if it
+        has ended."""

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from linuxnode import cgroups
+from linuxnode import cgroups, procfs
 from linuxnode import process as process_runtime
 from linuxnode.process import InitProcess, ProcessSpec
 from schemas.layers import Rootfs
@@ -35,6 +35,7 @@ from services.launcher.drivers.base import (
     SandboxGone,
     StartFailed,
     Unsupported,
+    Usage,
 )
 
 
@@ -183,3 +184,55 @@ class ProcessDriver:
 
     def close(self) -> None:
         pass
+
+    # -- health: what a sandbox uses, read from outside it ------------------------------------
+
+    async def usage(self, instance: Instance) -> Usage:
+        return await asyncio.to_thread(_usage, _own(instance))
+
+
+def _usage(sandbox: NamespaceSandbox) -> Usage:
+    """Its cgroup files, its writable layer, and /proc/<init>/net/dev (which shows the host the
+    counters of the init's network namespace: `lo` and the sandbox's end of its veth)."""
+    try:
+        used = cgroups.read_usage(sandbox.confinement.cgroup_v2, sandbox.confinement.cgroup_procs)
+    except FileNotFoundError:
+        raise SandboxGone("the sandbox's cgroup is gone") from None
+    interfaces = procfs.read_net_dev(sandbox.init.pid)
+    if not process_runtime.is_alive(sandbox.init):
+        raise SandboxGone("the sandbox's init is gone")  # and a recycled pid's figures are not its own
+    if sandbox.rootfs is not None:
+        disk = _bytes_used(Path(sandbox.rootfs.upper))
+    else:  # the host view: its one writable disk is the /workspace tmpfs in its mount namespace
+        disk = _filesystem_used(Path(f"/proc/{sandbox.init.pid}/root/workspace"))
+    return Usage(cpu_s=used.cpu_usec / 1e6 if used.cpu_usec >= 0 else -1.0, memory_bytes=used.memory_bytes,
+                 memory_peak_bytes=used.memory_peak_bytes, memory_limit_bytes=used.memory_limit_bytes,
+                 disk_bytes=disk, processes=used.processes,
+                 interfaces=[(i.name, i.rx_bytes, i.tx_bytes) for i in interfaces])
+
+
+def _bytes_used(upper: Path) -> int:
+    """The upper dir's usage: its tmpfs's (a root with a disk limit has one of its own, holding only
+    the upper and overlay work dirs) in O(1), else the blocks of every file in it, hard links once."""
+    try:
+        if os.path.ismount(upper.parent):
+            return _filesystem_used(upper)
+        seen: set[tuple[int, int]] = set()
+        total = 0
+        for root, dirs, files in os.walk(upper):
+            for name in dirs + files:
+                st = os.lstat(os.path.join(root, name))
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_blocks * 512
+        return total
+    except FileNotFoundError:
+        return -1
+
+
+def _filesystem_used(path: Path) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return -1
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
