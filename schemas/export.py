@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgspec
 
-from schemas import errors, events, layers, node, reclaim, sandbox, security, violations
+from schemas import errors, events, health, layers, node, reclaim, sandbox, security, violations
 
 MESSAGES: dict[str, object] = {
     "sandbox.CreateRequest": sandbox.CreateRequest,
@@ -54,6 +54,12 @@ MESSAGES: dict[str, object] = {
     "node.HintReply": node.HintReply,
     "node.CheckpointRequest": node.CheckpointRequest,
     "node.Checkpoint": node.Checkpoint,
+    "health.SetTimeoutRequest": health.SetTimeoutRequest,
+    "health.SetTimeoutReply": health.SetTimeoutReply,
+    "health.MetricsRequest": health.MetricsRequest,
+    "health.NodeMetricsRequest": health.NodeMetricsRequest,
+    "health.SandboxMetrics": health.SandboxMetrics,
+    "health.NodeMetrics": health.NodeMetrics,
     "security.Policy": security.Policy,
     "security.PolicyGetRequest": security.PolicyGetRequest,
     "security.PolicyListRequest": security.PolicyListRequest,

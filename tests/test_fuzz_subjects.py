@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sandfleet.bus import decode
-from schemas import layers, node, reclaim, sandbox, security
+from schemas import health, layers, node, reclaim, sandbox, security
 from schemas.errors import ErrorBody, ErrorCode
 
 EXAMPLES = 30  # per subject: ~40 subjects, each payload refused at decoding, so seconds in all
@@ -83,6 +83,9 @@ SUBJECTS = [
     Subject("launcher", node.RESUME_SELECTED, node.SelectedRequest, {"labels": {"fuzz": "none"}}),
     Subject("launcher", node.HINT, node.HintRequest, NOWHERE | {"hint": "idle"}),
     Subject("launcher", node.CHECKPOINT, node.CheckpointRequest, NOWHERE | {"name": "fuzz-none"}),
+    Subject("launcher", health.SET_TIMEOUT, health.SetTimeoutRequest, NOWHERE | {"timeout_s": 60}),
+    Subject("launcher", health.METRICS, health.MetricsRequest, NOWHERE),
+    Subject("launcher", health.NODE_METRICS, health.NodeMetricsRequest, {}),
     # node agent
     Subject("agent", node.CONFINE, node.ConfineRequest, {}),
     Subject("agent", node.RELEASE, node.ReleaseRequest, NOWHERE),
@@ -168,3 +171,14 @@ async def test_generated_bad_requests_get_typed_errors_and_the_service_serves_on
     probe = READ_ONLY[s.service] if s.verb in ACTING else s
     await _answered(nc, probe.address(platform.node_id), probe.probe)
     assert platform.service_pid(s.service) == pid, f"{s.service} was restarted: it crashed on a payload"
+
+
+def test_every_subject_the_launcher_serves_is_fuzzed():
+    """The launcher gains subjects with every capability: one left out of SUBJECTS fails here."""
+    from types import SimpleNamespace
+
+    from services.launcher.__main__ import endpoints
+
+    served = {ep.subject for ep in endpoints(SimpleNamespace(node_id="fuzz-node"))}  # type: ignore[arg-type]
+    fuzzed = {s.address("fuzz-node") for s in SUBJECTS if s.service == "launcher"}
+    assert served == fuzzed, f"served, not fuzzed: {sorted(served - fuzzed)}; fuzzed, not served: {sorted(fuzzed - served)}"
