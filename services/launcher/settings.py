@@ -14,6 +14,13 @@ class LauncherSettings:
     starting_grace_s: float = 0.5  # SANDFLEET_STARTING_GRACE_S
     # How often the launcher looks for sandboxes whose records ended elsewhere (see fencing.py).
     fence_s: float = 15.0  # SANDFLEET_FENCE_S
+    # Background processes (services/launcher/processes.py): running at once per sandbox, the
+    # output kept per process for readers by default and at most, and the ended ones kept per
+    # sandbox (their output and exit stay readable until more end).
+    max_processes: int = 32  # SANDFLEET_MAX_PROCESSES
+    process_buffer_bytes: int = 1 << 20  # SANDFLEET_PROCESS_BUFFER_BYTES
+    max_process_buffer_bytes: int = 16 << 20  # SANDFLEET_MAX_PROCESS_BUFFER_BYTES
+    ended_processes_kept: int = 16  # SANDFLEET_ENDED_PROCESSES_KEPT
 
     @classmethod
     def from_env(cls) -> LauncherSettings:
@@ -22,4 +29,9 @@ class LauncherSettings:
             launch_concurrency=int(env.get("SANDFLEET_LAUNCH_CONCURRENCY") or cls.launch_concurrency),
             starting_grace_s=float(env.get("SANDFLEET_STARTING_GRACE_S") or cls.starting_grace_s),
             fence_s=float(env.get("SANDFLEET_FENCE_S") or cls.fence_s),
+            max_processes=int(env.get("SANDFLEET_MAX_PROCESSES") or cls.max_processes),
+            process_buffer_bytes=int(env.get("SANDFLEET_PROCESS_BUFFER_BYTES") or cls.process_buffer_bytes),
+            max_process_buffer_bytes=int(env.get("SANDFLEET_MAX_PROCESS_BUFFER_BYTES")
+                                         or cls.max_process_buffer_bytes),
+            ended_processes_kept=int(env.get("SANDFLEET_ENDED_PROCESSES_KEPT") or cls.ended_processes_kept),
         )
