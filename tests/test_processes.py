@@ -25,6 +25,7 @@ from sandfleet import errors
 from sandfleet.layers_client import Layers
 from schemas import process as proc_schema
 from schemas.errors import ErrorBody, ErrorCode
+from services.launcher.process_output import OutputBuffer
 from tests.kernel import require
 from tests.layer_trees import APPLETS, make_busybox_base
 from tests.test_fuzz_subjects import ERROR_CODE, Subject, _answered, _gather
@@ -64,6 +65,22 @@ async def sb(request, fleet, tmp_path_factory):
         await box.destroy()
     except errors.NotFound:
         pass
+
+
+def test_the_output_buffer_keeps_the_newest_bytes_and_counts_what_it_dropped():
+    buffer = OutputBuffer(10)
+    buffer.append(1, b"abcdef")
+    buffer.append(2, b"ghijkl")
+    assert (buffer.start, buffer.end, buffer.held) == (2, 12, 10)
+    chunks, next_offset, dropped = buffer.read(0, 100)
+    assert dropped == 2 and next_offset == 12
+    assert [(c.stream, c.offset, c.data) for c in chunks] == [(1, 2, b"cdef"), (2, 6, b"ghijkl")]
+    chunks, next_offset, dropped = buffer.read(7, 3)
+    assert [(c.offset, c.data) for c in chunks] == [(7, b"hij")] and next_offset == 10 and dropped == 0
+    assert buffer.read(12, 100) == ([], 12, 0)
+    buffer.append(1, b"x" * 25)  # one chunk larger than the whole buffer: its newest part stays
+    chunks, _, dropped = buffer.read(0, 100)
+    assert b"".join(c.data for c in chunks) == b"x" * 10 and dropped == 27
 
 
 async def _all_output(proc) -> dict[str, bytes]:
@@ -260,9 +277,23 @@ async def test_an_ended_sandbox_is_told_apart_from_an_ended_command(sb, fleet):
         with pytest.raises(errors.SandboxEnded) as caught:
             await ended
         assert caught.value.reason == "requested"
-    # Nothing of the process is kept for a sandbox that ended.
+    # Nothing of the process is kept for a sandbox that ended, and no exec helper outlives it.
     with pytest.raises(errors.SandboxEnded):
         await sb.processes()
+    assert _host_processes_in(sb.id) == []
+
+
+def _host_processes_in(sandbox_id: str) -> list[int]:
+    """Host pids whose cgroups name the sandbox (the helpers of its commands join them)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cgroup") as f:
+                if sandbox_id in f.read():
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 async def test_bad_process_input_gets_typed_errors_and_changes_nothing(sb, fleet):
