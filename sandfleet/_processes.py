@@ -8,6 +8,8 @@ long poll (schemas/process.py): one `proc.read` in flight per reader, answered a
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 STREAMS = {proc.STDOUT: "stdout", proc.STDERR: "stderr"}
 OutputCallback = Callable[[bytes], None | Awaitable[None]]
 _ENDING = (State.STOPPING, State.STOPPED, State.FAILED)
+REASON_TRIES, REASON_WAIT_S = 10, 0.2
 
 
 @dataclass(frozen=True)
@@ -87,9 +90,14 @@ class Process:
             raise await ended_or(self.sandbox, exc) from None
 
     async def _ended(self, exit: proc.Exit) -> None:
-        if exit.sandbox_ended:
-            raise await sandbox_ended(self.sandbox) or errors.SandboxEnded(
-                f"sandbox {self.sandbox.id} ended under process {self.pid}")
+        if not exit.sandbox_ended:
+            return
+        for _ in range(REASON_TRIES):  # an init that died on its own is recorded a moment after
+            ended = await sandbox_ended(self.sandbox)
+            if ended is not None:
+                raise ended
+            await asyncio.sleep(REASON_WAIT_S)
+        raise errors.SandboxEnded(f"sandbox {self.sandbox.id} ended under process {self.pid}")
 
     async def info(self) -> proc.ProcessInfo:
         req = proc.WaitRequest(sandbox_id=self.sandbox.id, pid=self.pid, wait_s=0)
@@ -187,8 +195,9 @@ async def streamed_exec(sb: Sandbox, argv: list[str], *, timeout_s: float, env: 
     process = await spawn(sb, argv, env=env, cwd=cwd, stdin=bool(stdin), timeout_s=timeout_s,
                           buffer_bytes=node.MAX_OUTPUT_BYTES * 2)
     if stdin:
-        await process.send_stdin(stdin)
-        await process.close_stdin()
+        with contextlib.suppress(errors.Conflict):  # it ended (or closed stdin) without reading it all
+            await process.send_stdin(stdin)
+            await process.close_stdin()
     kept = {"stdout": bytearray(), "stderr": bytearray()}
     truncated = False
     async for out in process.output():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -63,7 +64,7 @@ async def sb(request, fleet, tmp_path_factory):
     yield box
     try:
         await box.destroy()
-    except errors.NotFound:
+    except (errors.NotFound, errors.Conflict):  # it ended in the test (or is ending on its own)
         pass
 
 
@@ -281,6 +282,14 @@ async def test_an_ended_sandbox_is_told_apart_from_an_ended_command(sb, fleet):
     with pytest.raises(errors.SandboxEnded):
         await sb.processes()
     assert _host_processes_in(sb.id) == []
+
+
+async def test_a_sandbox_whose_init_died_ends_its_processes_with_that_reason(sb, fleet):
+    proc = await sb.spawn(["sleep", "1000"])
+    os.kill((await fleet.get(sb.id)).init_pid, signal.SIGKILL)  # as the kernel's OOM killer would
+    with pytest.raises(errors.SandboxEnded) as caught:
+        await proc.wait()
+    assert caught.value.reason == "process_exited"
 
 
 def _host_processes_in(sandbox_id: str) -> list[int]:

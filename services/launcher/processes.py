@@ -46,6 +46,7 @@ from services.launcher.lifecycle import Launcher
 from services.launcher.process_output import OutputBuffer
 
 SWEEP_S = 2.0
+KILLED_CHECKS, KILLED_CHECK_S = 3, 0.1
 
 
 @dataclass
@@ -110,11 +111,19 @@ class ProcessTable:
         process.buffer.free()
         process.ended.set()
 
-    def exited(self, process: Process, status: int) -> None:
+    def exited(self, process: Process, status: int, checks: int = KILLED_CHECKS) -> None:
         code = os.waitstatus_to_exitcode(status)
         live = self.launcher.live.get(process.sandbox_id)
+        # An init that died on its own (killed, out of memory) is seen by the launcher's watch
+        # maybe only after this exit, so ask the kernel too; and as a dying init first kills
+        # every process of its namespace and only then ends, a process SIGKILLed while its
+        # init looks alive is asked about again a moment later before its exit is told.
+        gone = live is None or live.ending or not live.driver.alive(live.instance.anchor)
+        if not gone and code == -9 and checks > 0:
+            asyncio.get_running_loop().call_later(KILLED_CHECK_S, self.exited, process, status, checks - 1)
+            return
         process.exit = Exit(exit_code=128 - code if code < 0 else code, signal=-code if code < 0 else None,
-                            timed_out=process.timed_out, sandbox_ended=live is None or live.ending)
+                            timed_out=process.timed_out, sandbox_ended=gone)
         if process.timer is not None:
             process.timer.cancel()
         process.ended.set()
