@@ -6,7 +6,8 @@ from __future__ import annotations
 import secrets
 from typing import TYPE_CHECKING
 
-from sandfleet import _health
+from sandfleet import _health, _processes, errors
+from sandfleet._processes import OutputCallback, Process
 from sandfleet._requests import _convert
 from schemas import node
 from schemas.sandbox import SandboxRecord
@@ -40,9 +41,25 @@ class Sandbox:
         env: dict[str, str] | None = None,
         cwd: str = "/workspace",
         stdin: bytes = b"",
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
     ) -> ExecResult:
+        """Run argv and return what it did. With `on_stdout`/`on_stderr`, each chunk is handed to
+        its callback (sync or async) as the command writes it. Raises SandboxEnded if the sandbox
+        ended under the command (its result would say nothing of the command)."""
+        if on_stdout is not None or on_stderr is not None:
+            return await _processes.streamed_exec(self, argv, timeout_s=timeout_s, env=env, cwd=cwd, stdin=stdin,
+                                                  on_stdout=on_stdout, on_stderr=on_stderr)
         req = node.ExecRequest(sandbox_id=self.id, argv=argv, env=env or {}, cwd=cwd, stdin=stdin, timeout_s=timeout_s)
-        return await self._fleet.bus.request(self._subject(node.EXEC), req, node.ExecReply, timeout=timeout_s + 10)
+        try:
+            r = await self._fleet.bus.request(self._subject(node.EXEC), req, node.ExecReply, timeout=timeout_s + 10)
+        except errors.SandfleetError as exc:
+            raise await _processes.ended_or(self, exc) from None
+        if r.exit_code > 128 and not r.timed_out:  # a signal ended it: the command's, or its sandbox's end?
+            ended = await _processes.sandbox_ended(self)
+            if ended is not None:
+                raise ended
+        return r
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:
         req = node.WriteFileRequest(sandbox_id=self.id, path=path, data=data, mode=mode)
@@ -95,3 +112,28 @@ class Sandbox:
         """What it uses now, read by its node from outside it: CPU time, memory (current, peak),
         disk of its writable layer, processes, and network bytes of its netns's interfaces."""
         return await _health.metrics(self._fleet, self.node, self.id)
+
+    # -- background processes and shells (issue 12: processes) ---------------------------
+
+    async def spawn(self, argv: list[str], *, env: dict[str, str] | None = None, cwd: str = "/workspace",
+                    stdin: bool = False, timeout_s: float | None = None, buffer_bytes: int = 0) -> Process:
+        """Start argv in the background; it runs until it ends, is killed, or the sandbox ends,
+        whatever the client does. `stdin=True` keeps its stdin open for `send_stdin`; the node
+        keeps its newest `buffer_bytes` of output (0: the node's default) for any reader."""
+        return await _processes.spawn(self, argv, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s,
+                                      buffer_bytes=buffer_bytes)
+
+    def process(self, pid: int) -> Process:
+        """A handle on background process `pid` (from this client or any other)."""
+        return Process(self, pid)
+
+    async def processes(self):
+        """Every background process the node keeps for this sandbox: running, and recently ended."""
+        return await _processes.processes(self)
+
+    async def shell(self, shell: str = "sh", *, env: dict[str, str] | None = None, cwd: str = "/workspace"):
+        """A shell session whose state (cwd, environment, variables, background jobs) lasts
+        between its runs (see sandfleet/_shell.py)."""
+        from sandfleet._shell import Shell
+
+        return await Shell.open(self, shell, env=env, cwd=cwd)

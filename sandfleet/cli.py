@@ -16,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 
-from sandfleet import cli_health, cli_layers, cli_rollout, client, errors
+from sandfleet import cli_health, cli_layers, cli_processes, cli_rollout, client, errors
 from sandfleet.config import DEFAULT_PORT, default_data_dir, nats_url, node_id
 from sandfleet.extras import MissingExtra, require
 from sandfleet.supervisor import Supervisor, free_port, plan_nodes, read_state, stop_unsupervised
@@ -94,7 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--timeout-s", type=float, default=60.0)
     ex.add_argument("argv", nargs=argparse.REMAINDER)
 
-    cmd("ps", _ps, "list sandboxes").add_argument("--all", action="store_true", help="include ended ones")
+    ps = cmd("ps", _ps, "list sandboxes, or with an ID that sandbox's background processes")
+    ps.add_argument("--all", action="store_true", help="include ended ones")
+    ps.add_argument("id", nargs="?", default=None)
     cmd("rm", _rm, "destroy sandboxes").add_argument("ids", nargs="+")
     ev = cmd("events", _events, "print lifecycle events (history, then live with --follow)")
     ev.add_argument("--follow", "-f", action="store_true")
@@ -113,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     cli_layers.register(sub)
     cli_rollout.register(sub)
     cli_health.register(sub)
+    cli_processes.register(sub)
     return p
 
 
@@ -291,19 +294,13 @@ def _exec(args: argparse.Namespace) -> int:
         print("sandfleet exec: give a command after --", file=sys.stderr)
         return 2
 
-    async def body(fleet: client.Fleet) -> int:
-        sb = await fleet.sandbox(args.id)
-        r = await sb.exec(argv, timeout_s=args.timeout_s)
-        sys.stdout.buffer.write(r.stdout)
-        sys.stderr.buffer.write(r.stderr)
-        if r.timed_out:
-            print(f"sandfleet exec: timed out after {args.timeout_s:g}s", file=sys.stderr)
-        return r.exit_code if 0 <= r.exit_code < 256 else 1
-
-    return _with_fleet(args, body)
+    return cli_processes.exec_(args, argv)  # streamed as it runs
 
 
 def _ps(args: argparse.Namespace) -> int:
+    if args.id:
+        return cli_processes.ps(args)
+
     async def body(fleet: client.Fleet) -> int:
         records = await fleet.list(include_ended=args.all)
         print(f"{'ID':<18} {'NODE':<16} {'ISOLATION':<10} {'STATE':<9} {'AGE':>7}  LABELS")

@@ -6,6 +6,7 @@
     └── ServiceFailure    a service answered with an error body
         ├── InvalidRequest    the request broke the schema or a limit
         ├── NotFound          no such sandbox (or it has ended)
+        │   └── SandboxEnded  the sandbox ended under a command or process (`reason` says why)
         ├── Capacity          no node has room right now
         ├── Unsupported       no node can run what was asked (e.g. an isolation level)
         ├── Conflict          the sandbox is in a state that forbids the operation
@@ -44,6 +45,17 @@ class InvalidRequest(ServiceFailure):
 
 class NotFound(ServiceFailure):
     code = ErrorCode.NOT_FOUND
+
+
+class SandboxEnded(NotFound):
+    """The sandbox ended while a command or background process ran in it, so the command's
+    result says nothing about the command: `reason` (a schemas.sandbox.Reason value: expired,
+    requested, process_exited (its init died: out of memory, killed), node_lost, node_shutdown,
+    violation...) tells a trainer to mask the rollout instead of scoring it."""
+
+    def __init__(self, message: str = "", *, reason: str = "none", subject: str = "") -> None:
+        super().__init__(message, subject=subject)
+        self.reason = reason
 
 
 class Capacity(ServiceFailure):

@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 
 from schemas import errors, events, health, layers, node, reclaim, sandbox, security, violations
+from schemas import process as proc
 
 MESSAGES: dict[str, object] = {
     "sandbox.CreateRequest": sandbox.CreateRequest,
@@ -60,6 +61,17 @@ MESSAGES: dict[str, object] = {
     "health.NodeMetricsRequest": health.NodeMetricsRequest,
     "health.SandboxMetrics": health.SandboxMetrics,
     "health.NodeMetrics": health.NodeMetrics,
+    "process.SpawnRequest": proc.SpawnRequest,
+    "process.Exit": proc.Exit,
+    "process.ProcessInfo": proc.ProcessInfo,
+    "process.ReadRequest": proc.ReadRequest,
+    "process.ReadReply": proc.ReadReply,
+    "process.WriteRequest": proc.WriteRequest,
+    "process.WriteReply": proc.WriteReply,
+    "process.SignalRequest": proc.SignalRequest,
+    "process.WaitRequest": proc.WaitRequest,
+    "process.ListRequest": proc.ListRequest,
+    "process.ListReply": proc.ListReply,
     "security.Policy": security.Policy,
     "security.PolicyGetRequest": security.PolicyGetRequest,
     "security.PolicyListRequest": security.PolicyListRequest,

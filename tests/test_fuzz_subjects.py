@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from sandfleet.bus import decode
 from schemas import health, layers, node, reclaim, sandbox, security
+from schemas import process as proc_schema
 from schemas.errors import ErrorBody, ErrorCode
 
 EXAMPLES = 30  # per subject: ~40 subjects, each payload refused at decoding, so seconds in all
@@ -86,6 +87,12 @@ SUBJECTS = [
     Subject("launcher", health.SET_TIMEOUT, health.SetTimeoutRequest, NOWHERE | {"timeout_s": 60}),
     Subject("launcher", health.METRICS, health.MetricsRequest, NOWHERE),
     Subject("launcher", health.NODE_METRICS, health.NodeMetricsRequest, {}),
+    Subject("launcher", proc_schema.SPAWN, proc_schema.SpawnRequest, NOWHERE | {"argv": ["true"]}),
+    Subject("launcher", proc_schema.READ, proc_schema.ReadRequest, NOWHERE | {"pid": 1, "wait_s": 0}),
+    Subject("launcher", proc_schema.WRITE, proc_schema.WriteRequest, NOWHERE | {"pid": 1}),
+    Subject("launcher", proc_schema.SIGNAL, proc_schema.SignalRequest, NOWHERE | {"pid": 1}),
+    Subject("launcher", proc_schema.WAIT, proc_schema.WaitRequest, NOWHERE | {"pid": 1, "wait_s": 0}),
+    Subject("launcher", proc_schema.LIST, proc_schema.ListRequest, NOWHERE),
     # node agent
     Subject("agent", node.CONFINE, node.ConfineRequest, {}),
     Subject("agent", node.RELEASE, node.ReleaseRequest, NOWHERE),
@@ -179,6 +186,6 @@ def test_every_subject_the_launcher_serves_is_fuzzed():
 
     from services.launcher.__main__ import endpoints
 
-    served = {ep.subject for ep in endpoints(SimpleNamespace(node_id="fuzz-node"))}  # type: ignore[arg-type]
+    served = {ep.subject for ep in endpoints(SimpleNamespace(node_id="fuzz-node"), None)}  # type: ignore[arg-type]
     fuzzed = {s.address("fuzz-node") for s in SUBJECTS if s.service == "launcher"}
     assert served == fuzzed, f"served, not fuzzed: {sorted(served - fuzzed)}; fuzzed, not served: {sorted(fuzzed - served)}"

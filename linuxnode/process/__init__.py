@@ -32,6 +32,7 @@ children.py   B and C, the code that runs after fork
 reports.py    the records children and spawner write on the report pipes
 lifecycle.py  start, start_async, is_alive, kill, kill_async
 execio.py     exec: the launcher's side of a command's pipes, on the event loop
+background.py spawn: a background command's pipes, stdin and signals, on the event loop
 files.py      read_file, write_file
 """
 

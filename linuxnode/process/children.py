@@ -12,8 +12,8 @@ import signal
 from linuxnode import landlock
 from linuxnode import syscalls as linux
 from linuxnode.process.model import CATATONIT, DEFAULT_ENV
-from linuxnode.process.protocol import ExecCommand, StartInit
-from linuxnode.process.reports import READY, report_failure, status_record
+from linuxnode.process.protocol import ExecCommand, SpawnCommand, StartInit
+from linuxnode.process.reports import READY, command_record, report_failure, status_record
 
 _LANDLOCK_ABI = landlock.abi()  # asked once, in the spawner: 0 where the kernel has none
 # Opt every sandbox process in to KSM page merging (inherited over fork and exec); ksmd only
@@ -94,6 +94,7 @@ def exec_child(request: ExecCommand, last_cap: int, seccomp: bytes) -> None:
     SIGTERM (the spawner, on timeout or cancel) kills the command's process group. Never returns."""
     report, pidfd, root, argv, env = request.report, request.pidfd, request.root, request.argv, request.env
     stdio = (request.stdin, request.stdout, request.stderr)
+    control = request.control if isinstance(request, SpawnCommand) else -1
     command, killed = 0, False
 
     def kill_command() -> None:
@@ -110,7 +111,7 @@ def exec_child(request: ExecCommand, last_cap: int, seccomp: bytes) -> None:
     signal.set_wakeup_fd(-1)
     step = "close inherited fds"
     try:
-        _close_all_but({report, pidfd, root, *stdio})  # C lives as long as the command: hold nothing else
+        _close_all_but({report, pidfd, root, *stdio, control} - {-1})  # C lives as long as the command: hold nothing else
         step = "join cgroups"
         _join_cgroups(request.cgroup_procs)
         _tag_for_audit(request.cgroup_procs)
@@ -135,6 +136,8 @@ def exec_child(request: ExecCommand, last_cap: int, seccomp: bytes) -> None:
                 )
                 if killed:  # SIGTERM arrived while spawning
                     kill_command()
+                elif control >= 0:
+                    os.write(report, command_record(command))
             except OSError as exc:
                 code = 127 if exc.errno in (errno.ENOENT, errno.ENOTDIR) else 126
                 os.write(stdio[2], f"sandbox: {argv[0]}: {exc.strerror}\n".encode(errors="replace"))
@@ -143,6 +146,8 @@ def exec_child(request: ExecCommand, last_cap: int, seccomp: bytes) -> None:
             os.write(stdio[2], f"sandbox: {argv[0]}: {why}\n".encode(errors="replace"))
         for fd in stdio:
             os.close(fd)
+        if command and control >= 0:
+            _forward_signals(command, control)
         status = os.waitpid(command, 0)[1] if command else code << 8
         os.write(report, status_record(status))
         os.close(report)
@@ -150,6 +155,28 @@ def exec_child(request: ExecCommand, last_cap: int, seccomp: bytes) -> None:
         report_failure(report, step, exc)
         os._exit(1)
     os._exit(0)
+
+
+def _forward_signals(command: int, control: int) -> None:
+    """Until the command exits, send each signal number read from `control` to its process
+    group; the launcher closing `control` (it went away) leaves the command running."""
+    import select  # a built-in module: nothing is read from disk in the sandbox's root
+
+    exited = os.pidfd_open(command)
+    poll = select.poll()
+    poll.register(exited, select.POLLIN)
+    poll.register(control, select.POLLIN)
+    while True:
+        ready = dict(poll.poll())
+        if exited in ready:
+            return
+        if control in ready:
+            data = os.read(control, 64)
+            if not data:
+                poll.unregister(control)
+            for number in data:
+                with contextlib.suppress(ProcessLookupError, OSError):
+                    os.killpg(command, number)  # not reaped yet, so the group is still its own
 
 
 def _close_all_but(keep: set[int]) -> None:

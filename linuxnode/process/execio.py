@@ -34,13 +34,8 @@ async def exec(
     NotADirectoryError); a command that cannot be found exits 127, one that cannot run 126."""
     import asyncio
 
-    if not argv or not argv[0]:
-        raise ValueError("argv is empty")
     full_env = {**DEFAULT_ENV, **(env or {})}
-    if any("\0" in t for t in (*argv, *full_env, *full_env.values(), cwd)):
-        raise ValueError("argv, env and cwd must not contain NUL bytes")
-    if any(not k or "=" in k for k in full_env):
-        raise ValueError("environment variable names must be non-empty and contain no '='")
+    check_command(argv, full_env, cwd)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     pidfd, root = open_init(init)
@@ -64,6 +59,16 @@ async def exec(
         return await run.result(deadline)
     finally:
         run.close()
+
+
+def check_command(argv: list[str], env: dict[str, str], cwd: str) -> None:
+    """ValueError unless argv, env and cwd can be handed to execve."""
+    if not argv or not argv[0]:
+        raise ValueError("argv is empty")
+    if any("\0" in t for t in (*argv, *env, *env.values(), cwd)):
+        raise ValueError("argv, env and cwd must not contain NUL bytes")
+    if any(not k or "=" in k for k in env):
+        raise ValueError("environment variable names must be non-empty and contain no '='")
 
 
 class _Run(LoopPipes):

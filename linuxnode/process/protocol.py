@@ -135,7 +135,18 @@ class ExecCommand(_Wire):
     stderr: int = _fd()
 
 
-Request = Ping | Signal | StartInit | ExecCommand
+@_request("spawn")
+@dataclass(frozen=True, kw_only=True)
+class SpawnCommand(ExecCommand):
+    """An exec whose helper also reports the command's pid once it runs and, for as long as the
+    command does, reads signal numbers (one byte each) from `control` and sends each to the
+    command's process group: the launcher signals a background command without ever holding
+    a pid that could be recycled (the helper's child is not reaped until the helper says so)."""
+
+    control: int = _fd()  # read end of the signal pipe
+
+
+Request = Ping | Signal | StartInit | ExecCommand | SpawnCommand
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), check_circular=False)  # json.dumps makes one a call

@@ -2,7 +2,8 @@
 parsed back into one Report.
 
 Records are tagged, of fixed layout: "P" pid (the spawner forked it), "R" (the init is about
-to exec), "X" the command's wait status (from its exec helper), "E" errno + message (a step
+to exec), "X" the command's wait status (from its exec helper), "C" the
+command's own pid (a background command's helper, once it is spawned), "E" errno + message (a step
 failed, or the spawner refused the request: protocol.py). Each record is one write of less
 than PIPE_BUF bytes, so records from different writers never interleave. They stay binary,
 not JSON as the requests are: children write them between fork and exec, where the least
@@ -17,13 +18,17 @@ import os
 import struct
 from dataclasses import dataclass
 
-PID, READY, STATUS, ERROR = b"P", b"R", b"X", b"E"  # the tags; READY is a whole record
+PID, READY, STATUS, ERROR, COMMAND = b"P", b"R", b"X", b"E", b"C"  # the tags; READY is a whole record
 _INT = struct.Struct("<i")  # after PID and STATUS
 _ERR = struct.Struct("<iH")  # after ERROR: errno, then the length of the message that follows
 
 
 def pid_record(pid: int) -> bytes:
     return PID + _INT.pack(pid)
+
+
+def command_record(pid: int) -> bytes:
+    return COMMAND + _INT.pack(pid)
 
 
 def status_record(status: int) -> bytes:
@@ -53,6 +58,7 @@ class Report:
     pid: int | None = None
     ready: bool = False
     status: int | None = None
+    command: int | None = None  # the command's host pid (background commands only)
     errors: tuple[tuple[int, str], ...] = ()
 
     @classmethod
@@ -62,10 +68,12 @@ class Report:
             kind = data[i:i + 1]
             if kind == READY:
                 report.ready, i = True, i + 1
-            elif kind in (PID, STATUS) and i + 1 + _INT.size <= len(data):
+            elif kind in (PID, STATUS, COMMAND) and i + 1 + _INT.size <= len(data):
                 (value,) = _INT.unpack_from(data, i + 1)
                 if kind == PID:
                     report.pid = value
+                elif kind == COMMAND:
+                    report.command = value
                 else:
                     report.status = value
                 i += 1 + _INT.size

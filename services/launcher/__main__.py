@@ -14,9 +14,10 @@ from sandfleet.config import ServiceConfig
 from sandfleet.store import SandboxStore
 from schemas import health as health_schema
 from schemas import node as node_schema
+from schemas import process as proc_schema
 from schemas.node import MAX_FILE_BYTES
 from schemas.sandbox import Reason
-from services.launcher import fencing, handlers, health, heartbeat, pausing, recovery
+from services.launcher import fencing, handlers, health, heartbeat, pausing, processes, recovery
 from services.launcher.clients import LayerCache, NodeAgent
 from services.launcher.drivers import Drivers
 from services.launcher.keys import LOGGER
@@ -29,7 +30,7 @@ PR_SET_CHILD_SUBREAPER = 36
 LARGE = MAX_FILE_BYTES * 2  # base64 in JSON grows bytes by a third
 
 
-def endpoints(launcher: Launcher) -> list[Endpoint]:
+def endpoints(launcher: Launcher, procs: processes.ProcessTable) -> list[Endpoint]:
     n, h, s = launcher.node_id, functools.partial, node_schema
     return [
         Endpoint("launch", s.subject(n, s.LAUNCH), s.LaunchRequest, h(handlers.launch, launcher), max_bytes=8 << 20),
@@ -48,6 +49,7 @@ def endpoints(launcher: Launcher) -> list[Endpoint]:
         Endpoint("hint", s.subject(n, s.HINT), s.HintRequest, h(handlers.hint, launcher)),
         Endpoint("checkpoint", s.subject(n, s.CHECKPOINT), s.CheckpointRequest, h(handlers.checkpoint, launcher)),
         *_health_endpoints(launcher),
+        *_process_endpoints(launcher.node_id, procs),
     ]
 
 
@@ -57,6 +59,18 @@ def _health_endpoints(launcher: Launcher) -> list[Endpoint]:
         Endpoint("set_timeout", s.subject(n, s.SET_TIMEOUT), s.SetTimeoutRequest, h(health.set_timeout, launcher)),
         Endpoint("metrics", s.subject(n, s.METRICS), s.MetricsRequest, h(health.metrics, launcher)),
         Endpoint("node_metrics", s.subject(n, s.NODE_METRICS), s.NodeMetricsRequest, h(health.node_metrics, launcher)),
+    ]
+
+
+def _process_endpoints(n: str, procs: processes.ProcessTable) -> list[Endpoint]:
+    h, s, p = functools.partial, node_schema, proc_schema
+    return [
+        Endpoint("proc_spawn", s.subject(n, p.SPAWN), p.SpawnRequest, h(processes.spawn, procs)),
+        Endpoint("proc_read", s.subject(n, p.READ), p.ReadRequest, h(processes.read, procs)),
+        Endpoint("proc_write", s.subject(n, p.WRITE), p.WriteRequest, h(processes.write, procs), max_bytes=LARGE),
+        Endpoint("proc_signal", s.subject(n, p.SIGNAL), p.SignalRequest, h(processes.signal, procs)),
+        Endpoint("proc_wait", s.subject(n, p.WAIT), p.WaitRequest, h(processes.wait, procs)),
+        Endpoint("proc_list", s.subject(n, p.LIST), p.ListRequest, h(processes.list_, procs)),
     ]
 
 
@@ -73,16 +87,19 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
                                 agent=NodeAgent(bus, config.node_id), layers=LayerCache(bus, config.node_id),
                                 settings=settings, default_layers=config.default_layers)
             await recovery.recover(launcher)
-            await bus.serve("launcher", endpoints(launcher), queue_group=f"launcher-{config.node_id}")
+            procs = processes.ProcessTable(launcher)
+            await bus.serve("launcher", endpoints(launcher, procs), queue_group=f"launcher-{config.node_id}")
             tasks = [asyncio.create_task(heartbeat.heartbeat(bus, launcher, config, criu_status)),
                      asyncio.create_task(launcher.expire_loop()),
-                     asyncio.create_task(fencing.fence_loop(launcher, settings.fence_s))]
+                     asyncio.create_task(fencing.fence_loop(launcher, settings.fence_s)),
+                     asyncio.create_task(procs.sweep_loop())]
             log.info("launcher serving node %s with %s (%d sandboxes re-adopted)", config.node_id, launcher.isolation,
                      len(launcher.live))
             await stop.wait()
             for task in reversed(tasks):
                 task.cancel()
             await launcher.destroy_all(Reason.NODE_SHUTDOWN)
+            procs.close()
             await heartbeat.withdraw(bus, config.node_id)
     finally:
         drivers.close()

@@ -16,6 +16,13 @@ class LauncherSettings:
     fence_s: float = 15.0  # SANDFLEET_FENCE_S
     # The longest life `set_timeout` may give a sandbox, from now (a create's own limit: 7 days).
     max_timeout_s: float = 7 * 24 * 3600.0  # SANDFLEET_MAX_TIMEOUT_S
+    # Background processes (services/launcher/processes.py): running at once per sandbox, the
+    # output kept per process for readers by default and at most, and the ended ones kept per
+    # sandbox (their output and exit stay readable until more end).
+    max_processes: int = 32  # SANDFLEET_MAX_PROCESSES
+    process_buffer_bytes: int = 1 << 20  # SANDFLEET_PROCESS_BUFFER_BYTES
+    max_process_buffer_bytes: int = 16 << 20  # SANDFLEET_MAX_PROCESS_BUFFER_BYTES
+    ended_processes_kept: int = 16  # SANDFLEET_ENDED_PROCESSES_KEPT
 
     @classmethod
     def from_env(cls) -> LauncherSettings:
@@ -25,4 +32,9 @@ class LauncherSettings:
             starting_grace_s=float(env.get("SANDFLEET_STARTING_GRACE_S") or cls.starting_grace_s),
             fence_s=float(env.get("SANDFLEET_FENCE_S") or cls.fence_s),
             max_timeout_s=float(env.get("SANDFLEET_MAX_TIMEOUT_S") or cls.max_timeout_s),
+            max_processes=int(env.get("SANDFLEET_MAX_PROCESSES") or cls.max_processes),
+            process_buffer_bytes=int(env.get("SANDFLEET_PROCESS_BUFFER_BYTES") or cls.process_buffer_bytes),
+            max_process_buffer_bytes=int(env.get("SANDFLEET_MAX_PROCESS_BUFFER_BYTES")
+                                         or cls.max_process_buffer_bytes),
+            ended_processes_kept=int(env.get("SANDFLEET_ENDED_PROCESSES_KEPT") or cls.ended_processes_kept),
         )

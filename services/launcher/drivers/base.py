@@ -118,6 +118,28 @@ class Usage:
     interfaces: list[tuple[str, int, int]]  # (name, rx bytes, tx bytes) of each interface of its netns
 
 
+class RunningCommand(Protocol):
+    """A background command as a driver runs it (see the driver's `spawn`)."""
+
+    os_pid: int | None  # as the sandbox sees it
+    stdin_open: bool
+
+    async def write(self, data: bytes) -> int:
+        """All of data to its stdin, waiting while the pipe is full; StdinClosed if it is closed."""
+
+    def close_stdin(self) -> None: ...
+
+    def signal(self, number: int) -> bool:
+        """To its process group; False if it has ended."""
+
+    def close(self) -> None:
+        """Stop reading its output; kill it if it still runs."""
+
+
+class StdinClosed(Exception):
+    """A background command's stdin is closed (by the caller, or the command ended)."""
+
+
 class Driver(Protocol):
     """One isolation level. File operations raise OSError subclasses with the errno of the
     failure (FileNotFoundError, PermissionError, IsADirectoryError...), ValueError for a path or
@@ -171,3 +193,11 @@ class Driver(Protocol):
         """CPU time, memory, disk of its writable layer, processes and network bytes, read from
         outside the sandbox (a VM level asks its hypervisor and guest agent); SandboxGone if it
         has ended."""
+
+    # -- background processes (issue 12: processes) --------------------------------------
+
+    async def spawn(self, instance: Instance, command: Command, on_output: Callable[[int, bytes], None],
+                    on_exit: Callable[[int], None]) -> RunningCommand:
+        """Start a command in the background (its `stdin` and `timeout_s` unused: stdin stays
+        open for writes, the caller ends it). `on_output(stream, chunk)` with stream 1 or 2 as it
+        comes, `on_exit(wait_status)` once. Raises as `exec` does for what cannot start."""

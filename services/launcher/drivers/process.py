@@ -19,7 +19,7 @@ from pathlib import Path
 
 from linuxnode import cgroups, procfs
 from linuxnode import process as process_runtime
-from linuxnode.process import InitProcess, ProcessSpec
+from linuxnode.process import InitProcess, ProcessSpec, background
 from schemas.layers import Rootfs
 from schemas.node import Confinement
 from schemas.sandbox import SandboxSpec
@@ -33,7 +33,9 @@ from services.launcher.drivers.base import (
     Instance,
     NoWritableLayer,
     SandboxGone,
+    RunningCommand,
     StartFailed,
+    StdinClosed,
     Unsupported,
     Usage,
 )
@@ -190,6 +192,19 @@ class ProcessDriver:
     async def usage(self, instance: Instance) -> Usage:
         return await asyncio.to_thread(_usage, _own(instance))
 
+    # -- background processes (issue 12: processes) --------------------------------------
+
+    async def spawn(self, instance: Instance, command: Command, on_output: Callable[[int, bytes], None],
+                    on_exit: Callable[[int], None]) -> RunningCommand:
+        sandbox = _own(instance)
+        try:
+            running = await background.spawn(sandbox.init, list(command.argv),
+                                             cgroup_procs=sandbox.confinement.cgroup_procs, env=command.env,
+                                             cwd=command.cwd, on_output=on_output, on_exit=on_exit)
+        except process_runtime.ExecError as exc:
+            raise ExecFailed(str(exc)) from None
+        return _Background(running)
+
 
 def _usage(sandbox: NamespaceSandbox) -> Usage:
     """Its cgroup files, its writable layer, and /proc/<init>/net/dev (which shows the host the
@@ -236,3 +251,31 @@ def _filesystem_used(path: Path) -> int:
     except OSError:
         return -1
     return (st.f_blocks - st.f_bfree) * st.f_frsize
+class _Background:
+    """The node library's background command, its stdin error in the seam's terms."""
+
+    def __init__(self, running: background.BackgroundCommand) -> None:
+        self.running = running
+
+    @property
+    def os_pid(self) -> int | None:
+        return self.running.os_pid
+
+    @property
+    def stdin_open(self) -> bool:
+        return self.running.stdin_open
+
+    async def write(self, data: bytes) -> int:
+        try:
+            return await self.running.write(data)
+        except background.StdinClosed as exc:
+            raise StdinClosed(str(exc)) from None
+
+    def close_stdin(self) -> None:
+        self.running.close_stdin()
+
+    def signal(self, number: int) -> bool:
+        return self.running.signal(number)
+
+    def close(self) -> None:
+        self.running.close()
