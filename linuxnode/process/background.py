@@ -125,7 +125,6 @@ class BackgroundCommand:
 
     async def write(self, data: bytes) -> int:
         """Write all of data to stdin, waiting while the pipe is full; StdinClosed if it is."""
-        import asyncio
 
         view = memoryview(data)
         while view:
