@@ -148,3 +148,47 @@ def list_sandboxes(node_id: str) -> list[str]:
         return []
     prefix = _prefix(node_id)
     return sorted(n[len(prefix):] for n in entries if n.startswith(prefix) and names.is_sandbox_id(n[len(prefix):]))
+
+
+def connect_inside(netns_path: str, host: str, port: int, timeout_s: float = 5.0) -> socket.socket:
+    """A TCP socket connected to host:port as seen from inside the network namespace at
+    `netns_path`; blocking, so call it from a worker thread. ConnectionRefusedError when nobody
+    listens there.
+
+    Only the socket is made inside: this thread setns()es in, creates it and switches back
+    (signals blocked, as in `_bind_new_netns`); a socket keeps the namespace it was made in, so
+    the connect and everything after it reach that namespace's addresses and never the host's,
+    while the thread goes on in the host's namespace. The caller gets the socket non-blocking."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    target = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        sock = _socket_in(target, family)
+    finally:
+        os.close(target)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect((host, port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _socket_in(target_fd: int, family: int) -> socket.socket:
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    blocked = linux.block_all_signals()
+    try:
+        linux.setns(target_fd, linux.CLONE_NEWNET)
+        try:
+            return socket.socket(family, socket.SOCK_STREAM)
+        finally:
+            try:
+                linux.setns(home, linux.CLONE_NEWNET)
+            except OSError:
+                os.write(2, b"sandfleet netns: cannot return to the host network namespace\n")
+                os.abort()
+    finally:
+        linux.restore_signals(blocked)
+        os.close(home)

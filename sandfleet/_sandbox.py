@@ -6,6 +6,7 @@ from __future__ import annotations
 import secrets
 from typing import TYPE_CHECKING
 
+from sandfleet._ports import Forward
 from sandfleet._requests import _convert
 from schemas import node
 from schemas.sandbox import SandboxRecord
@@ -81,3 +82,12 @@ class Sandbox:
         req = _convert(dict(sandbox_id=self.id, name=name, keep_paused=keep_paused), node.CheckpointRequest)
         return await self._fleet.bus.request(self._subject(node.CHECKPOINT), req, node.Checkpoint,
                                              timeout=timeout_s + 10)
+
+    # -- ports: forwarding local TCP connections to the sandbox's own ports ----------------
+
+    def forward(self, port: int, *, local_port: int = 0, host: str = "127.0.0.1") -> Forward:
+        """`async with sb.forward(8000) as (host, port):` a listener on the client's loopback
+        (`local_port`, 0 for any free one) whose every connection reaches `port` inside the
+        sandbox: its loopback (`host` "127.0.0.1", "::1") or its own egress address ("own").
+        Entering it raises `PortRefused` (a `Conflict`) when nobody listens on that port."""
+        return Forward(self, port, local_port=local_port, host=host)

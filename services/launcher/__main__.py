@@ -15,7 +15,7 @@ from sandfleet.store import SandboxStore
 from schemas import node as node_schema
 from schemas.node import MAX_FILE_BYTES
 from schemas.sandbox import Reason
-from services.launcher import fencing, handlers, heartbeat, pausing, recovery
+from services.launcher import fencing, handlers, heartbeat, pausing, recovery, tunnels
 from services.launcher.clients import LayerCache, NodeAgent
 from services.launcher.drivers import Drivers
 from services.launcher.keys import LOGGER
@@ -62,7 +62,10 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
                                 agent=NodeAgent(bus, config.node_id), layers=LayerCache(bus, config.node_id),
                                 settings=settings, default_layers=config.default_layers)
             await recovery.recover(launcher)
-            await bus.serve("launcher", endpoints(launcher), queue_group=f"launcher-{config.node_id}")
+            forwarding = tunnels.Tunnels(bus, launcher)
+            await forwarding.listen()
+            await bus.serve("launcher", endpoints(launcher) + tunnels.endpoints(forwarding),
+                            queue_group=f"launcher-{config.node_id}")
             tasks = [asyncio.create_task(heartbeat.heartbeat(bus, launcher, config, criu_status)),
                      asyncio.create_task(launcher.expire_loop()),
                      asyncio.create_task(fencing.fence_loop(launcher, settings.fence_s))]
@@ -72,6 +75,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
             for task in reversed(tasks):
                 task.cancel()
             await launcher.destroy_all(Reason.NODE_SHUTDOWN)
+            await forwarding.close()
             await heartbeat.withdraw(bus, config.node_id)
     finally:
         drivers.close()

@@ -14,6 +14,13 @@ class LauncherSettings:
     starting_grace_s: float = 0.5  # SANDFLEET_STARTING_GRACE_S
     # How often the launcher looks for sandboxes whose records ended elsewhere (see fencing.py).
     fence_s: float = 15.0  # SANDFLEET_FENCE_S
+    # Port-forward tunnels open at once on this node (each one TCP connection), and what each may
+    # hold: a window of bytes per direction, so node memory stays under about
+    # max_tunnels * 2 * (window + 128 KiB of socket buffers) whatever the readers do.
+    max_tunnels: int = 1024  # SANDFLEET_MAX_TUNNELS
+    tunnel_window_bytes: int = 256 * 1024  # SANDFLEET_TUNNEL_WINDOW_BYTES
+    tunnel_keepalive_s: float = 5.0  # SANDFLEET_TUNNEL_KEEPALIVE_S: a PING after this long quiet
+    tunnel_idle_s: float = 30.0  # SANDFLEET_TUNNEL_IDLE_S: a tunnel not heard from this long is reset
 
     @classmethod
     def from_env(cls) -> LauncherSettings:
@@ -22,4 +29,8 @@ class LauncherSettings:
             launch_concurrency=int(env.get("SANDFLEET_LAUNCH_CONCURRENCY") or cls.launch_concurrency),
             starting_grace_s=float(env.get("SANDFLEET_STARTING_GRACE_S") or cls.starting_grace_s),
             fence_s=float(env.get("SANDFLEET_FENCE_S") or cls.fence_s),
+            max_tunnels=int(env.get("SANDFLEET_MAX_TUNNELS") or cls.max_tunnels),
+            tunnel_window_bytes=int(env.get("SANDFLEET_TUNNEL_WINDOW_BYTES") or cls.tunnel_window_bytes),
+            tunnel_keepalive_s=float(env.get("SANDFLEET_TUNNEL_KEEPALIVE_S") or cls.tunnel_keepalive_s),
+            tunnel_idle_s=float(env.get("SANDFLEET_TUNNEL_IDLE_S") or cls.tunnel_idle_s),
         )

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+import socket
 from pathlib import Path
 from typing import Protocol
 
@@ -151,3 +152,12 @@ class Driver(Protocol):
         """Remove what a crash left of sandboxes not in `keep`; their ids."""
 
     def close(self) -> None: ...
+
+    # -- ports: forwarding a TCP connection to the sandbox's own ports ---------------------
+
+    async def connect_port(self, instance: Instance, host: str, port: int) -> socket.socket:
+        """A non-blocking TCP socket connected to `port` of the sandbox itself: its loopback
+        (`host` "127.0.0.1", "::1", "localhost") or its own egress address ("own"). Nothing else
+        is reachable through it (not the host, not another sandbox). ConnectionRefusedError when
+        nobody listens there, Unsupported for "own" without an egress address, SandboxGone when
+        the sandbox has ended."""

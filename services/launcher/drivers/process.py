@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from linuxnode import cgroups
+from linuxnode import cgroups, netns
 from linuxnode import process as process_runtime
 from linuxnode.process import InitProcess, ProcessSpec
 from schemas.layers import Rootfs
@@ -183,3 +184,24 @@ class ProcessDriver:
 
     def close(self) -> None:
         pass
+
+    # -- ports: forwarding a TCP connection to the sandbox's own ports ---------------------
+
+    async def connect_port(self, instance: Instance, host: str, port: int) -> socket.socket:
+        sandbox = _own(instance)
+        if host == "own":
+            if not sandbox.confinement.address:
+                raise Unsupported(f"sandbox {sandbox.sandbox_id} has no egress address of its own: use its loopback")
+            host = sandbox.confinement.address
+        elif host == "localhost":
+            host = "127.0.0.1"
+        elif host not in ("127.0.0.1", "::1"):
+            raise ValueError(f"{host!r} is not an address of the sandbox itself")
+        if not process_runtime.is_alive(sandbox.init):
+            raise SandboxGone("the sandbox's init is gone")
+        try:
+            # The socket is made inside the sandbox's own namespace, so even its loopback is the
+            # sandbox's: the host's and other sandboxes' listeners are out of reach.
+            return await asyncio.to_thread(netns.connect_inside, sandbox.confinement.netns, host, port)
+        except FileNotFoundError:
+            raise SandboxGone("the sandbox's network namespace is gone") from None

@@ -1,0 +1,229 @@
+"""Port forwarding against the real platform, for `process` (host view, Python's http.server)
+and `container` (busybox httpd on a busybox layer): real HTTP through a forward, a large
+transfer byte for byte, many connections at once, a closed port refused, nothing but the
+sandbox's own ports reachable, and destroy ending the tunnels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import http.client
+import os
+import shutil
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+
+from sandfleet import errors
+from sandfleet._ports import PortRefused
+from sandfleet.bus import decode, encode
+from sandfleet.layers_client import Layers
+from schemas import node, ports
+from schemas.errors import ErrorBody
+from tests.kernel import require
+from tests.layer_trees import APPLETS, make_busybox_base
+
+BASE = "pf-base"
+PORT = 8000
+BIG = 50 * 1024 * 1024
+# A Python echo server for the process level: every byte back, then the half-close back.
+ECHO = ("import socket,threading\n"
+        "s=socket.create_server(('127.0.0.1',9000))\n"
+        "def one(c):\n"
+        "    while (d:=c.recv(65536)): c.sendall(d)\n"
+        "    c.shutdown(socket.SHUT_WR); c.close()\n"
+        "while True: threading.Thread(target=one,args=(s.accept()[0],)).start()\n")
+
+
+@pytest.fixture(scope="module")
+async def busybox_layer(fleet, platform, tmp_path_factory):
+    require(os.geteuid() == 0, "containers need root")
+    require(shutil.which("crun") is not None, "crun is installed")
+    require(os.path.exists("/bin/busybox"), "busybox-static at /bin/busybox")
+    src = tmp_path_factory.mktemp("pf-src") / "base"
+    make_busybox_base(src, hostname="pf", applets=(*APPLETS, "httpd", "sha256sum"))
+    await Layers(fleet.bus).build_dir(BASE, src)
+    return BASE
+
+
+@contextlib.asynccontextmanager
+async def serving(fleet, level: str) -> AsyncIterator:
+    """A sandbox of `level` with an HTTP server on PORT serving /workspace (index.html: 'hello')."""
+    if level == "container":
+        sb = await fleet.create(isolation="container", memory_mb=256, disk_mb=256, layers=[BASE])
+        start = "httpd -p 8000 -h /workspace"
+    else:
+        sb = await fleet.create(memory_mb=256, disk_mb=256, host_view=True)
+        start = "python3 -m http.server 8000 --bind 127.0.0.1 -d /workspace </dev/null >/dev/null 2>&1 &"
+    try:
+        await sb.write_file("/workspace/index.html", b"hello")
+        r = await sb.exec(["sh", "-c", start])
+        assert r.exit_code == 0, r.stderr
+        yield sb
+    finally:
+        with contextlib.suppress(errors.SandfleetError):
+            await sb.destroy()
+
+
+@contextlib.asynccontextmanager
+async def forward_when_listening(sb, port: int = PORT, attempts: int = 100) -> AsyncIterator[tuple[str, int]]:
+    """The server was started in the background: it listens soon, not at once."""
+    for attempt in range(attempts):
+        forward = sb.forward(port)
+        try:
+            address = await forward.__aenter__()
+        except PortRefused:
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.1)
+            continue
+        try:
+            yield address
+        finally:
+            await forward.__aexit__(None, None, None)
+        return
+
+
+def http_get(host: str, port: int, path: str = "/") -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+@pytest.fixture(params=["process", "container"])
+def level(request) -> str:
+    if request.param == "container":  # built once, only when a container test runs
+        request.getfixturevalue("busybox_layer")
+    return request.param
+
+
+async def test_an_http_server_in_the_sandbox_answers_through_a_forward(fleet, level):
+    async with serving(fleet, level) as sb, forward_when_listening(sb) as (host, port):
+        assert host == "127.0.0.1"
+        assert await asyncio.to_thread(http_get, host, port, "/index.html") == (200, b"hello")
+        status, _ = await asyncio.to_thread(http_get, host, port, "/missing")
+        assert status == 404
+
+
+async def test_a_large_file_served_by_the_sandbox_arrives_byte_for_byte(fleet, level):
+    async with serving(fleet, level) as sb:
+        r = await sb.exec(["sh", "-c", f"head -c {BIG} /dev/urandom > /workspace/big && sha256sum /workspace/big"])
+        assert r.exit_code == 0, r.stderr
+        want = r.stdout.split()[0].decode()
+        async with forward_when_listening(sb) as (host, port):
+            status, body = await asyncio.to_thread(http_get, host, port, "/big")
+        assert status == 200 and len(body) == BIG
+        assert hashlib.sha256(body).hexdigest() == want
+
+
+async def test_bytes_sent_into_the_sandbox_come_back_byte_for_byte_with_the_half_close(fleet):
+    sb = await fleet.create(memory_mb=128, host_view=True)
+    try:
+        echo = f"python3 -c \"$ECHO\" </dev/null >/dev/null 2>&1 &"
+        assert (await sb.exec(["sh", "-c", echo], env={"ECHO": ECHO})).exit_code == 0
+        data = os.urandom(20 * 1024 * 1024)
+        async with forward_when_listening(sb, 9000) as (host, port):
+            reader, writer = await asyncio.open_connection(host, port)
+
+            async def send() -> None:
+                for i in range(0, len(data), 1 << 20):
+                    writer.write(data[i:i + (1 << 20)])
+                    await writer.drain()
+                writer.write_eof()  # the server's recv sees the end only if FIN crossed the tunnel
+
+            sending = asyncio.create_task(send())
+            back = await reader.read(-1)  # to EOF: the server's own half-close, back through the tunnel
+            await sending
+            writer.close()
+        assert len(back) == len(data) and back == data
+    finally:
+        await sb.destroy()
+
+
+async def test_many_connections_at_once_through_one_forward(fleet, level):
+    async with serving(fleet, level) as sb, forward_when_listening(sb) as (host, port):
+        results = await asyncio.gather(*(asyncio.to_thread(http_get, host, port, "/index.html") for _ in range(64)))
+        assert results == [(200, b"hello")] * 64
+
+
+async def test_a_forward_to_a_port_nobody_listens_on_is_refused_and_changes_nothing(fleet, level):
+    async with serving(fleet, level) as sb:
+        with pytest.raises(PortRefused) as refused:
+            async with sb.forward(PORT + 1):
+                pass
+        assert isinstance(refused.value, errors.Conflict) and "connection refused" in refused.value.message
+        async with forward_when_listening(sb) as (host, port):  # the sandbox and the node serve on
+            assert await asyncio.to_thread(http_get, host, port, "/index.html") == (200, b"hello")
+
+
+async def test_a_forward_reaches_neither_the_host_nor_another_sandbox(fleet):
+    host_listener = socket.create_server(("127.0.0.1", 0))  # on the host's loopback
+    host_port = host_listener.getsockname()[1]
+    other_ctx = serving(fleet, "process")
+    other = await other_ctx.__aenter__()  # another sandbox, listening on PORT
+    target = await fleet.create(memory_mb=64, host_view=True)  # listening on nothing
+    try:
+        async with forward_when_listening(other):
+            pass  # the other sandbox's server is up
+        for port in (host_port, PORT):
+            with pytest.raises(PortRefused):
+                async with target.forward(port):
+                    pass
+        # Naming any address but the sandbox's own is refused by the schema: nothing is connected.
+        for host in ("10.0.0.1", "127.0.0.2", "0.0.0.0", "sb-other"):
+            raw = {"type": "port_open", "sandbox_id": target.id, "port": host_port, "host": host,
+                   "reply_subject": "_INBOX.pf-test.1"}
+            msg = await fleet.bus.nc.request(node.subject(target.node, ports.PORT_OPEN), encode(raw), timeout=10)
+            assert decode(msg.data, ErrorBody).code.value == "invalid_request"
+        # A reply subject that is not the client's own inbox would let a tunnel publish anywhere.
+        raw = {"type": "port_open", "sandbox_id": other.id, "port": PORT, "reply_subject": "sandbox.v1.create"}
+        msg = await fleet.bus.nc.request(node.subject(target.node, ports.PORT_OPEN), encode(raw), timeout=10)
+        assert decode(msg.data, ErrorBody).code.value == "invalid_request"
+        host_listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            host_listener.accept()  # nothing ever connected to the host's listener
+    finally:
+        host_listener.close()
+        await target.destroy()
+        await other_ctx.__aexit__(None, None, None)
+
+
+def _sockets_of(pid: int) -> set[str]:
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:"):
+                found.add(link)
+    return found
+
+
+async def test_destroy_ends_the_sandboxs_tunnels_and_leaves_no_socket_on_the_node(fleet, platform, level):
+    launcher = platform.service_pid("launcher")
+    async with serving(fleet, level) as sb, forward_when_listening(sb) as (host, port):
+        before = _sockets_of(launcher)
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"GET /index.html HTTP/1.1\r\nHost: x\r\n")  # a request left open: the tunnel stays up
+        await writer.drain()
+        held = set()
+        for _ in range(200):  # until the node has connected inside the sandbox
+            held = _sockets_of(launcher) - before
+            if held:
+                break
+            await asyncio.sleep(0.05)
+        assert held, "the tunnel's socket on the node"
+        await sb.destroy()
+        with contextlib.suppress(ConnectionError):
+            assert await reader.read(-1) == b""  # the local connection ends with its sandbox
+        writer.close()
+        assert not (_sockets_of(launcher) & held)
+        with pytest.raises(errors.NotFound):
+            async with sb.forward(PORT):
+                pass
