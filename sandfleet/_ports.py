@@ -98,7 +98,7 @@ class TunnelEnd:
                  asyncio.create_task(self._guarded(self._bus_to_socket()))]
         both = asyncio.gather(*tasks)
         both.add_done_callback(lambda _: self._end(None, tell_peer=False))
-        keepalive = asyncio.create_task(self._keepalive())
+        keepalive = asyncio.create_task(self._guarded(self._keepalive()))
         try:
             await self._ended.wait()
         finally:
@@ -120,6 +120,9 @@ class TunnelEnd:
         try:
             await pump
         except (ConnectionError, OSError):  # our socket's peer went away abruptly
+            self.abort(Reset.CLOSED)
+        except Exception:  # the bus failed under us (closed, say): never taken for a clean close
+            log.exception("tunnel to %s failed", self._to)
             self.abort(Reset.CLOSED)
 
     async def _socket_to_bus(self) -> None:

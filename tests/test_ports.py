@@ -12,19 +12,25 @@ import hashlib
 import http.client
 import os
 import shutil
+import signal
 import socket
+import subprocess
 from collections.abc import AsyncIterator
 
 import pytest
 
 from sandfleet import errors
-from sandfleet._ports import PortRefused
-from sandfleet.bus import decode, encode
+from sandfleet._ports import PortRefused, TunnelEnd
+from sandfleet.bus import Bus, decode, encode
 from sandfleet.layers_client import Layers
 from schemas import node, ports
 from schemas.errors import ErrorBody
+from schemas.ports import Frame, Reset
+from sandfleet.supervisor import free_port
+from tests.conftest import CLI, ROOT
 from tests.kernel import require
 from tests.layer_trees import APPLETS, make_busybox_base
+from tests.natsd import bare_nats_server
 
 BASE = "pf-base"
 PORT = 8000
@@ -227,3 +233,104 @@ async def test_destroy_ends_the_sandboxs_tunnels_and_leaves_no_socket_on_the_nod
         with pytest.raises(errors.NotFound):
             async with sb.forward(PORT):
                 pass
+
+
+async def test_the_cli_forwards_a_port_until_ctrl_c_and_ends_quietly(fleet, platform):
+    async with serving(fleet, "process") as sb:
+        async with forward_when_listening(sb):
+            pass  # the server is up
+        local = free_port()
+        cli = subprocess.Popen([*CLI, "port-forward", sb.id, f"{PORT}:{local}"], cwd=ROOT,
+                               env={**platform.env, "SANDFLEET_NATS_URL": platform.url},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            line = await asyncio.to_thread(cli.stdout.readline)  # printed once it listens
+            assert f"127.0.0.1:{local}".encode() in line
+            assert await asyncio.to_thread(http_get, "127.0.0.1", local, "/index.html") == (200, b"hello")
+        finally:
+            cli.send_signal(signal.SIGINT)
+            out, err = await asyncio.to_thread(cli.communicate, timeout=30)
+        assert cli.returncode == 0 and err == b""
+        bad = platform.cli("port-forward", sb.id, "0:70000", check=False)
+        assert bad.returncode == 2 and b"Traceback" not in bad.stderr
+        refused = platform.cli("port-forward", sb.id, f"{PORT + 1}", check=False)
+        assert refused.returncode == 2 and b"PortRefused" in refused.stderr and b"Traceback" not in refused.stderr
+
+
+# -- the tunnel protocol itself: two real ends over a bare nats-server, sockets for the streams --
+
+
+@pytest.fixture
+async def bare_bus(tmp_path):
+    with bare_nats_server(tmp_path) as url:
+        bus = await Bus.connect(url, "test-ports")
+        try:
+            yield bus
+        finally:
+            await bus.close()
+
+
+async def _end(bus, inbox: str, peer: str, *, window: int = 64 * 1024, idle_s: float = 30.0):
+    """A TunnelEnd on one side of a socket pair, receiving on `inbox`; returns (end, app socket)."""
+    app, mine = socket.socketpair()
+    reader, writer = await asyncio.open_connection(sock=mine)
+    end = TunnelEnd(bus.nc, reader, writer, peer, window=window, keepalive_s=idle_s / 3, idle_s=idle_s)
+    await bus.subscribe_direct(inbox, lambda msg: end.feed(msg.data))
+    return end, app
+
+
+async def test_a_slow_reader_holds_the_sender_to_one_window_and_loses_nothing(bare_bus):
+    node_end, server = await _end(bare_bus, "t.node", "t.client")
+    client_end, reader_app = await _end(bare_bus, "t.client", "t.node")
+    runs = [asyncio.create_task(node_end.run()), asyncio.create_task(client_end.run())]
+    data = os.urandom(8 * 1024 * 1024)  # far more than the window and both sockets' buffers
+    sending = asyncio.create_task(asyncio.to_thread(server.sendall, data))
+    for _ in range(400):  # until the node end has spent its credit: it stopped reading the server
+        if node_end._credit == 0 and client_end.buffered:
+            break
+        await asyncio.sleep(0.025)
+    assert node_end._credit == 0 and not sending.done()  # the sandbox's server is held back, not buffered
+    assert client_end.buffered <= client_end.window
+    got = bytearray()
+    reader_app.setblocking(False)
+    while len(got) < len(data):
+        try:
+            got += reader_app.recv(1 << 20)
+        except BlockingIOError:
+            await asyncio.sleep(0.005)
+    await sending
+    assert bytes(got) == data
+    server.shutdown(socket.SHUT_WR)  # the server's half-close ends at the reader as EOF
+    reader_app.setblocking(True)
+    assert await asyncio.to_thread(reader_app.recv, 1) == b""
+    reader_app.close()
+    assert await asyncio.gather(*runs) == [None, None]  # both directions closed cleanly
+    server.close()
+
+
+@pytest.mark.parametrize("bad", ["past_credit", "out_of_sequence", "undecodable"])
+async def test_a_peer_breaking_the_protocol_resets_the_tunnel(bare_bus, bad):
+    node_end, server = await _end(bare_bus, "t.node", "t.client", window=1024)
+    run = asyncio.create_task(node_end.run())
+    if bad == "past_credit":
+        frames = [ports.frame(Frame.DATA, 1, body=b"x" * 1025)]
+    elif bad == "out_of_sequence":
+        frames = [ports.frame(Frame.DATA, 1, body=b"a"), ports.frame(Frame.DATA, 3, body=b"b")]
+    else:
+        frames = [b"\x09" + bytes(16)]
+    for f in frames:
+        await bare_bus.nc.publish("t.node", f)
+    assert await run == Reset.PROTOCOL
+    server.settimeout(10)
+    with contextlib.suppress(ConnectionResetError):
+        assert server.recv(4096) in (b"", b"a")  # never more than what came in order
+    server.close()
+
+
+async def test_a_vanished_client_s_tunnel_is_torn_down_by_the_node(bare_bus):
+    node_end, server = await _end(bare_bus, "t.node", "t.nobody", idle_s=0.6)
+    assert await node_end.run() == Reset.IDLE  # nothing heard: its socket is closed, nothing held
+    server.settimeout(10)
+    with contextlib.suppress(ConnectionResetError):
+        assert server.recv(1) == b""
+    server.close()
