@@ -150,25 +150,33 @@ def list_sandboxes(node_id: str) -> list[str]:
     return sorted(n[len(prefix):] for n in entries if n.startswith(prefix) and names.is_sandbox_id(n[len(prefix):]))
 
 
-def connect_inside(netns_path: str, host: str, port: int, timeout_s: float = 5.0) -> socket.socket:
-    """A TCP socket connected to host:port as seen from inside the network namespace at
-    `netns_path`; blocking, so call it from a worker thread. ConnectionRefusedError when nobody
-    listens there.
 
-    Only the socket is made inside: this thread setns()es in, creates it and switches back
-    (signals blocked, as in `_bind_new_netns`); a socket keeps the namespace it was made in, so
-    the connect and everything after it reach that namespace's addresses and never the host's,
-    while the thread goes on in the host's namespace. The caller gets the socket non-blocking."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+def socket_inside(netns_path: str, family: int = socket.AF_INET) -> socket.socket:
+    """A new, unconnected, non-blocking TCP socket of the network namespace at `netns_path`.
+
+    The calling thread setns()es in, creates it and switches back (signals blocked, as in
+    `_bind_new_netns`): a few microseconds, so an event loop's own thread may call it, which
+    spares a worker-thread hop per connection. A socket keeps the namespace it was made in, so
+    its connect and everything after reach that namespace's addresses, never the host's, while
+    the thread goes on in the host's namespace."""
     target = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         sock = _socket_in(target, family)
     finally:
         os.close(target)
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def connect_inside(netns_path: str, host: str, port: int, timeout_s: float = 5.0) -> socket.socket:
+    """A TCP socket connected to host:port as seen from inside the network namespace at
+    `netns_path` (blocking: for a worker thread); ConnectionRefusedError when nobody listens.
+    The socket is returned non-blocking."""
+    sock = socket_inside(netns_path, socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         sock.settimeout(timeout_s)
         sock.connect((host, port))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
     except BaseException:
         sock.close()

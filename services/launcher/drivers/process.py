@@ -63,6 +63,9 @@ def _init(anchor: Anchor) -> InitProcess:
     return InitProcess(pid=anchor.pid, start_time=anchor.start_time)
 
 
+CONNECT_TIMEOUT_S = 5.0  # a forward's connect to a port inside the sandbox
+
+
 def tmp_size_mb(spec: SandboxSpec) -> int:
     return max(16, spec.memory_mb // 2)
 
@@ -200,8 +203,15 @@ class ProcessDriver:
         if not process_runtime.is_alive(sandbox.init):
             raise SandboxGone("the sandbox's init is gone")
         try:
-            # The socket is made inside the sandbox's own namespace, so even its loopback is the
-            # sandbox's: the host's and other sandboxes' listeners are out of reach.
-            return await asyncio.to_thread(netns.connect_inside, sandbox.confinement.netns, host, port)
+            # Made inside the sandbox's own namespace, so even its loopback is the sandbox's: the
+            # host's and other sandboxes' listeners are out of reach.
+            sock = netns.socket_inside(sandbox.confinement.netns, socket.AF_INET6 if ":" in host else socket.AF_INET)
         except FileNotFoundError:
             raise SandboxGone("the sandbox's network namespace is gone") from None
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):  # a full accept queue must not hold the tunnel open
+                await asyncio.get_running_loop().sock_connect(sock, (host, port))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
