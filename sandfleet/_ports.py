@@ -16,6 +16,7 @@ import collections
 import contextlib
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from sandfleet import errors
@@ -94,11 +95,11 @@ class TunnelEnd:
     # -- both directions -------------------------------------------------------------------
 
     async def run(self) -> Reset | None:
-        tasks = [asyncio.create_task(self._guarded(self._socket_to_bus())),
-                 asyncio.create_task(self._guarded(self._bus_to_socket()))]
+        tasks = [asyncio.create_task(self._guarded(self._socket_to_bus)),
+                 asyncio.create_task(self._guarded(self._bus_to_socket))]
         both = asyncio.gather(*tasks)
         both.add_done_callback(lambda _: self._end(None, tell_peer=False))
-        keepalive = asyncio.create_task(self._guarded(self._keepalive()))
+        keepalive = asyncio.create_task(self._guarded(self._keepalive))
         try:
             await self._ended.wait()
         finally:
@@ -116,9 +117,9 @@ class TunnelEnd:
                 await self._writer.wait_closed()
         return self.reset
 
-    async def _guarded(self, pump: Any) -> None:
+    async def _guarded(self, pump: Callable[[], Awaitable[None]]) -> None:
         try:
-            await pump
+            await pump()  # made here, so a task cancelled before it starts leaves no coroutine unawaited
         except (ConnectionError, OSError):  # our socket's peer went away abruptly
             self.abort(Reset.CLOSED)
         except Exception:  # the bus failed under us (closed, say): never taken for a clean close

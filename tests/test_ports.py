@@ -334,3 +334,50 @@ async def test_a_vanished_client_s_tunnel_is_torn_down_by_the_node(bare_bus):
     with contextlib.suppress(ConnectionResetError):
         assert server.recv(1) == b""
     server.close()
+
+
+class _PairDriver:
+    """Stands in for a sandbox's driver in a unit test of the node's tunnel table: each connect
+    is one end of a socket pair, the other end kept as the 'server'."""
+
+    def __init__(self) -> None:
+        self.servers: list[socket.socket] = []
+
+    async def connect_port(self, instance, host, port):
+        server, node_side = socket.socketpair()
+        node_side.setblocking(False)
+        self.servers.append(server)
+        return node_side
+
+
+async def test_the_node_holds_at_most_its_tunnel_limit_and_ending_a_sandbox_frees_them(bare_bus):
+    from types import SimpleNamespace
+
+    from services.launcher.settings import LauncherSettings
+    from services.launcher.tunnels import Tunnels
+    from sandfleet.errors import ServiceError
+
+    driver = _PairDriver()
+    live = SimpleNamespace(quarantined=False, paused=False, ending=False, driver=driver, instance=None)
+    launcher = SimpleNamespace(node_id="n-unit", settings=LauncherSettings(max_tunnels=2), ending_hooks=[],
+                               get_live=lambda sandbox_id: live)
+    table = Tunnels(bare_bus, launcher)  # type: ignore[arg-type]
+    await table.listen()
+    req = ports.PortOpenRequest(sandbox_id="sb-unit", port=PORT, reply_subject="_INBOX.unit.1")
+    opened = [await table.open(req), await table.open(req)]
+    assert all(isinstance(o, ports.TunnelOpened) for o in opened) and len(table.by_id) == 2
+    with pytest.raises(ServiceError) as full:
+        await table.open(req)
+    assert full.value.code.value == "capacity" and len(driver.servers) == 2  # refused before connecting
+    await launcher.ending_hooks[0]("sb-unit")  # what the launcher runs when it ends the sandbox
+    assert table.by_id == {} and table.by_sandbox == {}
+    for server in driver.servers:
+        server.settimeout(10)
+        with contextlib.suppress(ConnectionResetError):
+            assert server.recv(1) == b""  # the node's side is closed
+        server.close()
+    assert isinstance(await table.open(req), ports.TunnelOpened)  # room again
+    await table.close()
+    assert table.by_id == {}
+    for server in driver.servers:
+        server.close()
