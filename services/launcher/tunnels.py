@@ -76,7 +76,8 @@ class Tunnels:
             return PortRefused(port=req.port, message=f"connection refused: nothing listens on {req.host}:{req.port} "
                                                       f"in sandbox {req.sandbox_id}")
         except TimeoutError:
-            raise ServiceError(ErrorCode.TIMEOUT, f"port {req.port} of {req.sandbox_id} did not accept in time") from None
+            why = f"port {req.port} of {req.sandbox_id} did not accept in time"
+            raise ServiceError(ErrorCode.TIMEOUT, why) from None
         except Unsupported as exc:
             raise ServiceError(ErrorCode.UNSUPPORTED, str(exc)) from None
         except ValueError as exc:
@@ -141,6 +142,5 @@ async def port_open(tunnels: Tunnels, req: PortOpenRequest) -> PortOpenReply:
 
 
 def endpoints(tunnels: Tunnels) -> list[Endpoint]:
-    s = node
-    return [Endpoint("port_open", s.subject(tunnels.launcher.node_id, ports.PORT_OPEN), PortOpenRequest,
+    return [Endpoint("port_open", node.subject(tunnels.launcher.node_id, ports.PORT_OPEN), PortOpenRequest,
                      functools.partial(port_open, tunnels))]
