@@ -47,6 +47,7 @@ class TunnelEnd:
         self._inbound: collections.deque[bytes | None] = collections.deque()  # None: the peer's FIN
         self._inbound_ready = asyncio.Event()
         self.buffered = 0  # the peer's bytes held here, not yet written to our socket (<= window)
+        self._unreturned = 0  # bytes written to our socket whose credit the peer has not had back
         self._sent_seq = self._heard_seq = 0
         loop = asyncio.get_running_loop()
         self._clock = loop.time
@@ -154,7 +155,13 @@ class TunnelEnd:
             if written:
                 await self._writer.drain()
                 self.buffered -= written
-                await self._send(Frame.CREDIT, written)
+                # Credit goes back a quarter window at a time, not per frame: a small request and
+                # its answer then cost one frame each way, and a peer that has sent a whole window
+                # always gets some back (a quarter of it is written by then), so none waits forever.
+                self._unreturned += written
+                if self._unreturned >= self.window // 4:
+                    await self._send(Frame.CREDIT, self._unreturned)
+                    self._unreturned = 0
             if fin:
                 if self._writer.can_write_eof():
                     self._writer.write_eof()

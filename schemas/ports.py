@@ -12,10 +12,11 @@ of a data frame as they are; base64 in JSON would grow every byte by a third on 
 Each direction numbers its frames from 1; a gap (the bus dropped one for a slow consumer)
 resets the tunnel, since a TCP stream with a hole is worse than a closed one. Flow control is
 by credit: a side sends at most `window` data bytes ahead of the CREDIT frames its peer
-returns once the bytes are written to its socket, so neither end buffers more than one window
-per tunnel, whatever the speed of the reader behind it. FIN half-closes (the peer shuts its
-socket's writing side), RST aborts, PING keeps a quiet tunnel alive: an end that hears
-nothing for `idle_s` resets it (a vanished client's tunnel is torn down by the node).
+returns (a quarter window at a time) once the bytes are written to its socket, so neither end
+buffers more than one window per tunnel, whatever the speed of the reader behind it. FIN
+half-closes (the peer shuts its socket's writing side), RST aborts, PING keeps a quiet tunnel
+alive: an end that hears nothing for `idle_s` resets it (a vanished client's tunnel is torn
+down by the node).
 """
 
 from __future__ import annotations
