@@ -192,6 +192,15 @@ async def test_a_forward_reaches_neither_the_host_nor_another_sandbox(fleet):
         raw = {"type": "port_open", "sandbox_id": other.id, "port": PORT, "reply_subject": "sandbox.v1.create"}
         msg = await fleet.bus.nc.request(node.subject(target.node, ports.PORT_OPEN), encode(raw), timeout=10)
         assert decode(msg.data, ErrorBody).code.value == "invalid_request"
+        with pytest.raises(errors.Unsupported):  # its own egress address: it has none (no egress rules)
+            async with target.forward(PORT, host="own"):
+                pass
+        await other.pause()
+        with pytest.raises(errors.Conflict) as frozen:  # frozen: nothing would answer
+            async with other.forward(PORT):
+                pass
+        assert not isinstance(frozen.value, PortRefused) and "frozen" in frozen.value.message
+        await other.resume()
         host_listener.setblocking(False)
         with pytest.raises(BlockingIOError):
             host_listener.accept()  # nothing ever connected to the host's listener
