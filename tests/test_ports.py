@@ -210,6 +210,33 @@ async def test_a_forward_reaches_neither_the_host_nor_another_sandbox(fleet):
         await other_ctx.__aexit__(None, None, None)
 
 
+async def test_own_reaches_a_server_bound_to_the_sandbox_s_egress_address_only(fleet):
+    network = (await fleet.security((await fleet.nodes())[0].id)).mechanisms["egress-network"]
+    require(network.startswith("on:"), f"sandbox egress is off on this machine: {network}")
+    sb = await fleet.create(memory_mb=128, host_view=True, allow=["192.0.2.1:80"])  # egress: an address of its own
+    try:
+        r = await sb.exec(["ip", "-o", "-4", "addr", "show", "scope", "global"])
+        assert r.exit_code == 0, r.stderr
+        address = r.stdout.split()[3].split(b"/")[0].decode()
+        start = f"python3 -m http.server 8000 --bind {address} -d /workspace </dev/null >/dev/null 2>&1 &"
+        await sb.write_file("/workspace/index.html", b"own")
+        assert (await sb.exec(["sh", "-c", start])).exit_code == 0
+        for _ in range(100):
+            try:
+                async with sb.forward(PORT, host="own") as (host, port):
+                    assert await asyncio.to_thread(http_get, host, port, "/index.html") == (200, b"own")
+                break
+            except PortRefused:
+                await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the server on the sandbox's own address never answered")
+        with pytest.raises(PortRefused):  # bound to that address alone: its loopback has nothing
+            async with sb.forward(PORT):
+                pass
+    finally:
+        await sb.destroy()
+
+
 def _sockets_of(pid: int) -> set[str]:
     found = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
