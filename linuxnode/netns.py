@@ -200,3 +200,36 @@ def _socket_in(target_fd: int, family: int) -> socket.socket:
     finally:
         linux.restore_signals(blocked)
         os.close(home)
+
+
+_LISTEN = "0A"
+
+
+def _hex_address(text: str) -> str:
+    raw = bytes.fromhex(text)
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))  # four host-order 32-bit words
+    return socket.inet_ntop(socket.AF_INET6, words)
+
+
+def listens(pid: int, host: str, port: int) -> bool:
+    """Whether a TCP socket listens on host:port (or on the wildcard address) in the network
+    namespace of process `pid`, read from its /proc/<pid>/net/tcp{,6}: nothing is connected, so
+    a server that accepts one connection only is not spent by asking."""
+    v6 = ":" in host
+    wanted = {host, "::"} if v6 else {host, "0.0.0.0", "::", "::ffff:" + host}
+    for table in ("tcp6",) if v6 else ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                lines = f.read().splitlines()[1:]
+        except FileNotFoundError:
+            if table == "tcp6":
+                continue  # IPv6 compiled out
+            raise ProcessLookupError(pid) from None
+        for line in lines:
+            fields = line.split()
+            address, _, hex_port = fields[1].partition(":")
+            if fields[3] == _LISTEN and int(hex_port, 16) == port and _hex_address(address) in wanted:
+                return True
+    return False

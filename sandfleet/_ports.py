@@ -201,12 +201,11 @@ class Forward:
         self.address: tuple[str, int] = ("127.0.0.1", 0)
 
     async def __aenter__(self) -> tuple[str, int]:
-        # The first connection is opened right away, so a closed port is an error here, at
-        # `forward()`, and not a reset the caller finds later on its first connection.
+        # The node is asked first whether anything listens (it connects nothing to tell), so a
+        # closed port is an error here, at `forward()`, not a reset found on a first connection.
         self._sub = await self._bus.subscribe_direct(f"{self._inbox}.*", self._deliver)
         try:
-            probe = await self.open()
-            await probe[0].run_closed()
+            await self._ask(probe=True)
             self._server = await asyncio.start_server(self._accepted, "127.0.0.1", self._local_port)
         except BaseException:
             await self._sub.unsubscribe()
@@ -238,23 +237,30 @@ class Forward:
         if end is not None:
             end.feed(msg.data)
 
+    async def _ask(self, conn: str = "probe", probe: bool = False) -> ports.TunnelOpened | ports.PortListening:
+        sb = self._sandbox
+        subject = node.subject(sb.node, ports.PORT_OPEN)
+        req = ports.PortOpenRequest(sandbox_id=sb.id, port=self.port, host=self._host,  # type: ignore[arg-type]
+                                    reply_subject=f"{self._inbox}.{conn}", probe=probe)
+        reply = await self._bus.request(subject, req, ports.PortOpenReply, timeout=self._open_timeout_s)
+        if isinstance(reply, ports.PortRefused):
+            raise PortRefused(reply.message, subject=subject)
+        if isinstance(reply, ports.PortListening) != probe:
+            raise errors.InternalError(f"a {type(reply).__name__} answer to a {'probe' if probe else 'tunnel'}",
+                                       subject=subject)
+        return reply
+
     async def open(self) -> tuple[_Opening, ports.TunnelOpened]:
         """Ask the node for a tunnel; PortRefused if nobody listens on the port."""
         conn = secrets.token_hex(8)
-        sb = self._sandbox
-        req = ports.PortOpenRequest(sandbox_id=sb.id, port=self.port, host=self._host,  # type: ignore[arg-type]
-                                    reply_subject=f"{self._inbox}.{conn}")
         opening = _Opening(self, conn)
         self._ends[conn] = opening  # type: ignore[assignment]  # frames may come before the reply
         try:
-            reply = await self._bus.request(node.subject(sb.node, ports.PORT_OPEN), req, ports.PortOpenReply,
-                                            timeout=self._open_timeout_s)
+            reply = await self._ask(conn)
         except BaseException:
             self._ends.pop(conn, None)
             raise
-        if isinstance(reply, ports.PortRefused):
-            self._ends.pop(conn, None)
-            raise PortRefused(reply.message, subject=node.subject(sb.node, ports.PORT_OPEN))
+        assert isinstance(reply, ports.TunnelOpened)
         opening.opened = reply
         return opening, reply
 
@@ -301,9 +307,3 @@ class _Opening:
             end.feed(data)
         return end
 
-    async def run_closed(self) -> None:
-        """Close the probe connection at once (a RST frame: the sandbox's server sees a reset)."""
-        opened = self.opened
-        assert opened is not None
-        self._forward._ends.pop(self._conn, None)
-        await self._forward._bus.nc.publish(opened.send_subject, ports.frame(Frame.RST, 1, int(Reset.CLOSED)))

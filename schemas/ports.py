@@ -6,6 +6,7 @@ network namespace, naming the subject it receives the tunnel's frames on (an `_I
 of its own, subscribed before it asks, so no frame can arrive before it listens). The node
 connects from inside the sandbox's namespace, and answers with the tunnel's id and the subject
 the client sends to (`node.v1.<node>.tunnel.<id>`), or with `PortRefused` when nobody listens.
+A probe (`probe: true`) only reads the namespace's listening sockets and connects nothing.
 
 Frames are binary, not JSON: a 17-byte header (kind, sequence number, value) and the bytes
 of a data frame as they are; base64 in JSON would grow every byte by a third on the hot path.
@@ -58,6 +59,9 @@ class PortOpenRequest(msgspec.Struct, frozen=True, kw_only=True, tag_field="type
     # is reachable through a tunnel: not the host, not another sandbox.
     host: Literal["127.0.0.1", "::1", "localhost", "own"] = "127.0.0.1"
     reply_subject: ReplySubject  # the client's inbox for this tunnel's frames
+    # Only tell whether something listens there (`PortListening` or `PortRefused`), opening and
+    # connecting nothing: a listener that accepts one connection only is not spent by asking.
+    probe: bool = False
 
 
 class TunnelOpened(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="tunnel_opened"):
@@ -75,7 +79,13 @@ class PortRefused(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", t
     message: str
 
 
-PortOpenReply = TunnelOpened | PortRefused
+class PortListening(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="port_listening"):
+    """The answer to a probe: something listens on the port inside the sandbox."""
+
+    port: int
+
+
+PortOpenReply = TunnelOpened | PortRefused | PortListening
 
 
 class Frame(enum.IntEnum):

@@ -210,6 +210,21 @@ async def test_a_forward_reaches_neither_the_host_nor_another_sandbox(fleet):
         await other_ctx.__aexit__(None, None, None)
 
 
+async def test_entering_a_forward_does_not_spend_a_listener_that_accepts_once(fleet):
+    sb = await fleet.create(memory_mb=64, host_view=True)
+    try:
+        once = ("import socket; s=socket.create_server(('127.0.0.1', 9001)); c=s.accept()[0]; "
+                "c.sendall(b'once'); c.close()")
+        assert (await sb.exec(["sh", "-c", 'python3 -c "$ONCE" </dev/null >/dev/null 2>&1 &'],
+                              env={"ONCE": once})).exit_code == 0
+        async with forward_when_listening(sb, 9001) as (host, port):
+            reader, writer = await asyncio.open_connection(host, port)
+            assert await reader.read(-1) == b"once"  # the first connection through is the listener's one
+            writer.close()
+    finally:
+        await sb.destroy()
+
+
 async def test_own_reaches_a_server_bound_to_the_sandbox_s_egress_address_only(fleet):
     network = (await fleet.security((await fleet.nodes())[0].id)).mechanisms["egress-network"]
     require(network.startswith("on:"), f"sandbox egress is off on this machine: {network}")

@@ -24,10 +24,11 @@ from sandfleet.bus import Bus, Endpoint
 from sandfleet.errors import ServiceError
 from schemas import node, ports
 from schemas.errors import ErrorCode
-from schemas.ports import PortOpenReply, PortOpenRequest, PortRefused, Reset, TunnelOpened
+from schemas.ports import PortListening, PortOpenReply, PortOpenRequest, PortRefused, Reset, TunnelOpened
 from services.launcher.drivers.base import SandboxGone, Unsupported
 from services.launcher.keys import LOGGER, tag
 from services.launcher.lifecycle import Launcher
+from services.launcher.state import Live
 
 log = logging.getLogger(LOGGER)
 
@@ -66,6 +67,8 @@ class Tunnels:
         live = launcher.get_live(req.sandbox_id)
         if live.quarantined or live.paused:
             raise ServiceError(ErrorCode.CONFLICT, f"sandbox {req.sandbox_id} is frozen: resume it first")
+        if req.probe:
+            return self._probe(live, req)
         if len(self.by_id) + self.opening >= settings.max_tunnels:
             raise ServiceError(ErrorCode.CAPACITY,
                                f"node {launcher.node_id} holds its maximum of {settings.max_tunnels} tunnels")
@@ -73,8 +76,7 @@ class Tunnels:
         try:
             sock = await live.driver.connect_port(live.instance, req.host, req.port)
         except ConnectionRefusedError:
-            return PortRefused(port=req.port, message=f"connection refused: nothing listens on {req.host}:{req.port} "
-                                                      f"in sandbox {req.sandbox_id}")
+            return _refused(req)
         except TimeoutError:
             why = f"port {req.port} of {req.sandbox_id} did not accept in time"
             raise ServiceError(ErrorCode.TIMEOUT, why) from None
@@ -103,6 +105,17 @@ class Tunnels:
         return TunnelOpened(tunnel_id=tunnel.id, send_subject=ports.tunnel_subject(launcher.node_id, tunnel.id),
                             window=settings.tunnel_window_bytes, keepalive_s=settings.tunnel_keepalive_s,
                             idle_s=settings.tunnel_idle_s)
+
+    def _probe(self, live: Live, req: PortOpenRequest) -> PortOpenReply:
+        try:
+            listens = live.driver.port_listens(live.instance, req.host, req.port)
+        except Unsupported as exc:
+            raise ServiceError(ErrorCode.UNSUPPORTED, str(exc)) from None
+        except ValueError as exc:
+            raise ServiceError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        except SandboxGone as exc:
+            raise ServiceError(ErrorCode.CONFLICT, str(exc)) from None
+        return PortListening(port=req.port) if listens else _refused(req)
 
     async def _run(self, tunnel: Tunnel) -> None:
         try:
@@ -134,6 +147,11 @@ class Tunnels:
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
+
+
+def _refused(req: PortOpenRequest) -> PortRefused:
+    return PortRefused(port=req.port, message=f"connection refused: nothing listens on {req.host}:{req.port} "
+                                              f"in sandbox {req.sandbox_id}")
 
 
 async def port_open(tunnels: Tunnels, req: PortOpenRequest) -> PortOpenReply:

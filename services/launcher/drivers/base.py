@@ -161,3 +161,7 @@ class Driver(Protocol):
         is reachable through it (not the host, not another sandbox). ConnectionRefusedError when
         nobody listens there, Unsupported for "own" without an egress address, SandboxGone when
         the sandbox has ended."""
+
+    def port_listens(self, instance: Instance, host: str, port: int) -> bool:
+        """Whether something listens on `port` at that address of the sandbox (as `connect_port`
+        names it), found without connecting; SandboxGone when the sandbox has ended."""

@@ -192,14 +192,7 @@ class ProcessDriver:
 
     async def connect_port(self, instance: Instance, host: str, port: int) -> socket.socket:
         sandbox = _own(instance)
-        if host == "own":
-            if not sandbox.confinement.address:
-                raise Unsupported(f"sandbox {sandbox.sandbox_id} has no egress address of its own: use its loopback")
-            host = sandbox.confinement.address
-        elif host == "localhost":
-            host = "127.0.0.1"
-        elif host not in ("127.0.0.1", "::1"):
-            raise ValueError(f"{host!r} is not an address of the sandbox itself")
+        host = _own_address(sandbox, host)
         if not process_runtime.is_alive(sandbox.init):
             raise SandboxGone("the sandbox's init is gone")
         try:
@@ -215,3 +208,24 @@ class ProcessDriver:
             sock.close()
             raise
         return sock
+
+    def port_listens(self, instance: Instance, host: str, port: int) -> bool:
+        sandbox = _own(instance)
+        host = _own_address(sandbox, host)
+        try:
+            return netns.listens(sandbox.init.pid, host, port)  # the init's /proc shows its namespace
+        except ProcessLookupError:
+            raise SandboxGone("the sandbox's init is gone") from None
+
+
+def _own_address(sandbox: NamespaceSandbox, host: str) -> str:
+    """The address a forward names, as an address of the sandbox itself, or why it is not one."""
+    if host == "own":
+        if not sandbox.confinement.address:
+            raise Unsupported(f"sandbox {sandbox.sandbox_id} has no egress address of its own: use its loopback")
+        return sandbox.confinement.address
+    if host == "localhost":
+        return "127.0.0.1"
+    if host not in ("127.0.0.1", "::1"):
+        raise ValueError(f"{host!r} is not an address of the sandbox itself")
+    return host
