@@ -198,6 +198,7 @@ class Forward:
         self._tasks: set[asyncio.Task] = set()
         self._server: asyncio.Server | None = None
         self._sub: Any = None
+        self._closing = False
         self.address: tuple[str, int] = ("127.0.0.1", 0)
 
     async def __aenter__(self) -> tuple[str, int]:
@@ -217,6 +218,7 @@ class Forward:
         await self.close()
 
     async def close(self) -> None:
+        self._closing = True
         if self._server is not None:
             self._server.close()
         for end in list(self._ends.values()):
@@ -276,6 +278,8 @@ class Forward:
                 writer.transport.abort()
                 return
             end = opening.become(reader, writer)
+            if self._closing:  # opened while the forward was closing: reset at once, never left running
+                end.abort(Reset.CLOSED)
             await end.run()
         finally:
             self._tasks.discard(task)
