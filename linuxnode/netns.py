@@ -148,3 +148,88 @@ def list_sandboxes(node_id: str) -> list[str]:
         return []
     prefix = _prefix(node_id)
     return sorted(n[len(prefix):] for n in entries if n.startswith(prefix) and names.is_sandbox_id(n[len(prefix):]))
+
+
+
+def socket_inside(netns_path: str, family: int = socket.AF_INET) -> socket.socket:
+    """A new, unconnected, non-blocking TCP socket of the network namespace at `netns_path`.
+
+    The calling thread setns()es in, creates it and switches back (signals blocked, as in
+    `_bind_new_netns`): a few microseconds, so an event loop's own thread may call it, which
+    spares a worker-thread hop per connection. A socket keeps the namespace it was made in, so
+    its connect and everything after reach that namespace's addresses, never the host's, while
+    the thread goes on in the host's namespace."""
+    target = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        sock = _socket_in(target, family)
+    finally:
+        os.close(target)
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def connect_inside(netns_path: str, host: str, port: int, timeout_s: float = 5.0) -> socket.socket:
+    """A TCP socket connected to host:port as seen from inside the network namespace at
+    `netns_path` (blocking: for a worker thread); ConnectionRefusedError when nobody listens.
+    The socket is returned non-blocking."""
+    sock = socket_inside(netns_path, socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect((host, port))
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _socket_in(target_fd: int, family: int) -> socket.socket:
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    blocked = linux.block_all_signals()
+    try:
+        linux.setns(target_fd, linux.CLONE_NEWNET)
+        try:
+            return socket.socket(family, socket.SOCK_STREAM)
+        finally:
+            try:
+                linux.setns(home, linux.CLONE_NEWNET)
+            except OSError:
+                os.write(2, b"sandfleet netns: cannot return to the host network namespace\n")
+                os.abort()
+    finally:
+        linux.restore_signals(blocked)
+        os.close(home)
+
+
+_LISTEN = "0A"
+
+
+def _hex_address(text: str) -> str:
+    raw = bytes.fromhex(text)
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))  # four host-order 32-bit words
+    return socket.inet_ntop(socket.AF_INET6, words)
+
+
+def listens(pid: int, host: str, port: int) -> bool:
+    """Whether a TCP socket listens on host:port (or on the wildcard address) in the network
+    namespace of process `pid`, read from its /proc/<pid>/net/tcp{,6}: nothing is connected, so
+    a server that accepts one connection only is not spent by asking."""
+    v6 = ":" in host
+    wanted = {host, "::"} if v6 else {host, "0.0.0.0", "::", "::ffff:" + host}
+    for table in ("tcp6",) if v6 else ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                lines = f.read().splitlines()[1:]
+        except FileNotFoundError:
+            if table == "tcp6":
+                continue  # IPv6 compiled out
+            raise ProcessLookupError(pid) from None
+        for line in lines:
+            fields = line.split()
+            address, _, hex_port = fields[1].partition(":")
+            if fields[3] == _LISTEN and int(hex_port, 16) == port and _hex_address(address) in wanted:
+                return True
+    return False

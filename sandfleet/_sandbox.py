@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from sandfleet import _health, _processes, errors
 from sandfleet._processes import OutputCallback, Process
+from sandfleet._ports import Forward
 from sandfleet._requests import _convert
 from schemas import node
 from schemas.sandbox import SandboxRecord
@@ -137,3 +138,11 @@ class Sandbox:
         from sandfleet._shell import Shell
 
         return await Shell.open(self, shell, env=env, cwd=cwd)
+    # -- ports: forwarding local TCP connections to the sandbox's own ports ----------------
+
+    def forward(self, port: int, *, local_port: int = 0, host: str = "127.0.0.1") -> Forward:
+        """`async with sb.forward(8000) as (host, port):` a listener on the client's loopback
+        (`local_port`, 0 for any free one) whose every connection reaches `port` inside the
+        sandbox: its loopback (`host` "127.0.0.1", "::1") or its own egress address ("own").
+        Entering it raises `PortRefused` (a `Conflict`) when nobody listens on that port."""
+        return Forward(self, port, local_port=local_port, host=host)

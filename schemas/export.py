@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 
 from schemas import errors, events, health, layers, node, reclaim, sandbox, security, violations
+from schemas import ports
 from schemas import process as proc
 
 MESSAGES: dict[str, object] = {
@@ -61,6 +62,10 @@ MESSAGES: dict[str, object] = {
     "health.NodeMetricsRequest": health.NodeMetricsRequest,
     "health.SandboxMetrics": health.SandboxMetrics,
     "health.NodeMetrics": health.NodeMetrics,
+    "ports.PortOpenRequest": ports.PortOpenRequest,
+    "ports.TunnelOpened": ports.TunnelOpened,
+    "ports.PortRefused": ports.PortRefused,
+    "ports.PortListening": ports.PortListening,
     "process.SpawnRequest": proc.SpawnRequest,
     "process.Exit": proc.Exit,
     "process.ProcessInfo": proc.ProcessInfo,

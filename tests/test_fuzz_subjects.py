@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sandfleet.bus import decode
-from schemas import health, layers, node, reclaim, sandbox, security
+from schemas import health, layers, node, ports, reclaim, sandbox, security
 from schemas import process as proc_schema
 from schemas.errors import ErrorBody, ErrorCode
 
@@ -93,6 +93,7 @@ SUBJECTS = [
     Subject("launcher", proc_schema.SIGNAL, proc_schema.SignalRequest, NOWHERE | {"pid": 1}),
     Subject("launcher", proc_schema.WAIT, proc_schema.WaitRequest, NOWHERE | {"pid": 1, "wait_s": 0}),
     Subject("launcher", proc_schema.LIST, proc_schema.ListRequest, NOWHERE),
+    Subject("launcher", ports.PORT_OPEN, ports.PortOpenRequest, NOWHERE | {"port": 1, "reply_subject": "_INBOX.fuzz"}),
     # node agent
     Subject("agent", node.CONFINE, node.ConfineRequest, {}),
     Subject("agent", node.RELEASE, node.ReleaseRequest, NOWHERE),
@@ -186,6 +187,7 @@ def test_every_subject_the_launcher_serves_is_fuzzed():
 
     from services.launcher.__main__ import endpoints
 
-    served = {ep.subject for ep in endpoints(SimpleNamespace(node_id="fuzz-node"), None)}  # type: ignore[arg-type]
+    launcher = SimpleNamespace(node_id="fuzz-node")
+    served = {ep.subject for ep in endpoints(launcher, None, SimpleNamespace(launcher=launcher))}  # type: ignore[arg-type]
     fuzzed = {s.address("fuzz-node") for s in SUBJECTS if s.service == "launcher"}
     assert served == fuzzed, f"served, not fuzzed: {sorted(served - fuzzed)}; fuzzed, not served: {sorted(fuzzed - served)}"

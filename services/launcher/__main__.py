@@ -17,7 +17,7 @@ from schemas import node as node_schema
 from schemas import process as proc_schema
 from schemas.node import MAX_FILE_BYTES
 from schemas.sandbox import Reason
-from services.launcher import fencing, handlers, health, heartbeat, pausing, processes, recovery
+from services.launcher import fencing, handlers, health, heartbeat, pausing, processes, recovery, tunnels
 from services.launcher.clients import LayerCache, NodeAgent
 from services.launcher.drivers import Drivers
 from services.launcher.keys import LOGGER
@@ -30,7 +30,7 @@ PR_SET_CHILD_SUBREAPER = 36
 LARGE = MAX_FILE_BYTES * 2  # base64 in JSON grows bytes by a third
 
 
-def endpoints(launcher: Launcher, procs: processes.ProcessTable) -> list[Endpoint]:
+def endpoints(launcher: Launcher, procs: processes.ProcessTable, forwarding: tunnels.Tunnels) -> list[Endpoint]:
     n, h, s = launcher.node_id, functools.partial, node_schema
     return [
         Endpoint("launch", s.subject(n, s.LAUNCH), s.LaunchRequest, h(handlers.launch, launcher), max_bytes=8 << 20),
@@ -50,6 +50,7 @@ def endpoints(launcher: Launcher, procs: processes.ProcessTable) -> list[Endpoin
         Endpoint("checkpoint", s.subject(n, s.CHECKPOINT), s.CheckpointRequest, h(handlers.checkpoint, launcher)),
         *_health_endpoints(launcher),
         *_process_endpoints(launcher.node_id, procs),
+        *tunnels.endpoints(forwarding),
     ]
 
 
@@ -88,7 +89,9 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
                                 settings=settings, default_layers=config.default_layers)
             await recovery.recover(launcher)
             procs = processes.ProcessTable(launcher)
-            await bus.serve("launcher", endpoints(launcher, procs), queue_group=f"launcher-{config.node_id}")
+            forwarding = tunnels.Tunnels(bus, launcher)
+            await forwarding.listen()
+            await bus.serve("launcher", endpoints(launcher, procs, forwarding), queue_group=f"launcher-{config.node_id}")
             tasks = [asyncio.create_task(heartbeat.heartbeat(bus, launcher, config, criu_status)),
                      asyncio.create_task(launcher.expire_loop()),
                      asyncio.create_task(fencing.fence_loop(launcher, settings.fence_s)),
@@ -100,6 +103,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
                 task.cancel()
             await launcher.destroy_all(Reason.NODE_SHUTDOWN)
             procs.close()
+            await forwarding.close()
             await heartbeat.withdraw(bus, config.node_id)
     finally:
         drivers.close()

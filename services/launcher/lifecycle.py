@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from sandfleet import errors
@@ -51,6 +52,8 @@ class Launcher:
     launching: set[str] = field(default_factory=set)  # ids queued or being built
     closing: bool = False  # destroy_all has begun: queued launches end instead of being built
     slots: asyncio.Semaphore = field(init=False)  # launch_concurrency builds at once
+    # What capabilities hold of a sandbox (its tunnels...) and end before its processes do.
+    ending_hooks: list[Callable[[str], Awaitable[None]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.slots = asyncio.Semaphore(self.settings.launch_concurrency)
@@ -195,6 +198,13 @@ class Launcher:
 
     # -- destroy -----------------------------------------------------------------------
 
+    async def _end_attachments(self, sandbox_id: str) -> None:
+        for hook in self.ending_hooks:
+            try:
+                await hook(sandbox_id)
+            except Exception:  # never let one capability's failure keep a sandbox alive
+                log.exception("ending what %s held failed", sandbox_id, extra=about(sandbox_id))
+
     async def destroy(self, sandbox_id: str, reason: Reason, detail: str = "") -> SandboxRecord:
         live = self.live.get(sandbox_id)
         if live is None:
@@ -209,6 +219,7 @@ class Launcher:
         else:
             live.ending = True
         await records.stopping(self.store, sandbox_id, reason, detail)
+        await self._end_attachments(sandbox_id)
         if live is not None:
             live.unwatch()
             await live.driver.stop(sandbox_id, live.instance.anchor)
@@ -241,6 +252,7 @@ class Launcher:
         live.ending = True
         log.warning("sandbox %s: %s; tearing it down", sandbox_id, why, extra=about(sandbox_id))
         try:
+            await self._end_attachments(sandbox_id)
             live.unwatch()
             await live.driver.stop(sandbox_id, live.instance.anchor)
             await self._release(sandbox_id, live.spec)

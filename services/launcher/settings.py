@@ -23,6 +23,13 @@ class LauncherSettings:
     process_buffer_bytes: int = 1 << 20  # SANDFLEET_PROCESS_BUFFER_BYTES
     max_process_buffer_bytes: int = 16 << 20  # SANDFLEET_MAX_PROCESS_BUFFER_BYTES
     ended_processes_kept: int = 16  # SANDFLEET_ENDED_PROCESSES_KEPT
+    # Port-forward tunnels open at once on this node (each one TCP connection), and what each may
+    # hold: a window of bytes per direction, so node memory stays under about
+    # max_tunnels * 2 * (window + 128 KiB of socket buffers) whatever the readers do.
+    max_tunnels: int = 1024  # SANDFLEET_MAX_TUNNELS
+    tunnel_window_bytes: int = 256 * 1024  # SANDFLEET_TUNNEL_WINDOW_BYTES
+    tunnel_keepalive_s: float = 5.0  # SANDFLEET_TUNNEL_KEEPALIVE_S: a PING after this long quiet
+    tunnel_idle_s: float = 30.0  # SANDFLEET_TUNNEL_IDLE_S: a tunnel not heard from this long is reset
 
     @classmethod
     def from_env(cls) -> LauncherSettings:
@@ -37,4 +44,8 @@ class LauncherSettings:
             max_process_buffer_bytes=int(env.get("SANDFLEET_MAX_PROCESS_BUFFER_BYTES")
                                          or cls.max_process_buffer_bytes),
             ended_processes_kept=int(env.get("SANDFLEET_ENDED_PROCESSES_KEPT") or cls.ended_processes_kept),
+            max_tunnels=int(env.get("SANDFLEET_MAX_TUNNELS") or cls.max_tunnels),
+            tunnel_window_bytes=int(env.get("SANDFLEET_TUNNEL_WINDOW_BYTES") or cls.tunnel_window_bytes),
+            tunnel_keepalive_s=float(env.get("SANDFLEET_TUNNEL_KEEPALIVE_S") or cls.tunnel_keepalive_s),
+            tunnel_idle_s=float(env.get("SANDFLEET_TUNNEL_IDLE_S") or cls.tunnel_idle_s),
         )

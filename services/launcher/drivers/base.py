@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+import socket
 from pathlib import Path
 from typing import Protocol
 
@@ -201,3 +202,15 @@ class Driver(Protocol):
         """Start a command in the background (its `stdin` and `timeout_s` unused: stdin stays
         open for writes, the caller ends it). `on_output(stream, chunk)` with stream 1 or 2 as it
         comes, `on_exit(wait_status)` once. Raises as `exec` does for what cannot start."""
+    # -- ports: forwarding a TCP connection to the sandbox's own ports ---------------------
+
+    async def connect_port(self, instance: Instance, host: str, port: int) -> socket.socket:
+        """A non-blocking TCP socket connected to `port` of the sandbox itself: its loopback
+        (`host` "127.0.0.1", "::1", "localhost") or its own egress address ("own"). Nothing else
+        is reachable through it (not the host, not another sandbox). ConnectionRefusedError when
+        nobody listens there, Unsupported for "own" without an egress address, SandboxGone when
+        the sandbox has ended."""
+
+    def port_listens(self, instance: Instance, host: str, port: int) -> bool:
+        """Whether something listens on `port` at that address of the sandbox (as `connect_port`
+        names it), found without connecting; SandboxGone when the sandbox has ended."""

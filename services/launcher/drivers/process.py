@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from linuxnode import cgroups, procfs
+from linuxnode import cgroups, netns, procfs
 from linuxnode import process as process_runtime
 from linuxnode.process import InitProcess, ProcessSpec, background
 from schemas.layers import Rootfs
@@ -63,6 +64,9 @@ def _own(instance: Instance) -> NamespaceSandbox:
 
 def _init(anchor: Anchor) -> InitProcess:
     return InitProcess(pid=anchor.pid, start_time=anchor.start_time)
+
+
+CONNECT_TIMEOUT_S = 5.0  # a forward's connect to a port inside the sandbox
 
 
 def tmp_size_mb(spec: SandboxSpec) -> int:
@@ -205,6 +209,35 @@ class ProcessDriver:
             raise ExecFailed(str(exc)) from None
         return _Background(running)
 
+    # -- ports: forwarding a TCP connection to the sandbox's own ports ---------------------
+
+    async def connect_port(self, instance: Instance, host: str, port: int) -> socket.socket:
+        sandbox = _own(instance)
+        host = _own_address(sandbox, host)
+        if not process_runtime.is_alive(sandbox.init):
+            raise SandboxGone("the sandbox's init is gone")
+        try:
+            # Made inside the sandbox's own namespace, so even its loopback is the sandbox's: the
+            # host's and other sandboxes' listeners are out of reach.
+            sock = netns.socket_inside(sandbox.confinement.netns, socket.AF_INET6 if ":" in host else socket.AF_INET)
+        except FileNotFoundError:
+            raise SandboxGone("the sandbox's network namespace is gone") from None
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):  # a full accept queue must not hold the tunnel open
+                await asyncio.get_running_loop().sock_connect(sock, (host, port))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def port_listens(self, instance: Instance, host: str, port: int) -> bool:
+        sandbox = _own(instance)
+        host = _own_address(sandbox, host)
+        try:
+            return netns.listens(sandbox.init.pid, host, port)  # the init's /proc shows its namespace
+        except ProcessLookupError:
+            raise SandboxGone("the sandbox's init is gone") from None
+
 
 def _usage(sandbox: NamespaceSandbox) -> Usage:
     """Its cgroup files, its writable layer, and /proc/<init>/net/dev (which shows the host the
@@ -279,3 +312,16 @@ class _Background:
 
     def close(self) -> None:
         self.running.close()
+
+
+def _own_address(sandbox: NamespaceSandbox, host: str) -> str:
+    """The address a forward names, as an address of the sandbox itself, or why it is not one."""
+    if host == "own":
+        if not sandbox.confinement.address:
+            raise Unsupported(f"sandbox {sandbox.sandbox_id} has no egress address of its own: use its loopback")
+        return sandbox.confinement.address
+    if host == "localhost":
+        return "127.0.0.1"
+    if host not in ("127.0.0.1", "::1"):
+        raise ValueError(f"{host!r} is not an address of the sandbox itself")
+    return host
