@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from sandfleet import errors
-from sandfleet._ports import PortRefused, TunnelEnd
+from sandfleet._ports import PortRefused
+from sandfleet.tunnel import TunnelEnd
 from sandfleet.bus import Bus, decode, encode
 from sandfleet.layers_client import Layers
 from schemas import node, ports

@@ -19,7 +19,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from sandfleet._ports import TunnelEnd
+from sandfleet.tunnel import TunnelEnd
 from sandfleet.bus import Bus, Endpoint
 from sandfleet.errors import ServiceError
 from schemas import node, ports
