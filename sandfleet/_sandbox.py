@@ -6,12 +6,16 @@ from __future__ import annotations
 import secrets
 from typing import TYPE_CHECKING
 
+from sandfleet import _files
 from sandfleet._requests import _convert
 from schemas import node
 from schemas.sandbox import SandboxRecord
 
 if TYPE_CHECKING:
+    import os
+
     from sandfleet.client import Fleet
+    from schemas.files import TransferDone
 
 
 ExecResult = node.ExecReply  # what a command did: the node's reply as it came
@@ -81,3 +85,17 @@ class Sandbox:
         req = _convert(dict(sandbox_id=self.id, name=name, keep_paused=keep_paused), node.CheckpointRequest)
         return await self._fleet.bus.request(self._subject(node.CHECKPOINT), req, node.Checkpoint,
                                              timeout=timeout_s + 10)
+
+    # -- files of any size, and the file tree (sandfleet/_files.py) ------------------------
+
+    async def upload(self, src: str | os.PathLike | bytes, path: str, *, mode: int | None = None,
+                     progress: _files.Progress | None = None) -> TransferDone:
+        """Copy a local file or directory (or bytes) to `path` in the sandbox, of any size: chunked,
+        pipelined, sha256-checked; nothing is visible at `path` until it is all there. A directory
+        keeps its modes and symlinks and replaces what was at `path`."""
+        return await _files.upload(self, src, path, mode=mode, progress=progress)
+
+    async def download(self, path: str, dst: str | os.PathLike, *,
+                       progress: _files.Progress | None = None) -> TransferDone:
+        """Copy a file or directory of the sandbox to the local `dst` (replaced), checked the same way."""
+        return await _files.download(self, path, dst, progress=progress)

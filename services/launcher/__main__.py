@@ -15,7 +15,7 @@ from sandfleet.store import SandboxStore
 from schemas import node as node_schema
 from schemas.node import MAX_FILE_BYTES
 from schemas.sandbox import Reason
-from services.launcher import fencing, handlers, heartbeat, pausing, recovery
+from services.launcher import fencing, files, handlers, heartbeat, pausing, recovery
 from services.launcher.clients import LayerCache, NodeAgent
 from services.launcher.drivers import Drivers
 from services.launcher.keys import LOGGER
@@ -46,6 +46,7 @@ def endpoints(launcher: Launcher) -> list[Endpoint]:
                  h(handlers.resume_selected, launcher)),
         Endpoint("hint", s.subject(n, s.HINT), s.HintRequest, h(handlers.hint, launcher)),
         Endpoint("checkpoint", s.subject(n, s.CHECKPOINT), s.CheckpointRequest, h(handlers.checkpoint, launcher)),
+        *files.endpoints(launcher),
     ]
 
 

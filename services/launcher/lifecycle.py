@@ -209,6 +209,7 @@ class Launcher:
         await records.stopping(self.store, sandbox_id, reason, detail)
         if live is not None:
             live.unwatch()
+            await live.end_attached()
             await live.driver.stop(sandbox_id, live.instance.anchor)
             spec = live.spec
         else:  # a crash left it stopping (or running): its init is gone or orphaned
@@ -240,6 +241,7 @@ class Launcher:
         log.warning("sandbox %s: %s; tearing it down", sandbox_id, why, extra=about(sandbox_id))
         try:
             live.unwatch()
+            await live.end_attached()
             await live.driver.stop(sandbox_id, live.instance.anchor)
             await self._release(sandbox_id, live.spec)
         finally:  # what could not be undone here, the agent and layer-cache reclaim when they restart

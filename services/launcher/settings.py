@@ -14,6 +14,8 @@ class LauncherSettings:
     starting_grace_s: float = 0.5  # SANDFLEET_STARTING_GRACE_S
     # How often the launcher looks for sandboxes whose records ended elsewhere (see fencing.py).
     fence_s: float = 15.0  # SANDFLEET_FENCE_S
+    # Uploads and downloads in progress per sandbox; each holds at most a window of chunks.
+    transfers_per_sandbox: int = 16  # SANDFLEET_TRANSFERS_PER_SANDBOX
 
     @classmethod
     def from_env(cls) -> LauncherSettings:
@@ -22,4 +24,5 @@ class LauncherSettings:
             launch_concurrency=int(env.get("SANDFLEET_LAUNCH_CONCURRENCY") or cls.launch_concurrency),
             starting_grace_s=float(env.get("SANDFLEET_STARTING_GRACE_S") or cls.starting_grace_s),
             fence_s=float(env.get("SANDFLEET_FENCE_S") or cls.fence_s),
+            transfers_per_sandbox=int(env.get("SANDFLEET_TRANSFERS_PER_SANDBOX") or cls.transfers_per_sandbox),
         )

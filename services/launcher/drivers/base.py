@@ -151,3 +151,43 @@ class Driver(Protocol):
         """Remove what a crash left of sandboxes not in `keep`; their ids."""
 
     def close(self) -> None: ...
+
+    # -- files: uploads and downloads of any size, the file tree -----------------------------
+
+    def open_upload(self, instance: Instance, path: str, kind: str, mode: int, depth: int) -> UploadSink:
+        """Where an upload of a file (`kind` "file") or a tar stream ("dir") to `path` is written;
+        nothing is visible at `path` until `commit`. Blocking: call it off the event loop. An
+        escaping path raises ValueError (linuxnode's Escapes) and changes nothing."""
+
+    def open_download(self, instance: Instance, path: str, chunk: int, depth: int) -> DownloadSource:
+        """What a download of `path` reads: its bytes, or a directory as a tar stream. Blocking."""
+
+
+class UploadSink(Protocol):
+    """One upload being written; methods block and are called one at a time."""
+
+    size: int
+
+    def write(self, data: bytes) -> None: ...
+
+    def digest(self) -> str: ...
+
+    def commit(self) -> None: ...
+
+    def abort(self) -> None:
+        """Remove whatever was written; idempotent."""
+
+
+class DownloadSource(Protocol):
+    """One download being read a chunk at a time (b"" at its end); methods block."""
+
+    kind: str  # "file" or "dir"
+    size: int  # of a file; -1 for a tree's tar stream
+    mode: int
+    sent: int
+
+    def read(self) -> bytes: ...
+
+    def digest(self) -> str: ...
+
+    def close(self) -> None: ...

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from linuxnode import cgroups
 from linuxnode import process as process_runtime
-from linuxnode.process import InitProcess, ProcessSpec
+from linuxnode.process import InitProcess, ProcessSpec, transfer
 from schemas.layers import Rootfs
 from schemas.node import Confinement
 from schemas.sandbox import SandboxSpec
@@ -27,6 +27,7 @@ from services.launcher.drivers.base import (
     Anchor,
     Command,
     CpuWeight,
+    DownloadSource,
     DriverFailure,
     ExecFailed,
     ExecOutcome,
@@ -35,6 +36,7 @@ from services.launcher.drivers.base import (
     SandboxGone,
     StartFailed,
     Unsupported,
+    UploadSink,
 )
 
 
@@ -183,3 +185,20 @@ class ProcessDriver:
 
     def close(self) -> None:
         pass
+
+    # -- files: uploads and downloads of any size, the file tree -----------------------------
+
+    def open_upload(self, instance: Instance, path: str, kind: str, mode: int, depth: int) -> UploadSink:
+        init = _own(instance).init
+        try:
+            if kind == "dir":
+                return transfer.TreeSink(init, path, depth)
+            return transfer.FileSink(init, path, mode)
+        except ProcessLookupError:
+            raise SandboxGone("the sandbox's init is gone") from None
+
+    def open_download(self, instance: Instance, path: str, chunk: int, depth: int) -> DownloadSource:
+        try:
+            return transfer.open_source(_own(instance).init, path, chunk, depth)
+        except ProcessLookupError:
+            raise SandboxGone("the sandbox's init is gone") from None
