@@ -327,3 +327,45 @@ def _unpack_member(tar: tarfile.TarFile, member: tarfile.TarInfo, top: Path, dir
         if ".." in link or not link:
             raise ValueError(f"tar member {member.name!r}: a hard link out of the tree")
     tar.extract(member, top, set_attrs=not member.issym())
+
+
+# -- the tree ---------------------------------------------------------------------------------
+
+class Files:
+    """`sb.files`: the sandbox's file tree. Paths are absolute in the sandbox; errors are NotFound
+    (no such path), InvalidRequest (not a directory, not empty, escaping the root), Conflict
+    (a quarantined sandbox is read-only)."""
+
+    def __init__(self, sb: Sandbox) -> None:
+        self._sb = sb
+
+    async def _ask(self, verb: str, req, reply: type):
+        return await self._sb._fleet.bus.request(self._sb._subject(verb), req, reply, timeout=_TIMEOUT_S)
+
+    async def list(self, path: str = "/workspace", depth: int = 1) -> list[wire.Entry]:
+        """What is under the directory `path`, `depth` levels down (symlinks listed, not followed)."""
+        listing = await self._ask(wire.LIST, wire.ListRequest(sandbox_id=self._sb.id, path=path, depth=depth),
+                                  wire.Listing)
+        return listing.entries
+
+    async def stat(self, path: str) -> wire.Entry:
+        return await self._ask(wire.STAT, wire.StatRequest(sandbox_id=self._sb.id, path=path), wire.Entry)
+
+    async def exists(self, path: str) -> bool:
+        from sandfleet import errors
+        try:
+            await self.stat(path)
+        except errors.NotFound:
+            return False
+        return True
+
+    async def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755) -> None:
+        await self._ask(wire.MKDIR, wire.MkdirRequest(sandbox_id=self._sb.id, path=path, parents=parents, mode=mode),
+                        wire.Done)
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await self._ask(wire.REMOVE, wire.RemoveRequest(sandbox_id=self._sb.id, path=path, recursive=recursive),
+                        wire.Done)
+
+    async def rename(self, src: str, dst: str) -> None:
+        await self._ask(wire.RENAME, wire.RenameRequest(sandbox_id=self._sb.id, src=src, dst=dst), wire.Done)

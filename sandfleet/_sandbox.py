@@ -95,6 +95,11 @@ class Sandbox:
         keeps its modes and symlinks and replaces what was at `path`."""
         return await _files.upload(self, src, path, mode=mode, progress=progress)
 
+    @property
+    def files(self) -> _files.Files:
+        """The sandbox's file tree: `list`, `stat`, `mkdir`, `remove`, `rename`."""
+        return _files.Files(self)
+
     async def download(self, path: str, dst: str | os.PathLike, *,
                        progress: _files.Progress | None = None) -> TransferDone:
         """Copy a file or directory of the sandbox to the local `dst` (replaced), checked the same way."""

@@ -297,3 +297,52 @@ async def test_destroy_ends_the_transfers_in_progress(make, platform):
     assert "sandfleet-tar" not in names
     fds = [os.readlink(f"/proc/{launcher}/fd/{fd}") for fd in os.listdir(f"/proc/{launcher}/fd")]
     assert not [f for f in fds if sb.id in f or ".sandfleet-" in f]
+
+
+async def test_the_tree_is_listed_stated_made_removed_and_renamed(make):
+    sb = await make()
+    await sb.files.mkdir("/workspace/a/b/c")
+    await sb.upload(b"12345", "/workspace/a/b/f")
+    assert (await sb.exec(["ln", "-s", "/etc", "/workspace/a/etc-link"])).exit_code == 0
+    top = await sb.files.list("/workspace/a")
+    assert [(e.path, e.kind) for e in top] == [("/workspace/a/b", "dir"), ("/workspace/a/etc-link", "symlink")]
+    assert top[1].target == "/etc"
+    deep = await sb.files.list("/workspace/a", depth=3)
+    assert [e.path for e in deep] == ["/workspace/a/b", "/workspace/a/b/c", "/workspace/a/b/f",
+                                      "/workspace/a/etc-link"]  # never through the symlink
+    f = await sb.files.stat("/workspace/a/b/f")
+    assert (f.kind, f.size, f.mode) == ("file", 5, 0o644)
+    await sb.files.rename("/workspace/a/b/f", "/workspace/a/g")
+    assert await sb.read_file("/workspace/a/g") == b"12345" and not await sb.files.exists("/workspace/a/b/f")
+    with pytest.raises(errors.InvalidRequest, match="ENOTEMPTY"):
+        await sb.files.remove("/workspace/a")
+    await sb.files.remove("/workspace/a/etc-link")  # the link goes, not what it points to
+    assert await sb.files.exists("/etc/hostname")
+    await sb.files.remove("/workspace/a", recursive=True)
+    assert not await sb.files.exists("/workspace/a")
+
+
+async def test_bad_tree_operations_get_typed_errors_and_change_nothing(make):
+    sb = await make()
+    await sb.upload(b"x", "/workspace/file")
+    assert (await sb.exec(["ln", "-s", "/", "/workspace/up"])).exit_code == 0
+    with pytest.raises(errors.NotFound):
+        await sb.files.stat("/workspace/missing")
+    with pytest.raises(errors.NotFound):
+        await sb.files.list("/workspace/missing")
+    with pytest.raises(errors.InvalidRequest, match="ENOTDIR"):
+        await sb.files.list("/workspace/file")
+    with pytest.raises(errors.InvalidRequest, match="ENOTDIR"):
+        await sb.files.mkdir("/workspace/file/sub")
+    with pytest.raises(errors.NotFound):
+        await sb.files.mkdir("/workspace/x/y", parents=False)
+    with pytest.raises(errors.NotFound):
+        await sb.files.rename("/workspace/missing", "/workspace/other")
+    for bad in (lambda: sb.files.remove("/workspace/up/etc", recursive=True),
+                lambda: sb.files.mkdir("/workspace/up/tmp/made"),
+                lambda: sb.files.rename("/workspace/file", "/workspace/up/tmp/moved"),
+                lambda: sb.files.remove("/workspace/../etc", recursive=True)):
+        with pytest.raises(errors.InvalidRequest):
+            await bad()
+    assert await sb.files.exists("/etc/hostname") and await sb.files.exists("/workspace/file")
+    assert not os.path.exists("/tmp/made") and not os.path.exists("/tmp/moved")

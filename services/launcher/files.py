@@ -171,6 +171,42 @@ async def close(launcher: Launcher, req: wire.CloseRequest) -> wire.Closed:
     return wire.Closed(closed=await table.close(req.transfer_id))
 
 
+# -- the tree: list, stat, mkdir, remove, rename ------------------------------------------------
+
+async def _op(launcher: Launcher, sandbox_id: str, path: str, op: str, *args, writes: bool = True):
+    tag(launcher.node_id, sandbox_id)
+    live = _unfrozen(launcher, sandbox_id) if writes else launcher.get_live(sandbox_id)
+    try:
+        return await asyncio.to_thread(live.driver.file_op, live.instance, op, *args)
+    except (OSError, ValueError, SandboxGone) as exc:
+        raise _error(exc, path) from None
+
+
+async def list_(launcher: Launcher, req: wire.ListRequest) -> wire.Listing:
+    entries, truncated = await _op(launcher, req.sandbox_id, req.path, "list", req.path, req.depth, wire.MAX_LISTED,
+                                   writes=False)
+    return wire.Listing(entries=[wire.Entry(**e) for e in entries], truncated=truncated)
+
+
+async def stat(launcher: Launcher, req: wire.StatRequest) -> wire.Entry:
+    return wire.Entry(**await _op(launcher, req.sandbox_id, req.path, "stat", req.path, writes=False))
+
+
+async def mkdir(launcher: Launcher, req: wire.MkdirRequest) -> wire.Done:
+    await _op(launcher, req.sandbox_id, req.path, "mkdir", req.path, req.parents, req.mode)
+    return wire.Done(path=req.path)
+
+
+async def remove(launcher: Launcher, req: wire.RemoveRequest) -> wire.Done:
+    await _op(launcher, req.sandbox_id, req.path, "remove", req.path, req.recursive)
+    return wire.Done(path=req.path)
+
+
+async def rename(launcher: Launcher, req: wire.RenameRequest) -> wire.Done:
+    await _op(launcher, req.sandbox_id, req.src, "rename", req.src, req.dst)
+    return wire.Done(path=req.dst)
+
+
 def endpoints(launcher: Launcher) -> list[Endpoint]:
     """Registered by the composition root (__main__.endpoints)."""
     n, h, s, w = launcher.node_id, functools.partial, node_subject, wire
@@ -182,4 +218,9 @@ def endpoints(launcher: Launcher) -> list[Endpoint]:
         Endpoint("files_download", s(n, w.DOWNLOAD), w.DownloadRequest, h(download, launcher)),
         Endpoint("files_download_chunk", s(n, w.DOWNLOAD_CHUNK), w.DownloadChunkRequest, h(download_chunk, launcher)),
         Endpoint("files_close", s(n, w.CLOSE), w.CloseRequest, h(close, launcher)),
+        Endpoint("files_list", s(n, w.LIST), w.ListRequest, h(list_, launcher)),
+        Endpoint("files_stat", s(n, w.STAT), w.StatRequest, h(stat, launcher)),
+        Endpoint("files_mkdir", s(n, w.MKDIR), w.MkdirRequest, h(mkdir, launcher)),
+        Endpoint("files_remove", s(n, w.REMOVE), w.RemoveRequest, h(remove, launcher)),
+        Endpoint("files_rename", s(n, w.RENAME), w.RenameRequest, h(rename, launcher)),
     ]

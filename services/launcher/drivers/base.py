@@ -162,6 +162,12 @@ class Driver(Protocol):
     def open_download(self, instance: Instance, path: str, chunk: int, depth: int) -> DownloadSource:
         """What a download of `path` reads: its bytes, or a directory as a tar stream. Blocking."""
 
+    def file_op(self, instance: Instance, op: str, *args) -> object:
+        """One operation on the sandbox's tree, by name: `stat` (path) and `list` (path, depth,
+        limit) answer entries as dicts of schemas.files.Entry's fields; `mkdir` (path, parents,
+        mode), `remove` (path, recursive), `rename` (src, dst). Blocking; reads resolve in the
+        root, changes beneath it (an escaping path raises ValueError and changes nothing)."""
+
 
 class UploadSink(Protocol):
     """One upload being written; methods block and are called one at a time."""

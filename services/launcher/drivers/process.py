@@ -19,7 +19,7 @@ from pathlib import Path
 
 from linuxnode import cgroups
 from linuxnode import process as process_runtime
-from linuxnode.process import InitProcess, ProcessSpec, transfer
+from linuxnode.process import InitProcess, ProcessSpec, fileops, transfer
 from schemas.layers import Rootfs
 from schemas.node import Confinement
 from schemas.sandbox import SandboxSpec
@@ -200,5 +200,14 @@ class ProcessDriver:
     def open_download(self, instance: Instance, path: str, chunk: int, depth: int) -> DownloadSource:
         try:
             return transfer.open_source(_own(instance).init, path, chunk, depth)
+        except ProcessLookupError:
+            raise SandboxGone("the sandbox's init is gone") from None
+
+    _FILE_OPS = {"stat": fileops.stat_path, "list": fileops.list_dir, "mkdir": fileops.mkdir,
+                 "remove": fileops.remove, "rename": fileops.rename}
+
+    def file_op(self, instance: Instance, op: str, *args) -> object:
+        try:
+            return self._FILE_OPS[op](_own(instance).init, *args)
         except ProcessLookupError:
             raise SandboxGone("the sandbox's init is gone") from None
