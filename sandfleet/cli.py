@@ -16,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 
-from sandfleet import cli_layers, cli_rollout, client, errors
+from sandfleet import cli_files, cli_layers, cli_rollout, client, errors
 from sandfleet.config import DEFAULT_PORT, default_data_dir, nats_url, node_id
 from sandfleet.extras import MissingExtra, require
 from sandfleet.supervisor import Supervisor, free_port, plan_nodes, read_state, stop_unsupervised
@@ -112,6 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     pol.add_argument("--default-threshold", type=int, default=1, help="for kinds no --threshold names")
     cli_layers.register(sub)
     cli_rollout.register(sub)
+    cli_files.register(sub)
     return p
 
 

@@ -346,3 +346,28 @@ async def test_bad_tree_operations_get_typed_errors_and_change_nothing(make):
             await bad()
     assert await sb.files.exists("/etc/hostname") and await sb.files.exists("/workspace/file")
     assert not os.path.exists("/tmp/made") and not os.path.exists("/tmp/moved")
+
+
+async def test_sandfleet_cp_copies_a_tree_in_and_out_with_progress(make, platform, tmp_path):
+    import subprocess
+    import sys
+    sb = await make()
+    _tree(tmp_path / "repo")
+    (tmp_path / "repo" / "big.bin").write_bytes(os.urandom(9 << 20))  # several chunks: progress redraws
+    up = await asyncio.to_thread(platform.cli, "cp", "--progress", str(tmp_path / "repo"), f"{sb.id}:/workspace/repo")
+    assert f"{sb.id}:/workspace/repo" in up.stdout.decode() and b"/s" in up.stderr
+    await asyncio.to_thread(platform.cli, "cp", f"{sb.id}:repo", str(tmp_path / "back"))  # relative: /workspace
+    assert _describe(tmp_path / "back") == _describe(tmp_path / "repo")
+    (tmp_path / "into").mkdir()  # an existing directory receives it under its own name
+    await asyncio.to_thread(platform.cli, "cp", f"{sb.id}:/workspace/repo/tool", str(tmp_path / "into"))
+    assert (tmp_path / "into" / "tool").read_bytes() == (tmp_path / "repo" / "tool").read_bytes()
+    bad = await asyncio.to_thread(platform.cli, "cp", str(tmp_path / "repo"), str(tmp_path / "x"), check=False)
+    assert bad.returncode == 2 and b"ID:path" in bad.stderr and b"Traceback" not in bad.stderr
+    missing = await asyncio.to_thread(platform.cli, "cp", f"{sb.id}:/workspace/nope", str(tmp_path / "n"), check=False)
+    assert missing.returncode == 2 and b"NotFound" in missing.stderr and not (tmp_path / "n").exists()
+    # stdout closed before the summary is written (`| head -c0`): quiet, and the copy is done
+    cmd = f"{sys.executable} -m sandfleet.cli cp {tmp_path / 'repo' / 'tool'} {sb.id}:/workspace/t2"
+    piped = await asyncio.to_thread(subprocess.run, ["sh", "-c", f"{cmd} | true"], capture_output=True,
+                                    env={**platform.env, "SANDFLEET_NATS_URL": platform.url}, timeout=60)
+    assert b"Traceback" not in piped.stderr and b"BrokenPipe" not in piped.stderr
+    assert await sb.read_file("/workspace/t2") == b"#!/bin/sh\necho tool\n"
