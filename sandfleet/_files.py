@@ -369,3 +369,59 @@ class Files:
 
     async def rename(self, src: str, dst: str) -> None:
         await self._ask(wire.RENAME, wire.RenameRequest(sandbox_id=self._sb.id, src=src, dst=dst), wire.Done)
+
+    def watch(self, path: str = "/workspace", *, recursive: bool = False, idle_s: float = 60.0) -> Watch:
+        """Changes under the directory `path`: `async with sb.files.watch(p) as w: async for event in w`.
+        Iteration ends when the directory goes, the sandbox ends or the watch is closed."""
+        return Watch(self._sb, path, recursive, idle_s)
+
+
+class Watch:
+    """A watch of a sandbox directory, started by `async with` (or `await start()`), read by
+    long polls. `dropped` counts events the node had to drop for a reader too slow."""
+
+    def __init__(self, sb: Sandbox, path: str, recursive: bool, idle_s: float) -> None:
+        self._sb, self.path, self._recursive, self._idle_s = sb, path, recursive, idle_s
+        self.watch_id = ""
+        self.dropped = 0
+        self.ended = False
+
+    async def start(self) -> Watch:
+        req = wire.WatchRequest(sandbox_id=self._sb.id, path=self.path, recursive=self._recursive, idle_s=self._idle_s)
+        reply = await self._sb._fleet.bus.request(self._sb._subject(wire.WATCH), req, wire.Watching, timeout=_TIMEOUT_S)
+        self.watch_id = reply.watch_id
+        return self
+
+    async def __aenter__(self) -> Watch:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def poll(self, wait_s: float = 10.0) -> list[wire.FileEvent]:
+        """The events since the last poll, waiting up to `wait_s` for one; [] once ended."""
+        from sandfleet import errors
+        if self.ended:
+            return []
+        req = wire.WatchNextRequest(sandbox_id=self._sb.id, watch_id=self.watch_id, wait_s=wait_s)
+        try:
+            got = await self._sb._fleet.bus.request(self._sb._subject(wire.WATCH_NEXT), req, wire.WatchEvents,
+                                                    timeout=wait_s + 30)
+        except errors.NotFound:  # the sandbox (or the watch) has ended
+            self.ended = True
+            return []
+        self.dropped += got.dropped
+        self.ended = got.ended
+        return got.events
+
+    async def __aiter__(self) -> AsyncIterator[wire.FileEvent]:
+        while not self.ended:
+            for event in await self.poll():
+                yield event
+
+    async def close(self) -> None:
+        if self.watch_id and not self.ended:
+            self.ended = True
+            req = wire.WatchCloseRequest(sandbox_id=self._sb.id, watch_id=self.watch_id)
+            with contextlib.suppress(Exception):
+                await self._sb._fleet.bus.request(self._sb._subject(wire.WATCH_CLOSE), req, wire.Closed, timeout=10)

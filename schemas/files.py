@@ -33,6 +33,9 @@ STAT = "files_stat"
 MKDIR = "files_mkdir"
 REMOVE = "files_remove"
 RENAME = "files_rename"
+WATCH = "files_watch"
+WATCH_NEXT = "files_watch_next"  # a long poll: the events since the last one, or wait for some
+WATCH_CLOSE = "files_watch_close"
 
 # Absolute, no NUL, no `..` component: a path that climbs is refused before anything resolves it.
 SandboxPath = Annotated[str, Meta(min_length=1, max_length=4096, pattern=r"^(?!.*(^|/)\.\.(/|$))/[^\x00]*$")]
@@ -151,3 +154,40 @@ class RenameRequest(_Request, frozen=True, kw_only=True, tag="files.rename"):
 
 class Done(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.done"):
     path: str
+
+
+class WatchRequest(_Request, frozen=True, kw_only=True, tag="files.watch"):
+    """Watch the directory `path` (and, with `recursive`, its subdirectories) for changes. The node
+    keeps a bounded buffer per watch: a reader too slow loses the oldest events and is told how
+    many (`dropped`); a watch nobody polls for `idle_s` is closed."""
+
+    path: SandboxPath
+    recursive: bool = False
+    idle_s: Annotated[float, Meta(ge=1, le=MAX_IDLE_S)] = 60.0
+
+
+class Watching(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.watching"):
+    watch_id: str
+    path: str
+
+
+class WatchNextRequest(_Request, frozen=True, kw_only=True, tag="files.watch_next"):
+    watch_id: TransferId
+    wait_s: Annotated[float, Meta(ge=0, le=30)] = 10.0
+    max_events: Annotated[int, Meta(ge=1, le=10_000)] = 1000
+
+
+class FileEvent(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.event"):
+    kind: Literal["created", "modified", "removed"]
+    path: str
+    is_dir: bool = False
+
+
+class WatchEvents(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.watch_events"):
+    events: list[FileEvent]
+    dropped: int = 0  # events lost since the last poll (the buffer was full, or the kernel's queue)
+    ended: bool = False  # the directory went away or the sandbox ended: no more events
+
+
+class WatchCloseRequest(_Request, frozen=True, kw_only=True, tag="files.watch_close"):
+    watch_id: TransferId

@@ -371,3 +371,75 @@ async def test_sandfleet_cp_copies_a_tree_in_and_out_with_progress(make, platfor
                                     env={**platform.env, "SANDFLEET_NATS_URL": platform.url}, timeout=60)
     assert b"Traceback" not in piped.stderr and b"BrokenPipe" not in piped.stderr
     assert await sb.read_file("/workspace/t2") == b"#!/bin/sh\necho tool\n"
+
+
+async def _until(w, want: set[tuple[str, str]], got: list) -> None:
+    while not want <= {(e.kind, e.path) for e in got}:
+        events = await w.poll(wait_s=5)
+        assert events or not w.ended, f"the watch ended with {got}"
+        got.extend(events)
+
+
+async def test_a_watch_sees_files_created_modified_and_removed(make):
+    sb = await make()
+    await sb.files.mkdir("/workspace/w/sub")
+    async with sb.files.watch("/workspace/w", recursive=True) as w:
+        await sb.exec(["sh", "-c", "echo 1 > /workspace/w/a; echo 2 >> /workspace/w/a; mkdir /workspace/w/new"])
+        got: list = []
+        await _until(w, {("created", "/workspace/w/a"), ("modified", "/workspace/w/a"),
+                         ("created", "/workspace/w/new")}, got)
+        await sb.exec(["sh", "-c", "echo 3 > /workspace/w/new/deep; rm /workspace/w/a; echo 4 > /workspace/w/sub/s"])
+        await _until(w, {("created", "/workspace/w/new/deep"), ("removed", "/workspace/w/a"),
+                         ("created", "/workspace/w/sub/s")}, got)
+        assert w.dropped == 0
+    assert w.ended
+
+
+async def test_a_watch_ends_with_its_directory_and_refuses_bad_paths(make):
+    sb = await make()
+    await sb.files.mkdir("/workspace/gone")
+    assert (await sb.exec(["ln", "-s", "/", "/workspace/up"])).exit_code == 0
+    w = await sb.files.watch("/workspace/gone").start()
+    await sb.files.remove("/workspace/gone")
+    events = []
+    while not w.ended:
+        events += await w.poll(wait_s=5)
+    with pytest.raises(errors.NotFound):
+        await sb.files.watch("/workspace/missing").start()
+    await sb.upload(b"x", "/workspace/file")
+    with pytest.raises(errors.InvalidRequest, match="ENOTDIR"):
+        await sb.files.watch("/workspace/file").start()
+    with pytest.raises(errors.InvalidRequest):
+        await sb.files.watch("/workspace/../etc").start()
+
+
+async def test_a_slow_reader_loses_the_oldest_events_and_is_told(make):
+    sb = await make()
+    await sb.files.mkdir("/workspace/many")
+    async with sb.files.watch("/workspace/many") as w:
+        # more changes than the node's buffer holds (SANDFLEET_WATCH_BUFFER, 4096), nobody reading
+        r = await sb.exec(["sh", "-c", "i=0; while [ $i -lt 6000 ]; do : > /workspace/many/f$i; i=$((i+1)); done"],
+                          timeout_s=120)
+        assert r.exit_code == 0
+        got = await w.poll(wait_s=0)
+        while batch := await w.poll(wait_s=0):
+            got += batch
+        assert w.dropped > 0 and len(got) <= 4096
+        assert got[-1].path == "/workspace/many/f5999"  # the newest are kept
+
+
+def _inotify_fds(pid: int) -> int:
+    return sum(os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:inotify" for fd in os.listdir(f"/proc/{pid}/fd"))
+
+
+async def test_destroy_ends_a_watch_and_its_waiting_poll(make, platform):
+    sb = await make()
+    launcher = platform.service_pid("launcher")
+    before = _inotify_fds(launcher)
+    w = await sb.files.watch("/workspace").start()
+    assert _inotify_fds(launcher) == before + 1
+    waiting = asyncio.ensure_future(w.poll(wait_s=30))
+    await asyncio.sleep(0.2)
+    await sb.destroy()
+    assert await waiting == [] and w.ended
+    assert _inotify_fds(launcher) == before

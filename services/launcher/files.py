@@ -17,13 +17,14 @@ from sandfleet.errors import ServiceError
 from schemas import files as wire
 from schemas.errors import ErrorCode
 from schemas.node import subject as node_subject
-from services.launcher import transfers
+from services.launcher import transfers, watches
 from services.launcher.drivers.base import SandboxGone
 from services.launcher.handlers import _file_error, _unfrozen
 from services.launcher.keys import tag
 from services.launcher.lifecycle import Launcher
 from services.launcher.state import Live
 from services.launcher.transfers import Transfer, Transfers
+from services.launcher.watches import Watches
 
 _PIPE_DEPTH = wire.WINDOW  # chunks queued between the bus and a tree's tar thread
 
@@ -46,6 +47,14 @@ def _error(exc: Exception, path: str) -> ServiceError:
     return _file_error(exc, path)
 
 
+async def _still_live(launcher: Launcher, live: Live, undo) -> None:
+    """After opening something off the loop: if the sandbox began to end meanwhile, its attached
+    state was already ended, so what was just opened is undone here instead of kept."""
+    if live.ending or launcher.live.get(live.id) is not live:
+        await asyncio.to_thread(undo)
+        raise ServiceError(ErrorCode.CONFLICT, f"sandbox {live.id} ended meanwhile")
+
+
 async def _fail(table: Transfers, transfer: Transfer, exc: Exception, path: str) -> ServiceError:
     failure = _error(exc, path)
     transfer.failed = failure
@@ -63,6 +72,7 @@ async def upload(launcher: Launcher, req: wire.UploadRequest) -> wire.Transfer:
                                        _PIPE_DEPTH)
     except (OSError, ValueError, SandboxGone) as exc:
         raise _error(exc, req.path) from None
+    await _still_live(launcher, live, sink.abort)
     transfer = table.add(sink, req.idle_s, req.path)
     return wire.Transfer(transfer_id=transfer.id, kind=req.kind, mode=req.mode)
 
@@ -124,6 +134,7 @@ async def download(launcher: Launcher, req: wire.DownloadRequest) -> wire.Transf
                                          _PIPE_DEPTH)
     except (OSError, ValueError, SandboxGone) as exc:
         raise _error(exc, req.path) from None
+    await _still_live(launcher, live, source.close)
     transfer = table.add(source, req.idle_s, req.path)
     return wire.Transfer(transfer_id=transfer.id, kind=source.kind, size=source.size, mode=source.mode)  # type: ignore[arg-type]
 
@@ -207,6 +218,40 @@ async def rename(launcher: Launcher, req: wire.RenameRequest) -> wire.Done:
     return wire.Done(path=req.dst)
 
 
+# -- watches --------------------------------------------------------------------------------------
+
+def _watches(launcher: Launcher, live: Live) -> Watches:
+    table = live.attached.get(watches.NAME)
+    if table is None:
+        settings = launcher.settings
+        table = live.attached[watches.NAME] = Watches(per_sandbox=settings.watches_per_sandbox,
+                                                      capacity=settings.watch_buffer)
+    return table  # type: ignore[return-value]
+
+
+async def watch(launcher: Launcher, req: wire.WatchRequest) -> wire.Watching:
+    tag(launcher.node_id, req.sandbox_id)
+    live = launcher.get_live(req.sandbox_id)
+    table = _watches(launcher, live)
+    try:
+        source = await asyncio.to_thread(live.driver.open_watch, live.instance, req.path, req.recursive,
+                                         launcher.settings.watch_max_dirs)
+    except (OSError, ValueError, SandboxGone) as exc:
+        raise _error(exc, req.path) from None
+    await _still_live(launcher, live, source.close)
+    return wire.Watching(watch_id=table.add(source, req.idle_s).id, path=req.path)
+
+
+async def watch_next(launcher: Launcher, req: wire.WatchNextRequest) -> wire.WatchEvents:
+    tag(launcher.node_id, req.sandbox_id)
+    return await _watches(launcher, launcher.get_live(req.sandbox_id)).next(req.watch_id, req.wait_s, req.max_events)
+
+
+async def watch_close(launcher: Launcher, req: wire.WatchCloseRequest) -> wire.Closed:
+    tag(launcher.node_id, req.sandbox_id)
+    return wire.Closed(closed=_watches(launcher, launcher.get_live(req.sandbox_id)).close(req.watch_id))
+
+
 def endpoints(launcher: Launcher) -> list[Endpoint]:
     """Registered by the composition root (__main__.endpoints)."""
     n, h, s, w = launcher.node_id, functools.partial, node_subject, wire
@@ -223,4 +268,7 @@ def endpoints(launcher: Launcher) -> list[Endpoint]:
         Endpoint("files_mkdir", s(n, w.MKDIR), w.MkdirRequest, h(mkdir, launcher)),
         Endpoint("files_remove", s(n, w.REMOVE), w.RemoveRequest, h(remove, launcher)),
         Endpoint("files_rename", s(n, w.RENAME), w.RenameRequest, h(rename, launcher)),
+        Endpoint("files_watch", s(n, w.WATCH), w.WatchRequest, h(watch, launcher)),
+        Endpoint("files_watch_next", s(n, w.WATCH_NEXT), w.WatchNextRequest, h(watch_next, launcher)),
+        Endpoint("files_watch_close", s(n, w.WATCH_CLOSE), w.WatchCloseRequest, h(watch_close, launcher)),
     ]

@@ -16,6 +16,10 @@ class LauncherSettings:
     fence_s: float = 15.0  # SANDFLEET_FENCE_S
     # Uploads and downloads in progress per sandbox; each holds at most a window of chunks.
     transfers_per_sandbox: int = 16  # SANDFLEET_TRANSFERS_PER_SANDBOX
+    # File watches per sandbox, events each holds for a slow reader, directories each watches.
+    watches_per_sandbox: int = 16  # SANDFLEET_WATCHES_PER_SANDBOX
+    watch_buffer: int = 4096  # SANDFLEET_WATCH_BUFFER
+    watch_max_dirs: int = 1024  # SANDFLEET_WATCH_MAX_DIRS
 
     @classmethod
     def from_env(cls) -> LauncherSettings:
@@ -25,4 +29,7 @@ class LauncherSettings:
             starting_grace_s=float(env.get("SANDFLEET_STARTING_GRACE_S") or cls.starting_grace_s),
             fence_s=float(env.get("SANDFLEET_FENCE_S") or cls.fence_s),
             transfers_per_sandbox=int(env.get("SANDFLEET_TRANSFERS_PER_SANDBOX") or cls.transfers_per_sandbox),
+            watches_per_sandbox=int(env.get("SANDFLEET_WATCHES_PER_SANDBOX") or cls.watches_per_sandbox),
+            watch_buffer=int(env.get("SANDFLEET_WATCH_BUFFER") or cls.watch_buffer),
+            watch_max_dirs=int(env.get("SANDFLEET_WATCH_MAX_DIRS") or cls.watch_max_dirs),
         )

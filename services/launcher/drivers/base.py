@@ -168,6 +168,20 @@ class Driver(Protocol):
         mode), `remove` (path, recursive), `rename` (src, dst). Blocking; reads resolve in the
         root, changes beneath it (an escaping path raises ValueError and changes nothing)."""
 
+    def open_watch(self, instance: Instance, path: str, recursive: bool, max_dirs: int) -> DirectoryWatch:
+        """An inotify watch of the directory `path` resolved in the sandbox's root."""
+
+
+class DirectoryWatch(Protocol):
+    """Readable on `fd` when changes are queued; `changes` drains them without blocking, as
+    (kind, path, is_dir) with kind created/modified/removed, overflow or ended."""
+
+    fd: int
+
+    def changes(self) -> list[tuple[str, str, bool]]: ...
+
+    def close(self) -> None: ...
+
 
 class UploadSink(Protocol):
     """One upload being written; methods block and are called one at a time."""

@@ -20,6 +20,7 @@ from pathlib import Path
 from linuxnode import cgroups
 from linuxnode import process as process_runtime
 from linuxnode.process import InitProcess, ProcessSpec, fileops, transfer
+from linuxnode.process.watch import DirWatch
 from schemas.layers import Rootfs
 from schemas.node import Confinement
 from schemas.sandbox import SandboxSpec
@@ -27,6 +28,7 @@ from services.launcher.drivers.base import (
     Anchor,
     Command,
     CpuWeight,
+    DirectoryWatch,
     DownloadSource,
     DriverFailure,
     ExecFailed,
@@ -205,6 +207,12 @@ class ProcessDriver:
 
     _FILE_OPS = {"stat": fileops.stat_path, "list": fileops.list_dir, "mkdir": fileops.mkdir,
                  "remove": fileops.remove, "rename": fileops.rename}
+
+    def open_watch(self, instance: Instance, path: str, recursive: bool, max_dirs: int) -> DirectoryWatch:
+        try:
+            return DirWatch(_own(instance).init, path, recursive, max_dirs)
+        except ProcessLookupError:
+            raise SandboxGone("the sandbox's init is gone") from None
 
     def file_op(self, instance: Instance, op: str, *args) -> object:
         try:
