@@ -77,6 +77,7 @@ async def upload(sb: Sandbox, src: str | os.PathLike | bytes, path: str, *, mode
         for task in inflight:
             task.cancel()
         await asyncio.gather(*inflight, return_exceptions=True)
+        await chunks.aclose()  # a tree's tar thread stops
         await _close_quietly(sb, transfer.transfer_id)
         raise
     if done.sha256 != digest.hexdigest():
@@ -114,6 +115,7 @@ class _ToLoop(io.RawIOBase):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue) -> None:
         self._loop, self._out, self._held = loop, out, bytearray()
+        self.abandoned = threading.Event()  # the upload failed: the tar thread stops at its next write
 
     def writable(self) -> bool:
         return True
@@ -126,7 +128,14 @@ class _ToLoop(io.RawIOBase):
         return len(data)
 
     def _hand(self, data: bytes | BaseException | None) -> None:
-        asyncio.run_coroutine_threadsafe(self._out.put(data), self._loop).result()
+        handed = asyncio.run_coroutine_threadsafe(self._out.put(data), self._loop)
+        while True:
+            try:
+                return handed.result(timeout=0.2)
+            except TimeoutError:
+                if self.abandoned.is_set():
+                    handed.cancel()
+                    raise BrokenPipeError("the upload was abandoned") from None
 
     def finish(self, error: BaseException | None) -> None:
         if self._held and error is None:
@@ -150,10 +159,13 @@ async def _tar_chunks(local: Path) -> AsyncIterator[bytes]:
 
     thread = threading.Thread(target=pack, daemon=True)
     thread.start()
-    while (item := await out.get()) is not None:
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    try:
+        while (item := await out.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        writer.abandoned.set()
 
 
 # -- download -------------------------------------------------------------------------------
@@ -167,8 +179,9 @@ async def download(sb: Sandbox, path: str, dst: str | os.PathLike, *, progress: 
     temp = dst.parent / f".{dst.name}.sandfleet-{secrets.token_hex(6)}.part"
     sink = _FileSink(temp, transfer.mode) if transfer.kind == "file" else _TreeSink(temp)
     digest, size = hashlib.sha256(), 0
+    chunks = _chunks(sb, transfer.transfer_id)
     try:
-        async for chunk in _chunks(sb, transfer.transfer_id):
+        async for chunk in chunks:
             if chunk.eof:
                 if chunk.sha256 != digest.hexdigest() or chunk.size != size:
                     raise ValueError(f"download of {path}: sha256 {chunk.sha256} ({chunk.size} bytes) on the node, "
@@ -184,6 +197,7 @@ async def download(sb: Sandbox, path: str, dst: str | os.PathLike, *, progress: 
         await asyncio.to_thread(sink.abort)
         raise
     finally:
+        await chunks.aclose()  # the requests asked ahead are answered or cancelled first
         await _close_quietly(sb, transfer.transfer_id)
     return wire.TransferDone(size=size, sha256=digest.hexdigest())
 

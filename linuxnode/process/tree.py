@@ -34,9 +34,29 @@ def _parent(top: int, parts: list[str]) -> int:
     return openat(top, "/".join(parts[:-1]), os.O_PATH | os.O_DIRECTORY, INSIDE_TREE)
 
 
+class _Parents:
+    """The directory fd of the last member's parent, kept for the next member (a tar lists a
+    directory's entries together): one openat2 per directory instead of one per member."""
+
+    def __init__(self, top: int) -> None:
+        self.top, self.parts, self.fd = top, None, -1
+
+    def of(self, parts: list[str]) -> int:
+        if parts[:-1] != self.parts:
+            self.close()
+            self.fd, self.parts = _parent(self.top, parts), parts[:-1]
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd, self.parts = -1, None
+
+
 def unpack(stream: BinaryIO, top: int) -> None:
     """Every member of the tar `stream` under the directory `top` (empty, made by the caller)."""
     dir_modes: list[tuple[list[str], int, float]] = []
+    parents = _Parents(top)
     with tarfile.open(fileobj=stream, mode="r|") as tar:
         for member in tar:
             parts = _parts(member.name)
@@ -44,7 +64,7 @@ def unpack(stream: BinaryIO, top: int) -> None:
             if not parts:  # the top itself
                 dir_modes.append((parts, mode, member.mtime))
                 continue
-            parent = _parent(top, parts)
+            parent = parents.of(parts)
             name = parts[-1]
             try:
                 if member.isdir():
@@ -69,8 +89,10 @@ def unpack(stream: BinaryIO, top: int) -> None:
                         os.close(src_parent)
                 else:
                     raise ValueError(f"tar member {member.name!r}: only files, directories and links travel")
-            finally:
-                os.close(parent)
+            except BaseException:
+                parents.close()
+                raise
+    parents.close()
     for parts, mode, mtime in reversed(dir_modes):  # last: a read-only directory must not stop its children
         fd = openat(top, "/".join(parts) or ".", os.O_RDONLY | os.O_DIRECTORY, INSIDE_TREE)
         try:

@@ -113,6 +113,6 @@ class Transfers:
 
 
 def in_window(transfer: Transfer, seq: int, low: int) -> None:
-    if not low <= seq < low + 2 * WINDOW or seq in transfer.held:
+    if not low <= seq < low + 2 * WINDOW or seq in transfer.held:  # 2x: chunk requests may overtake each other
         raise ServiceError(ErrorCode.INVALID_REQUEST, f"chunk {seq} is outside the transfer's window "
                                                       f"({low}..{low + 2 * WINDOW - 1}) or sent twice")
