@@ -6,15 +6,18 @@ from __future__ import annotations
 import secrets
 from typing import TYPE_CHECKING
 
-from sandfleet import _health, _processes, errors
-from sandfleet._processes import OutputCallback, Process
+from sandfleet import _files, _health, _processes, errors
 from sandfleet._ports import Forward
+from sandfleet._processes import OutputCallback, Process
 from sandfleet._requests import _convert
 from schemas import node
 from schemas.sandbox import SandboxRecord
 
 if TYPE_CHECKING:
+    import os
+
     from sandfleet.client import Fleet
+    from schemas.files import TransferDone
 
 
 ExecResult = node.ExecReply  # what a command did: the node's reply as it came
@@ -146,3 +149,21 @@ class Sandbox:
         sandbox: its loopback (`host` "127.0.0.1", "::1") or its own egress address ("own").
         Entering it raises `PortRefused` (a `Conflict`) when nobody listens on that port."""
         return Forward(self, port, local_port=local_port, host=host)
+    # -- files of any size, and the file tree (sandfleet/_files.py) ------------------------
+
+    async def upload(self, src: str | os.PathLike | bytes, path: str, *, mode: int | None = None,
+                     progress: _files.Progress | None = None) -> TransferDone:
+        """Copy a local file or directory (or bytes) to `path` in the sandbox, of any size: chunked,
+        pipelined, sha256-checked; nothing is visible at `path` until it is all there. A directory
+        keeps its modes and symlinks and replaces what was at `path`."""
+        return await _files.upload(self, src, path, mode=mode, progress=progress)
+
+    @property
+    def files(self) -> _files.Files:
+        """The sandbox's file tree: `list`, `stat`, `mkdir`, `remove`, `rename`."""
+        return _files.Files(self)
+
+    async def download(self, path: str, dst: str | os.PathLike, *,
+                       progress: _files.Progress | None = None) -> TransferDone:
+        """Copy a file or directory of the sandbox to the local `dst` (replaced), checked the same way."""
+        return await _files.download(self, path, dst, progress=progress)

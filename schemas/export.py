@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgspec
 
-from schemas import errors, events, health, layers, node, reclaim, sandbox, security, violations
+from schemas import errors, events, files, health, layers, node, reclaim, sandbox, security, violations
 from schemas import ports
 from schemas import process as proc
 
@@ -62,6 +62,31 @@ MESSAGES: dict[str, object] = {
     "health.NodeMetricsRequest": health.NodeMetricsRequest,
     "health.SandboxMetrics": health.SandboxMetrics,
     "health.NodeMetrics": health.NodeMetrics,
+    "files.UploadRequest": files.UploadRequest,
+    "files.Transfer": files.Transfer,
+    "files.UploadChunk": files.UploadChunk,
+    "files.ChunkAck": files.ChunkAck,
+    "files.UploadEnd": files.UploadEnd,
+    "files.TransferDone": files.TransferDone,
+    "files.DownloadRequest": files.DownloadRequest,
+    "files.DownloadChunkRequest": files.DownloadChunkRequest,
+    "files.DownloadChunk": files.DownloadChunk,
+    "files.CloseRequest": files.CloseRequest,
+    "files.Closed": files.Closed,
+    "files.ListRequest": files.ListRequest,
+    "files.Entry": files.Entry,
+    "files.Listing": files.Listing,
+    "files.StatRequest": files.StatRequest,
+    "files.MkdirRequest": files.MkdirRequest,
+    "files.RemoveRequest": files.RemoveRequest,
+    "files.RenameRequest": files.RenameRequest,
+    "files.Done": files.Done,
+    "files.WatchRequest": files.WatchRequest,
+    "files.Watching": files.Watching,
+    "files.WatchNextRequest": files.WatchNextRequest,
+    "files.FileEvent": files.FileEvent,
+    "files.WatchEvents": files.WatchEvents,
+    "files.WatchCloseRequest": files.WatchCloseRequest,
     "ports.PortOpenRequest": ports.PortOpenRequest,
     "ports.TunnelOpened": ports.TunnelOpened,
     "ports.PortRefused": ports.PortRefused,

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sandfleet.bus import decode
-from schemas import health, layers, node, ports, reclaim, sandbox, security
+from schemas import files, health, layers, node, ports, reclaim, sandbox, security
 from schemas import process as proc_schema
 from schemas.errors import ErrorBody, ErrorCode
 
@@ -94,6 +94,22 @@ SUBJECTS = [
     Subject("launcher", proc_schema.WAIT, proc_schema.WaitRequest, NOWHERE | {"pid": 1, "wait_s": 0}),
     Subject("launcher", proc_schema.LIST, proc_schema.ListRequest, NOWHERE),
     Subject("launcher", ports.PORT_OPEN, ports.PortOpenRequest, NOWHERE | {"port": 1, "reply_subject": "_INBOX.fuzz"}),
+    # launcher: files (schemas/files.py)
+    Subject("launcher", files.UPLOAD, files.UploadRequest, NOWHERE | {"path": "/x"}),
+    Subject("launcher", files.UPLOAD_CHUNK, files.UploadChunk, NOWHERE | {"transfer_id": "ab", "seq": 0, "data": ""}),
+    Subject("launcher", files.UPLOAD_END, files.UploadEnd, NOWHERE | {"transfer_id": "ab", "chunks": 0, "size": 0,
+                                                                      "sha256": "0" * 64}),
+    Subject("launcher", files.DOWNLOAD, files.DownloadRequest, NOWHERE | {"path": "/x"}),
+    Subject("launcher", files.DOWNLOAD_CHUNK, files.DownloadChunkRequest, NOWHERE | {"transfer_id": "ab", "seq": 0}),
+    Subject("launcher", files.CLOSE, files.CloseRequest, NOWHERE | {"transfer_id": "ab"}),
+    Subject("launcher", files.LIST, files.ListRequest, NOWHERE | {"path": "/x"}),
+    Subject("launcher", files.STAT, files.StatRequest, NOWHERE | {"path": "/x"}),
+    Subject("launcher", files.MKDIR, files.MkdirRequest, NOWHERE | {"path": "/x"}),
+    Subject("launcher", files.REMOVE, files.RemoveRequest, NOWHERE | {"path": "/x"}),
+    Subject("launcher", files.RENAME, files.RenameRequest, NOWHERE | {"src": "/x", "dst": "/y"}),
+    Subject("launcher", files.WATCH, files.WatchRequest, NOWHERE | {"path": "/x"}),
+    Subject("launcher", files.WATCH_NEXT, files.WatchNextRequest, NOWHERE | {"watch_id": "ab", "wait_s": 0}),
+    Subject("launcher", files.WATCH_CLOSE, files.WatchCloseRequest, NOWHERE | {"watch_id": "ab"}),
     # node agent
     Subject("agent", node.CONFINE, node.ConfineRequest, {}),
     Subject("agent", node.RELEASE, node.ReleaseRequest, NOWHERE),

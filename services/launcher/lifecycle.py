@@ -10,6 +10,7 @@ second): it makes no bus round trip beyond confine, compose and its record write
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -198,10 +199,16 @@ class Launcher:
 
     # -- destroy -----------------------------------------------------------------------
 
-    async def _end_attachments(self, sandbox_id: str) -> None:
-        for hook in self.ending_hooks:
+    async def _end_attachments(self, sandbox_id: str, live: Live | None) -> None:
+        """What the sandbox's capabilities hold, before its processes go: node-wide tables keyed
+        by sandbox (tunnels: `ending_hooks`) and what is attached to its live entry (transfers,
+        watches: `Live.attached`)."""
+        ends = [functools.partial(hook, sandbox_id) for hook in self.ending_hooks]
+        while live is not None and live.attached:
+            ends.append(live.attached.popitem()[1].end)
+        for end in ends:
             try:
-                await hook(sandbox_id)
+                await end()
             except Exception:  # never let one capability's failure keep a sandbox alive
                 log.exception("ending what %s held failed", sandbox_id, extra=about(sandbox_id))
 
@@ -219,7 +226,7 @@ class Launcher:
         else:
             live.ending = True
         await records.stopping(self.store, sandbox_id, reason, detail)
-        await self._end_attachments(sandbox_id)
+        await self._end_attachments(sandbox_id, live)
         if live is not None:
             live.unwatch()
             await live.driver.stop(sandbox_id, live.instance.anchor)
@@ -252,7 +259,7 @@ class Launcher:
         live.ending = True
         log.warning("sandbox %s: %s; tearing it down", sandbox_id, why, extra=about(sandbox_id))
         try:
-            await self._end_attachments(sandbox_id)
+            await self._end_attachments(sandbox_id, live)
             live.unwatch()
             await live.driver.stop(sandbox_id, live.instance.anchor)
             await self._release(sandbox_id, live.spec)

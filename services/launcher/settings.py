@@ -30,6 +30,12 @@ class LauncherSettings:
     tunnel_window_bytes: int = 256 * 1024  # SANDFLEET_TUNNEL_WINDOW_BYTES
     tunnel_keepalive_s: float = 5.0  # SANDFLEET_TUNNEL_KEEPALIVE_S: a PING after this long quiet
     tunnel_idle_s: float = 30.0  # SANDFLEET_TUNNEL_IDLE_S: a tunnel not heard from this long is reset
+    # Uploads and downloads in progress per sandbox; each holds at most a window of chunks.
+    transfers_per_sandbox: int = 16  # SANDFLEET_TRANSFERS_PER_SANDBOX
+    # File watches per sandbox, events each holds for a slow reader, directories each watches.
+    watches_per_sandbox: int = 16  # SANDFLEET_WATCHES_PER_SANDBOX
+    watch_buffer: int = 4096  # SANDFLEET_WATCH_BUFFER
+    watch_max_dirs: int = 1024  # SANDFLEET_WATCH_MAX_DIRS
 
     @classmethod
     def from_env(cls) -> LauncherSettings:
@@ -48,4 +54,8 @@ class LauncherSettings:
             tunnel_window_bytes=int(env.get("SANDFLEET_TUNNEL_WINDOW_BYTES") or cls.tunnel_window_bytes),
             tunnel_keepalive_s=float(env.get("SANDFLEET_TUNNEL_KEEPALIVE_S") or cls.tunnel_keepalive_s),
             tunnel_idle_s=float(env.get("SANDFLEET_TUNNEL_IDLE_S") or cls.tunnel_idle_s),
+            transfers_per_sandbox=int(env.get("SANDFLEET_TRANSFERS_PER_SANDBOX") or cls.transfers_per_sandbox),
+            watches_per_sandbox=int(env.get("SANDFLEET_WATCHES_PER_SANDBOX") or cls.watches_per_sandbox),
+            watch_buffer=int(env.get("SANDFLEET_WATCH_BUFFER") or cls.watch_buffer),
+            watch_max_dirs=int(env.get("SANDFLEET_WATCH_MAX_DIRS") or cls.watch_max_dirs),
         )

@@ -9,6 +9,7 @@ import asyncio
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from schemas.layers import Rootfs
 from schemas.node import LaunchItem
@@ -18,6 +19,10 @@ from services.launcher.drivers.base import Driver, Instance
 
 def _unwatched() -> None:
     pass
+
+
+class Attached(Protocol):
+    async def end(self) -> None: ...
 
 
 @dataclass
@@ -34,6 +39,9 @@ class Live:
     freezing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one pause/resume/checkpoint at a time
     execs: set[asyncio.Future] = field(default_factory=set)  # commands running now
     unwatch: Callable[[], None] = _unwatched  # stops the driver's watch on its exit
+    # What a capability keeps for this sandbox (file transfers, watches...), by name; each is
+    # ended, its resources released, before the sandbox's processes and root go.
+    attached: dict[str, Attached] = field(default_factory=dict)
 
 
 @dataclass

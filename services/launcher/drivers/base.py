@@ -214,3 +214,62 @@ class Driver(Protocol):
     def port_listens(self, instance: Instance, host: str, port: int) -> bool:
         """Whether something listens on `port` at that address of the sandbox (as `connect_port`
         names it), found without connecting; SandboxGone when the sandbox has ended."""
+    # -- files: uploads and downloads of any size, the file tree -----------------------------
+
+    def open_upload(self, instance: Instance, path: str, kind: str, mode: int, depth: int) -> UploadSink:
+        """Where an upload of a file (`kind` "file") or a tar stream ("dir") to `path` is written;
+        nothing is visible at `path` until `commit`. Blocking: call it off the event loop. An
+        escaping path raises ValueError (linuxnode's Escapes) and changes nothing."""
+
+    def open_download(self, instance: Instance, path: str, chunk: int, depth: int) -> DownloadSource:
+        """What a download of `path` reads: its bytes, or a directory as a tar stream. Blocking."""
+
+    def file_op(self, instance: Instance, op: str, *args) -> object:
+        """One operation on the sandbox's tree, by name: `stat` (path) and `list` (path, depth,
+        limit) answer entries as dicts of schemas.files.Entry's fields; `mkdir` (path, parents,
+        mode), `remove` (path, recursive), `rename` (src, dst). Blocking; reads resolve in the
+        root, changes beneath it (an escaping path raises ValueError and changes nothing)."""
+
+    def open_watch(self, instance: Instance, path: str, recursive: bool, max_dirs: int) -> DirectoryWatch:
+        """An inotify watch of the directory `path` resolved in the sandbox's root."""
+
+
+class DirectoryWatch(Protocol):
+    """Readable on `fd` when changes are queued; `changes` drains them without blocking, as
+    (kind, path, is_dir) with kind created/modified/removed, overflow or ended."""
+
+    fd: int
+
+    def changes(self) -> list[tuple[str, str, bool]]: ...
+
+    def close(self) -> None: ...
+
+
+class UploadSink(Protocol):
+    """One upload being written; methods block and are called one at a time."""
+
+    size: int
+
+    def write(self, data: bytes) -> None: ...
+
+    def digest(self) -> str: ...
+
+    def commit(self) -> None: ...
+
+    def abort(self) -> None:
+        """Remove whatever was written; idempotent."""
+
+
+class DownloadSource(Protocol):
+    """One download being read a chunk at a time (b"" at its end); methods block."""
+
+    kind: str  # "file" or "dir"
+    size: int  # of a file; -1 for a tree's tar stream
+    mode: int
+    sent: int
+
+    def read(self) -> bytes: ...
+
+    def digest(self) -> str: ...
+
+    def close(self) -> None: ...

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from linuxnode import cgroups, netns, procfs
 from linuxnode import process as process_runtime
-from linuxnode.process import InitProcess, ProcessSpec, background
+from linuxnode.process import InitProcess, ProcessSpec, background, fileops, transfer
+from linuxnode.process.watch import DirWatch
 from schemas.layers import Rootfs
 from schemas.node import Confinement
 from schemas.sandbox import SandboxSpec
@@ -28,6 +29,8 @@ from services.launcher.drivers.base import (
     Anchor,
     Command,
     CpuWeight,
+    DirectoryWatch,
+    DownloadSource,
     DriverFailure,
     ExecFailed,
     ExecOutcome,
@@ -39,6 +42,7 @@ from services.launcher.drivers.base import (
     StdinClosed,
     Unsupported,
     Usage,
+    UploadSink,
 )
 
 
@@ -235,6 +239,38 @@ class ProcessDriver:
         host = _own_address(sandbox, host)
         try:
             return netns.listens(sandbox.init.pid, host, port)  # the init's /proc shows its namespace
+        except ProcessLookupError:
+            raise SandboxGone("the sandbox's init is gone") from None
+
+    # -- files: uploads and downloads of any size, the file tree -----------------------------
+
+    def open_upload(self, instance: Instance, path: str, kind: str, mode: int, depth: int) -> UploadSink:
+        init = _own(instance).init
+        try:
+            if kind == "dir":
+                return transfer.TreeSink(init, path, depth)
+            return transfer.FileSink(init, path, mode)
+        except ProcessLookupError:
+            raise SandboxGone("the sandbox's init is gone") from None
+
+    def open_download(self, instance: Instance, path: str, chunk: int, depth: int) -> DownloadSource:
+        try:
+            return transfer.open_source(_own(instance).init, path, chunk, depth)
+        except ProcessLookupError:
+            raise SandboxGone("the sandbox's init is gone") from None
+
+    _FILE_OPS = {"stat": fileops.stat_path, "list": fileops.list_dir, "mkdir": fileops.mkdir,
+                 "remove": fileops.remove, "rename": fileops.rename}
+
+    def open_watch(self, instance: Instance, path: str, recursive: bool, max_dirs: int) -> DirectoryWatch:
+        try:
+            return DirWatch(_own(instance).init, path, recursive, max_dirs)
+        except ProcessLookupError:
+            raise SandboxGone("the sandbox's init is gone") from None
+
+    def file_op(self, instance: Instance, op: str, *args) -> object:
+        try:
+            return self._FILE_OPS[op](_own(instance).init, *args)
         except ProcessLookupError:
             raise SandboxGone("the sandbox's init is gone") from None
 

@@ -1,0 +1,193 @@
+"""Files of any size and a sandbox's file tree, on the node that holds it (`node.v1.<node>.files_*`).
+
+A transfer is a begin, chunks and an end: each chunk is one request of at most CHUNK_BYTES,
+the client keeps up to WINDOW of them in flight (so a transfer is not one round trip per
+chunk in series) and the node holds no more than that per transfer. Both sides hash the
+whole stream (sha256) and compare at the end. A file travels as its bytes, a directory as a
+tar stream (modes, symlinks and hard links kept). An upload is written to a temporary name
+in the target's directory and renamed into place at the end, so nobody sees it half done.
+A transfer left idle for `idle_s` (its client vanished) is removed with what it wrote.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from schemas.sandbox import SandboxId
+
+CHUNK_BYTES = 2 << 20  # well under the bus's 8 MB payload once base64 in JSON
+WINDOW = 8  # chunks in flight per transfer
+MAX_IDLE_S = 600.0
+
+UPLOAD = "files_upload"
+UPLOAD_CHUNK = "files_upload_chunk"
+UPLOAD_END = "files_upload_end"
+DOWNLOAD = "files_download"
+DOWNLOAD_CHUNK = "files_download_chunk"
+CLOSE = "files_close"  # abandon a transfer: whatever it wrote is removed
+LIST = "files_list"
+STAT = "files_stat"
+MKDIR = "files_mkdir"
+REMOVE = "files_remove"
+RENAME = "files_rename"
+WATCH = "files_watch"
+WATCH_NEXT = "files_watch_next"  # a long poll: the events since the last one, or wait for some
+WATCH_CLOSE = "files_watch_close"
+
+# Absolute, no NUL, no `..` component: a path that climbs is refused before anything resolves it.
+SandboxPath = Annotated[str, Meta(min_length=1, max_length=4096, pattern=r"^(?!.*(^|/)\.\.(/|$))/[^\x00]*$")]
+TransferId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[a-f0-9]+$")]
+Kind = Literal["file", "dir"]
+Sha256 = Annotated[str, Meta(pattern=r"^[a-f0-9]{64}$")]
+
+
+class _Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"):
+    sandbox_id: SandboxId
+
+
+class UploadRequest(_Request, frozen=True, kw_only=True, tag="files.upload"):
+    path: SandboxPath
+    kind: Kind = "file"
+    mode: Annotated[int, Meta(ge=0, le=0o7777)] = 0o644  # of a file; a tree's members carry their own
+    idle_s: Annotated[float, Meta(ge=1, le=MAX_IDLE_S)] = 60.0
+
+
+class Transfer(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.transfer"):
+    transfer_id: str
+    kind: Kind = "file"
+    size: int = -1  # of a file being downloaded (-1: a tree's tar stream, length unknown)
+    mode: int = 0
+
+
+class UploadChunk(_Request, frozen=True, kw_only=True, tag="files.upload_chunk"):
+    transfer_id: TransferId
+    seq: Annotated[int, Meta(ge=0)]
+    data: Annotated[bytes, Meta(max_length=CHUNK_BYTES)]
+
+
+class ChunkAck(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.chunk_ack"):
+    seq: int
+
+
+class UploadEnd(_Request, frozen=True, kw_only=True, tag="files.upload_end"):
+    transfer_id: TransferId
+    chunks: Annotated[int, Meta(ge=0)]
+    size: Annotated[int, Meta(ge=0)]
+    sha256: Sha256
+
+
+class TransferDone(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.transfer_done"):
+    size: int
+    sha256: str
+
+
+class DownloadRequest(_Request, frozen=True, kw_only=True, tag="files.download"):
+    path: SandboxPath
+    idle_s: Annotated[float, Meta(ge=1, le=MAX_IDLE_S)] = 60.0
+
+
+class DownloadChunkRequest(_Request, frozen=True, kw_only=True, tag="files.download_chunk"):
+    transfer_id: TransferId
+    seq: Annotated[int, Meta(ge=0)]
+
+
+class DownloadChunk(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.download_chunk_data"):
+    seq: int
+    data: bytes
+    eof: bool = False
+    size: int = 0  # at eof: the bytes of the whole stream and their sha256
+    sha256: str = ""
+
+
+class CloseRequest(_Request, frozen=True, kw_only=True, tag="files.close"):
+    transfer_id: TransferId
+
+
+class Closed(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.closed"):
+    closed: bool  # false: there was no such transfer (it had ended)
+
+
+class ListRequest(_Request, frozen=True, kw_only=True, tag="files.list"):
+    path: SandboxPath
+    depth: Annotated[int, Meta(ge=1, le=32)] = 1
+
+
+class Entry(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.entry"):
+    path: str
+    kind: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+    target: str = ""  # of a symlink
+
+
+MAX_LISTED = 10_000
+
+
+class Listing(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.listing"):
+    entries: list[Entry]
+    truncated: bool = False  # more than MAX_LISTED entries
+
+
+class StatRequest(_Request, frozen=True, kw_only=True, tag="files.stat"):
+    path: SandboxPath
+
+
+class MkdirRequest(_Request, frozen=True, kw_only=True, tag="files.mkdir"):
+    path: SandboxPath
+    parents: bool = True
+    mode: Annotated[int, Meta(ge=0, le=0o7777)] = 0o755
+
+
+class RemoveRequest(_Request, frozen=True, kw_only=True, tag="files.remove"):
+    path: SandboxPath
+    recursive: bool = False
+
+
+class RenameRequest(_Request, frozen=True, kw_only=True, tag="files.rename"):
+    src: SandboxPath
+    dst: SandboxPath
+
+
+class Done(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.done"):
+    path: str
+
+
+class WatchRequest(_Request, frozen=True, kw_only=True, tag="files.watch"):
+    """Watch the directory `path` (and, with `recursive`, its subdirectories) for changes. The node
+    keeps a bounded buffer per watch: a reader too slow loses the oldest events and is told how
+    many (`dropped`); a watch nobody polls for `idle_s` is closed."""
+
+    path: SandboxPath
+    recursive: bool = False
+    idle_s: Annotated[float, Meta(ge=1, le=MAX_IDLE_S)] = 60.0
+
+
+class Watching(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.watching"):
+    watch_id: str
+    path: str
+
+
+class WatchNextRequest(_Request, frozen=True, kw_only=True, tag="files.watch_next"):
+    watch_id: TransferId
+    wait_s: Annotated[float, Meta(ge=0, le=30)] = 10.0
+    max_events: Annotated[int, Meta(ge=1, le=10_000)] = 1000
+
+
+class FileEvent(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.event"):
+    kind: Literal["created", "modified", "removed"]
+    path: str
+    is_dir: bool = False
+
+
+class WatchEvents(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.watch_events"):
+    events: list[FileEvent]
+    dropped: int = 0  # events lost since the last poll (the buffer was full, or the kernel's queue)
+    ended: bool = False  # the directory went away or the sandbox ended: no more events
+
+
+class WatchCloseRequest(_Request, frozen=True, kw_only=True, tag="files.watch_close"):
+    watch_id: TransferId
