@@ -10,10 +10,12 @@ bind mount or a process inside holds it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
 import struct
+from collections.abc import Callable, Iterator
 
 from linuxnode import names
 from linuxnode import syscalls as linux
@@ -96,18 +98,16 @@ def create(node_id: str, sandbox_id: str) -> str:
     return target
 
 
-def _bind_new_netns(target: str) -> None:
+@contextlib.contextmanager
+def _away(enter: Callable[[], None]) -> Iterator[None]:
+    """Run the block in another network namespace (`enter` puts this thread in it) and come back
+    to the host's, with signals blocked so no handler runs in between."""
     home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     blocked = linux.block_all_signals()
     try:
-        linux.unshare(linux.CLONE_NEWNET)
+        enter()
         try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-                ifreq = bytearray(_IFREQ.pack(b"lo", 0))
-                fcntl.ioctl(sock, _SIOCGIFFLAGS, ifreq)
-                _, flags = _IFREQ.unpack(ifreq)
-                fcntl.ioctl(sock, _SIOCSIFFLAGS, _IFREQ.pack(b"lo", flags | _IFF_UP))
-            _mount("/proc/thread-self/ns/net", target, linux.MS_BIND)
+            yield
         finally:
             try:
                 linux.setns(home, linux.CLONE_NEWNET)
@@ -118,6 +118,16 @@ def _bind_new_netns(target: str) -> None:
     finally:
         linux.restore_signals(blocked)
         os.close(home)
+
+
+def _bind_new_netns(target: str) -> None:
+    with _away(lambda: linux.unshare(linux.CLONE_NEWNET)):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            ifreq = bytearray(_IFREQ.pack(b"lo", 0))
+            fcntl.ioctl(sock, _SIOCGIFFLAGS, ifreq)
+            _, flags = _IFREQ.unpack(ifreq)
+            fcntl.ioctl(sock, _SIOCSIFFLAGS, _IFREQ.pack(b"lo", flags | _IFF_UP))
+        _mount("/proc/thread-self/ns/net", target, linux.MS_BIND)
 
 
 def _unlink(file: str) -> None:
@@ -185,21 +195,8 @@ def connect_inside(netns_path: str, host: str, port: int, timeout_s: float = 5.0
 
 
 def _socket_in(target_fd: int, family: int) -> socket.socket:
-    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    blocked = linux.block_all_signals()
-    try:
-        linux.setns(target_fd, linux.CLONE_NEWNET)
-        try:
-            return socket.socket(family, socket.SOCK_STREAM)
-        finally:
-            try:
-                linux.setns(home, linux.CLONE_NEWNET)
-            except OSError:
-                os.write(2, b"sandfleet netns: cannot return to the host network namespace\n")
-                os.abort()
-    finally:
-        linux.restore_signals(blocked)
-        os.close(home)
+    with _away(lambda: linux.setns(target_fd, linux.CLONE_NEWNET)):
+        return socket.socket(family, socket.SOCK_STREAM)
 
 
 _LISTEN = "0A"
