@@ -173,7 +173,9 @@ class Watching(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=
 
 class WatchNextRequest(_Request, frozen=True, kw_only=True, tag="files.watch_next"):
     watch_id: TransferId
-    wait_s: Annotated[float, Meta(ge=0, le=30)] = 10.0
+    # 30.0 as schemas.process spells it: typing caches Annotated types by ==, so the two would share
+    # one and the JSON Schema would print whichever module was imported first.
+    wait_s: Annotated[float, Meta(ge=0, le=30.0)] = 10.0
     max_events: Annotated[int, Meta(ge=1, le=10_000)] = 1000
 
 
