@@ -14,8 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from linuxnode.process import spawner
-from linuxnode.process.execio import OUTPUT_GRACE_S, check_command
-from linuxnode.process.lifecycle import open_init
+from linuxnode.process.execio import OUTPUT_GRACE_S, check_command, send_command
 from linuxnode.process.model import DEFAULT_ENV, ExecError, InitProcess
 from linuxnode.process.protocol import Signal, SpawnCommand
 from linuxnode.process.reports import Report
@@ -195,23 +194,10 @@ async def spawn(init: InitProcess, argv: list[str], *, cgroup_procs: list[str], 
     full_env = {**DEFAULT_ENV, **(env or {})}
     check_command(argv, full_env, cwd)
     loop = asyncio.get_running_loop()
-    pidfd, root = open_init(init)
-    fds = [pidfd, root]
-    try:
-        for _ in range(5):
-            fds += os.pipe2(os.O_CLOEXEC)
-        _, _, report_r, report_w, in_r, in_w, out_r, out_w, err_r, err_w, control_r, control_w = fds
-        spawner.send(SpawnCommand(cgroup_procs=tuple(cgroup_procs), cwd=cwd, argv=tuple(argv), env=full_env,
-                                  report=report_w, pidfd=pidfd, root=root, stdin=in_r, stdout=out_w, stderr=err_w,
-                                  control=control_r))
-    except BaseException as exc:
-        for fd in fds:
-            os.close(fd)
-        if isinstance(exc, OSError):
-            raise ExecError(f"cannot reach the spawner: {exc}") from exc
-        raise
-    for fd in (pidfd, root, report_w, in_r, out_w, err_w, control_r):
-        os.close(fd)
+    (report_r, _), (_, in_w), (out_r, _), (err_r, _), (_, control_w) = send_command(
+        init, 5, lambda pidfd, root, p: SpawnCommand(
+            cgroup_procs=tuple(cgroup_procs), cwd=cwd, argv=tuple(argv), env=full_env, report=p[0][1], pidfd=pidfd,
+            root=root, stdin=p[1][0], stdout=p[2][1], stderr=p[3][1], control=p[4][0]))
     os.set_blocking(control_w, False)
     command = BackgroundCommand(loop, {"report": report_r, "control": control_w, "stdin": in_w, "stdout": out_r,
                                        "stderr": err_r}, on_output, on_exit)

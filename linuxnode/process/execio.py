@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from collections.abc import Callable
 
 from linuxnode.pipes import LoopPipes
 from linuxnode.process import spawner
@@ -17,6 +18,33 @@ from linuxnode.process.protocol import ExecCommand, Signal
 from linuxnode.process.reports import Report
 
 OUTPUT_GRACE_S = 0.1  # after the command exits, how long a background process may hold its pipes
+
+
+Pipe = tuple[int, int]  # (read end, write end)
+
+
+def send_command(init: InitProcess, pipes: int, request: Callable[[int, int, list[Pipe]], object]) -> list[Pipe]:
+    """Open the init's pidfd and root and `pipes` pipes, send the spawner the request
+    `request(pidfd, root, pipes)` builds, and close the fds it now holds (the request's `FDS`);
+    returns the pipes, whose other ends are ours. Nothing is left open when it fails."""
+    pidfd, root = open_init(init)
+    fds, made = [pidfd, root], []
+    try:
+        for _ in range(pipes):
+            pair = os.pipe2(os.O_CLOEXEC)
+            fds += pair
+            made.append(pair)
+        message = request(pidfd, root, made)
+        spawner.send(message)
+    except BaseException as exc:
+        for fd in fds:
+            os.close(fd)
+        if isinstance(exc, OSError):
+            raise ExecError(f"cannot reach the spawner: {exc}") from exc
+        raise
+    for name in message.FDS:  # type: ignore[attr-defined]
+        os.close(getattr(message, name))
+    return made
 
 
 async def exec(
@@ -38,22 +66,9 @@ async def exec(
     check_command(argv, full_env, cwd)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    pidfd, root = open_init(init)
-    fds = [pidfd, root]
-    try:
-        for _ in range(4):
-            fds += os.pipe2(os.O_CLOEXEC)
-        _, _, report_r, report_w, in_r, in_w, out_r, out_w, err_r, err_w = fds
-        spawner.send(ExecCommand(cgroup_procs=tuple(cgroup_procs), cwd=cwd, argv=tuple(argv), env=full_env,
-                                 report=report_w, pidfd=pidfd, root=root, stdin=in_r, stdout=out_w, stderr=err_w))
-    except BaseException as exc:
-        for fd in fds:
-            os.close(fd)
-        if isinstance(exc, OSError):
-            raise ExecError(f"cannot reach the spawner: {exc}") from exc
-        raise
-    for fd in (pidfd, root, report_w, in_r, out_w, err_w):
-        os.close(fd)
+    (report_r, _), (_, in_w), (out_r, _), (err_r, _) = send_command(init, 4, lambda pidfd, root, p: ExecCommand(
+        cgroup_procs=tuple(cgroup_procs), cwd=cwd, argv=tuple(argv), env=full_env, report=p[0][1], pidfd=pidfd,
+        root=root, stdin=p[1][0], stdout=p[2][1], stderr=p[3][1]))
     run = _Run(loop, report_r, out_r, err_r, in_w, stdin, max_output)
     try:
         return await run.result(deadline)
