@@ -14,7 +14,7 @@ import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from sandfleet import errors
 from schemas import node
@@ -51,6 +51,17 @@ async def sandbox_ended(sb: Sandbox) -> errors.SandboxEnded | None:
     if state in _ENDING:
         return errors.SandboxEnded(f"sandbox {sb.id} ended ({reason.value}) under the command", reason=reason.value)
     return None
+
+
+async def raise_ended(sb: Sandbox, what: str) -> NoReturn:
+    """Raise SandboxEnded for a sandbox the node saw end under `what`, with the record's reason
+    (an init that died on its own is recorded a moment after the node saw it)."""
+    for _ in range(REASON_TRIES):
+        ended = await sandbox_ended(sb)
+        if ended is not None:
+            raise ended
+        await asyncio.sleep(REASON_WAIT_S)
+    raise errors.SandboxEnded(f"sandbox {sb.id} ended under {what}")
 
 
 async def ended_or(sb: Sandbox, exc: errors.SandfleetError) -> errors.SandfleetError:
@@ -90,14 +101,8 @@ class Process:
             raise await ended_or(self.sandbox, exc) from None
 
     async def _ended(self, exit: proc.Exit) -> None:
-        if not exit.sandbox_ended:
-            return
-        for _ in range(REASON_TRIES):  # an init that died on its own is recorded a moment after
-            ended = await sandbox_ended(self.sandbox)
-            if ended is not None:
-                raise ended
-            await asyncio.sleep(REASON_WAIT_S)
-        raise errors.SandboxEnded(f"sandbox {self.sandbox.id} ended under process {self.pid}")
+        if exit.sandbox_ended:
+            await raise_ended(self.sandbox, f"process {self.pid}")
 
     async def info(self) -> proc.ProcessInfo:
         req = proc.WaitRequest(sandbox_id=self.sandbox.id, pid=self.pid, wait_s=0)

@@ -59,10 +59,8 @@ class Sandbox:
             r = await self._fleet.bus.request(self._subject(node.EXEC), req, node.ExecReply, timeout=timeout_s + 10)
         except errors.SandfleetError as exc:
             raise await _processes.ended_or(self, exc) from None
-        if r.exit_code > 128 and not r.timed_out:  # a signal ended it: the command's, or its sandbox's end?
-            ended = await _processes.sandbox_ended(self)
-            if ended is not None:
-                raise ended
+        if r.sandbox_ended:  # the node saw the signal that ended it come from the sandbox's end
+            await _processes.raise_ended(self, "the command")
         return r
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:

@@ -144,6 +144,9 @@ class ExecReply(msgspec.Struct, frozen=True, kw_only=True):
     timed_out: bool = False
     truncated: bool = False
     duration_ms: float = 0.0
+    # The signal that ended the command came from its sandbox ending (destroyed, expired, OOM,
+    # node shutdown): the result says nothing of the command; the record says why.
+    sandbox_ended: bool = False
 
 
 class WriteFileRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

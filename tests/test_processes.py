@@ -279,12 +279,15 @@ async def test_an_ended_sandbox_is_told_apart_from_an_ended_command(sb, fleet):
     assert _host_processes_in(sb.id) == []
 
 
-async def test_a_sandbox_whose_init_died_ends_its_processes_with_that_reason(sb, fleet):
+async def test_a_sandbox_whose_init_died_ends_its_processes_and_commands_with_that_reason(sb, fleet):
     proc = await sb.spawn(["sleep", "1000"])
+    running = asyncio.ensure_future(sb.exec(["sleep", "1000"], timeout_s=120))
+    await asyncio.sleep(0.5)  # the command is running (a head start, not an assertion on time)
     os.kill((await fleet.get(sb.id)).init_pid, signal.SIGKILL)  # as the kernel's OOM killer would
-    with pytest.raises(errors.SandboxEnded) as caught:
-        await proc.wait()
-    assert caught.value.reason == "process_exited"
+    for ended in (proc.wait(), running):  # the plain exec's 137 is the sandbox's, not the command's
+        with pytest.raises(errors.SandboxEnded) as caught:
+            await ended
+        assert caught.value.reason == "process_exited"
 
 
 def _host_processes_in(sandbox_id: str) -> list[int]:

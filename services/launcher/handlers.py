@@ -41,6 +41,7 @@ from services.launcher import decisions, pausing
 from services.launcher.drivers.base import Command, DriverFailure, ExecFailed, SandboxGone, Unsupported
 from services.launcher.keys import tag
 from services.launcher.lifecycle import Launcher
+from services.launcher.processes import KILLED_CHECK_S, KILLED_CHECKS, sandbox_gone
 from services.launcher.starting import StartingMarks, placed_record
 from services.launcher.state import Live
 
@@ -83,6 +84,7 @@ async def exec_(launcher: Launcher, req: ExecRequest) -> ExecReply:
         raise ServiceError(ErrorCode.INVALID_REQUEST, str(exc)) from None
     finally:
         live.execs.discard(running)
+    signalled = result.exit_code > 128 and not result.timed_out
     return ExecReply(
         exit_code=result.exit_code,
         stdout=result.stdout,
@@ -90,7 +92,19 @@ async def exec_(launcher: Launcher, req: ExecRequest) -> ExecReply:
         timed_out=result.timed_out,
         truncated=result.truncated,
         duration_ms=(time.perf_counter() - started) * 1000,
+        sandbox_ended=signalled and await _ended_under(launcher, req.sandbox_id, killed=result.exit_code == 137),
     )
+
+
+async def _ended_under(launcher: Launcher, sandbox_id: str, killed: bool) -> bool:
+    """Whether a command that a signal ended went with its sandbox. A dying init first kills every
+    process of its namespace and only then ends, so a SIGKILLed command whose init still looks
+    alive is asked about again a moment later (as a background process's exit is)."""
+    for _ in range(KILLED_CHECKS + 1 if killed else 1):
+        if sandbox_gone(launcher, sandbox_id):
+            return True
+        await asyncio.sleep(KILLED_CHECK_S)
+    return False
 
 
 async def write_file(launcher: Launcher, req: WriteFileRequest) -> WriteFileReply:

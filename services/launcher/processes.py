@@ -49,6 +49,14 @@ SWEEP_S = 2.0
 KILLED_CHECKS, KILLED_CHECK_S = 3, 0.1
 
 
+def sandbox_gone(launcher: Launcher, sandbox_id: str) -> bool:
+    """Whether the sandbox has ended or is ending. An init that died on its own (killed, out of
+    memory) is seen by the launcher's watch maybe only after a command's exit, so the kernel is
+    asked too."""
+    live = launcher.live.get(sandbox_id)
+    return live is None or live.ending or not live.driver.alive(live.instance.anchor)
+
+
 @dataclass
 class Process:
     pid: int
@@ -113,12 +121,10 @@ class ProcessTable:
 
     def exited(self, process: Process, status: int, checks: int = KILLED_CHECKS) -> None:
         code = os.waitstatus_to_exitcode(status)
-        live = self.launcher.live.get(process.sandbox_id)
-        # An init that died on its own (killed, out of memory) is seen by the launcher's watch
-        # maybe only after this exit, so ask the kernel too; and as a dying init first kills
-        # every process of its namespace and only then ends, a process SIGKILLed while its
-        # init looks alive is asked about again a moment later before its exit is told.
-        gone = live is None or live.ending or not live.driver.alive(live.instance.anchor)
+        # As a dying init first kills every process of its namespace and only then ends, a
+        # process SIGKILLed while its init looks alive is asked about again a moment later
+        # before its exit is told.
+        gone = sandbox_gone(self.launcher, process.sandbox_id)
         if not gone and code == -9 and checks > 0:
             asyncio.get_running_loop().call_later(KILLED_CHECK_S, self.exited, process, status, checks - 1)
             return
