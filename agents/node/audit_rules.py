@@ -17,22 +17,30 @@ whose process is gone (crashed), never anyone else's. `was-enabled` is audit's s
 before the first sandfleet agent touched it, passed on from key to key, so the last
 agent to stop restores it: a host that had audit off gets it off again, unless another
 agent still runs (its rules say so), an audit daemon registered meanwhile (it depends on
-audit) or audit was locked.
+audit) or audit was locked. Agents of several platforms start and stop on one host at
+once (and a crashed one is restarted), so each reads and changes the rules and audit's
+state under one host-wide lock (`flock`, which the kernel drops with a crashed holder):
+without it an agent stopping could see no other agent while one starting had read
+audit as on and not yet added its rules, and turn audit off under it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import logging
 import os
 import re
 import socket
+from collections.abc import Iterator
 
 from linuxnode import audit
 
 log = logging.getLogger("sandfleet.agent")
 
 KEY_PREFIX = "sandfleet-agent "
+LOCK_PATH = "/run/sandfleet-audit.lock"
 _KEY = re.compile(r"^sandfleet-agent node=(\S+) pid=(\d+) was-enabled=(\d)$")
 
 
@@ -74,6 +82,17 @@ def _quietly(call, rule: audit.Rule, ignore: int) -> None:
             raise
 
 
+@contextlib.contextmanager
+def _host_lock() -> Iterator[None]:
+    """Held while an agent reads and changes the audit rules and state (see the docstring)."""
+    fd = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the last fd of the open file drops the lock
+
+
 class AuditLog:
     """Audit on with the agent's task rules, and the multicast socket of its records."""
 
@@ -87,24 +106,28 @@ class AuditLog:
     def open(self) -> None:
         """Rules first (no task made meanwhile gets a context), then audit on, then the socket."""
         try:
-            status = audit.status()
-            agents = [(r, parse_key(r.key)) for r in audit.rules() if r.key.startswith(KEY_PREFIX)]
-            self.was_enabled = min([status.enabled, *(info[2] for _, info in agents if info)])
-            self.rules = task_rules(agent_key(self.node_id, os.getpid(), self.was_enabled))
-            for rule in self.rules:
-                _quietly(audit.add_rule, rule, errno.EEXIST)
-            for rule, info in agents:  # a crashed agent's (ours were added just now: no gap)
-                if info is None or not _alive(info[1]):
-                    _quietly(audit.delete_rule, rule, errno.ENOENT)
-            if status.enabled == 0:
-                audit.set_enabled(1)
-                self.enabled_by_us = True
-                log.info("kernel audit was off: turned it on (AUDIT_SET enabled=1) to receive Landlock denials; "
-                         "task rules spare the host's processes a syscall audit context")
+            with _host_lock():
+                self._take()
             self.sock = audit.readlog_socket()
         except OSError as exc:
             self.close()  # nothing of ours stays behind (the rules, if they were added)
             raise AuditUnavailable(f"audit netlink: {exc.strerror or exc}") from None
+
+    def _take(self) -> None:
+        status = audit.status()
+        agents = [(r, parse_key(r.key)) for r in audit.rules() if r.key.startswith(KEY_PREFIX)]
+        self.was_enabled = min([status.enabled, *(info[2] for _, info in agents if info)])
+        self.rules = task_rules(agent_key(self.node_id, os.getpid(), self.was_enabled))
+        for rule in self.rules:
+            _quietly(audit.add_rule, rule, errno.EEXIST)
+        for rule, info in agents:  # a crashed agent's (ours were added just now: no gap)
+            if info is None or not _alive(info[1]):
+                _quietly(audit.delete_rule, rule, errno.ENOENT)
+        if status.enabled == 0:
+            audit.set_enabled(1)
+            self.enabled_by_us = True
+            log.info("kernel audit was off: turned it on (AUDIT_SET enabled=1) to receive Landlock denials; "
+                     "task rules spare the host's processes a syscall audit context")
 
     def others(self) -> list[str]:
         """Keys of the other live sandfleet agents' rules."""
@@ -125,12 +148,16 @@ class AuditLog:
         if not rules:
             return
         try:
-            for rule in rules:
-                _quietly(audit.delete_rule, rule, errno.ENOENT)
-            if self.was_enabled == 0 and not self.others():
-                status = audit.status()
-                if status.enabled == 1 and status.daemon_pid == 0:
-                    audit.set_enabled(0)
-                    log.info("kernel audit turned off again, as the agent found it")
+            with _host_lock():
+                self._give_back(rules)
         except OSError as exc:
             log.warning("giving kernel audit back failed: %s", exc)
+
+    def _give_back(self, rules: tuple[audit.Rule, ...]) -> None:
+        for rule in rules:
+            _quietly(audit.delete_rule, rule, errno.ENOENT)
+        if self.was_enabled == 0 and not self.others():
+            status = audit.status()
+            if status.enabled == 1 and status.daemon_pid == 0:
+                audit.set_enabled(0)
+                log.info("kernel audit turned off again, as the agent found it")

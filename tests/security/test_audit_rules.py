@@ -5,6 +5,7 @@ removes exactly its own rules when it stops."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -12,13 +13,14 @@ import select
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
 import pytest
 
 from agents.node.audit import LANDLOCK_ACCESS, SYSCALL, parse
-from agents.node.audit_rules import AuditLog, parse_key
+from agents.node.audit_rules import LOCK_PATH, AuditLog, parse_key
 from linuxnode import audit, landlock
 from tests.kernel import require
 
@@ -136,6 +138,29 @@ def test_the_agent_removes_exactly_its_own_rules_and_those_of_dead_agents():
                 audit.delete_rule(rule)
             except FileNotFoundError:
                 pass
+
+
+def test_an_agent_reads_and_changes_audit_only_while_no_other_agent_does():
+    """The host-wide lock: an agent starting while another holds it (stopping, say, and about to
+    turn audit off as the last one) neither reads the rules nor adds its own until it is let go."""
+    _require_audit()
+    log = AuditLog("e3test-lock")
+    held = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    opening = threading.Thread(target=log.open, daemon=True)
+    opening.start()
+    try:
+        opening.join(0.5)
+        assert opening.is_alive()
+        assert not any(r.key.startswith("sandfleet-agent node=e3test-lock ") for r in audit.rules())
+    finally:
+        os.close(held)
+    try:
+        opening.join(30)
+        assert not opening.is_alive()
+        assert sum(r.key.startswith("sandfleet-agent node=e3test-lock ") for r in audit.rules()) == 2
+    finally:
+        log.close()
 
 
 def test_the_audit_cost_benchmark_runs_and_leaves_no_rule_behind(tmp_path):
