@@ -66,7 +66,11 @@ def _as_sandbox(node_id: str, sandbox_id: str, root: str, path: str, held: str |
     root, seen from the host), then open `path`, relative to the directory `held` if given (a
     descriptor the process held before it was confined, as a leaked one would be). Returns
     the errno (0: it was read). Paths go through no /proc/<pid>/root link after confinement:
-    Landlock refuses those magic links to a process of another domain anyway."""
+    Landlock refuses those magic links to a process of another domain anyway. The process that
+    tries is forked by one that already carries the tag, as a sandbox's processes are: the
+    kernel gives a task its syscall audit context (which names the process in the denial) when
+    it is made, and the agent's task rules give none to a task made untagged, like this test's
+    first child; its denial could be told apart only while it still runs."""
     procs = cgroups.SandboxCgroups(cgroups.CgroupLayout.detect(), node_id, sandbox_id).procs_files
     r, w = os.pipe()
     pid = os.fork()
@@ -76,6 +80,10 @@ def _as_sandbox(node_id: str, sandbox_id: str, root: str, path: str, held: str |
             os.close(r)
             held_fd = os.open(held, os.O_PATH | os.O_DIRECTORY) if held else None
             landlock.set_audit_tag(landlock.audit_tag(procs))
+            tries = os.fork()
+            if tries:
+                os.waitpid(tries, 0)
+                os._exit(0)
             landlock.restrict_self(landlock.sandbox_rules(root), landlock.abi())
             try:
                 with open(os.open(path, os.O_RDONLY, dir_fd=held_fd), "rb") as f:
@@ -83,7 +91,7 @@ def _as_sandbox(node_id: str, sandbox_id: str, root: str, path: str, held: str |
                 code = 0
             except OSError as exc:
                 code = exc.errno
-        finally:
+        finally:  # the grandchild's answer (or the first child's, if it failed before the fork)
             os.write(w, bytes([code]))
             os._exit(0)
     os.close(w)
