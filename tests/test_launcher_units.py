@@ -260,19 +260,27 @@ def test_freeze_errors_become_the_callers_conflict_or_ours():
         with _freezing("freeze sandbox sb-1"):
             raise FileNotFoundError(2, "No such file or directory")
     assert gone.value.code is ErrorCode.CONFLICT
-    assert gone.value.message == "cannot freeze sandbox sb-1: No such file or directory"
+    assert gone.value.message == "cannot freeze sandbox sb-1: ENOENT No such file or directory"
     with pytest.raises(ServiceError) as stuck:
         with _freezing("freeze sandbox sb-1"):
             raise DriverFailure("/sys/fs/cgroup/x did not freeze within 2 s")
     assert stuck.value.code is ErrorCode.INTERNAL and stuck.value.message.endswith("did not freeze within 2 s")
 
 
-def test_file_errors_keep_their_codes():
-    from services.launcher.drivers.base import SandboxGone
-    from services.launcher.handlers import _file_error
+def test_driver_errors_become_the_bus_errors_by_what_they_are_about():
+    from services.launcher.driver_errors import service_error
+    from services.launcher.drivers.base import DriverFailure, ExecFailed, SandboxGone, Unsupported
 
-    assert _file_error(SandboxGone("x"), "/a").message == "the sandbox's init is gone"
-    assert _file_error(FileNotFoundError(2, "No such file"), "/a").code is ErrorCode.NOT_FOUND
-    assert _file_error(ValueError("too big"), "/a").message == "/a: too big"
-    assert _file_error(PermissionError(30, "Read-only file system"), "/usr/x").message == (
+    assert service_error(SandboxGone("x"), "/a").message == "the sandbox's init is gone"
+    assert service_error(FileNotFoundError(2, "No such file"), "/a").code is ErrorCode.NOT_FOUND
+    assert service_error(ValueError("too big"), "/a").message == "/a: too big"
+    assert service_error(PermissionError(30, "Read-only file system"), "/usr/x").message == (
         "/usr/x: EROFS Read-only file system")
+    assert service_error(OSError(28, "No space left on device"), "/w/f").code is ErrorCode.CAPACITY
+    assert service_error(Unsupported("no ports here"), "port 80").code is ErrorCode.UNSUPPORTED
+    assert service_error(ExecFailed("ENOEXEC"), "/w").code is ErrorCode.CONFLICT
+    assert service_error(DriverFailure("did not freeze"), "freeze").code is ErrorCode.INTERNAL
+    assert service_error(TimeoutError(), "port 80 of sb-1", path=False).code is ErrorCode.TIMEOUT
+    # About the sandbox's own state, not a path the caller named: a vanished file is a conflict.
+    gone = service_error(FileNotFoundError(2, "No such file or directory"), "cannot freeze sb-1", path=False)
+    assert gone.code is ErrorCode.CONFLICT and gone.message == "cannot freeze sb-1: ENOENT No such file or directory"

@@ -19,7 +19,8 @@ from schemas.errors import ErrorCode
 from schemas.node import subject as node_subject
 from services.launcher import transfers, watches
 from services.launcher.drivers.base import SandboxGone
-from services.launcher.handlers import _file_error, _unfrozen
+from services.launcher.driver_errors import service_error
+from services.launcher.handlers import _unfrozen
 from services.launcher.keys import tag
 from services.launcher.lifecycle import Launcher
 from services.launcher.state import Live
@@ -44,7 +45,7 @@ def _error(exc: Exception, path: str) -> ServiceError:
                                                 "nothing of the upload was kept")
     if isinstance(exc, BrokenPipeError):
         return ServiceError(ErrorCode.NOT_FOUND, f"{path}: the transfer was closed")
-    return _file_error(exc, path)
+    return service_error(exc, path)
 
 
 async def _still_live(launcher: Launcher, live: Live, undo) -> None:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import time
-from collections.abc import Iterator
 
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
@@ -38,7 +36,8 @@ from schemas.node import (
     WriteFileRequest,
 )
 from services.launcher import decisions, pausing
-from services.launcher.drivers.base import Command, DriverFailure, ExecFailed, SandboxGone, Unsupported
+from services.launcher.driver_errors import DRIVER_ERRORS, service_error, translated
+from services.launcher.drivers.base import Command
 from services.launcher.keys import tag
 from services.launcher.lifecycle import Launcher
 from services.launcher.processes import KILLED_CHECK_S, KILLED_CHECKS, sandbox_gone
@@ -76,12 +75,8 @@ async def exec_(launcher: Launcher, req: ExecRequest) -> ExecReply:
         if live.quarantined and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
             raise ServiceError(ErrorCode.CONFLICT, f"sandbox {req.sandbox_id} was quarantined while the command ran")
         raise
-    except ExecFailed as exc:
-        raise ServiceError(ErrorCode.CONFLICT, f"cannot run in sandbox {req.sandbox_id}: {exc}") from None
-    except (OSError, SandboxGone) as exc:
-        raise _file_error(exc, req.cwd) from None
-    except ValueError as exc:
-        raise ServiceError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+    except DRIVER_ERRORS as exc:
+        raise service_error(exc, req.cwd) from None
     finally:
         live.execs.discard(running)
     signalled = result.exit_code > 128 and not result.timed_out
@@ -110,20 +105,16 @@ async def _ended_under(launcher: Launcher, sandbox_id: str, killed: bool) -> boo
 async def write_file(launcher: Launcher, req: WriteFileRequest) -> WriteFileReply:
     tag(launcher.node_id, req.sandbox_id)
     live = _unfrozen(launcher, req.sandbox_id)
-    try:
+    with translated(req.path):
         size = live.driver.write_file(live.instance, req.path, req.data, req.mode)
-    except (OSError, ValueError, SandboxGone) as exc:
-        raise _file_error(exc, req.path) from None
     return WriteFileReply(size=size)
 
 
 async def read_file(launcher: Launcher, req: ReadFileRequest) -> ReadFileReply:
     tag(launcher.node_id, req.sandbox_id)
     live = launcher.get_live(req.sandbox_id)
-    try:
+    with translated(req.path):
         data = live.driver.read_file(live.instance, req.path, MAX_FILE_BYTES)
-    except (OSError, ValueError, SandboxGone) as exc:
-        raise _file_error(exc, req.path) from None
     return ReadFileReply(data=data)
 
 
@@ -165,13 +156,8 @@ async def resume_selected(launcher: Launcher, req: SelectedRequest) -> SelectedR
 
 async def hint(launcher: Launcher, req: HintRequest) -> HintReply:
     tag(launcher.node_id, req.sandbox_id)
-    try:
+    with translated(f"cannot change the CPU weight of {req.sandbox_id}", path=False):
         return pausing.hint(launcher, req.sandbox_id, req.hint)
-    except Unsupported as exc:
-        raise ServiceError(ErrorCode.UNSUPPORTED, str(exc)) from None
-    except OSError as exc:
-        why = f"cannot change the CPU weight of {req.sandbox_id}: {exc.strerror}"
-        raise ServiceError(ErrorCode.CONFLICT, why) from None
 
 
 async def checkpoint(launcher: Launcher, req: CheckpointRequest) -> Checkpoint:
@@ -180,16 +166,10 @@ async def checkpoint(launcher: Launcher, req: CheckpointRequest) -> Checkpoint:
         return await pausing.checkpoint(launcher, req)
 
 
-@contextlib.contextmanager
-def _freezing(what: str) -> Iterator[None]:
+def _freezing(what: str) -> contextlib.AbstractContextManager[None]:
     """Errors of a freeze or thaw: the sandbox's cgroup went away under us (it is ending) is the
-    caller's conflict; a freeze that never settled is ours."""
-    try:
-        yield
-    except DriverFailure as exc:
-        raise ServiceError(ErrorCode.INTERNAL, str(exc)) from None
-    except OSError as exc:
-        raise ServiceError(ErrorCode.CONFLICT, f"cannot {what}: {exc.strerror}") from None
+    caller's conflict; a freeze that never settled is ours (DriverFailure: INTERNAL)."""
+    return translated(f"cannot {what}", path=False)
 
 
 def _unfrozen(launcher: Launcher, sandbox_id: str) -> Live:
@@ -200,14 +180,3 @@ def _unfrozen(launcher: Launcher, sandbox_id: str) -> Live:
     return live
 
 
-def _file_error(exc: Exception, path: str) -> ServiceError:
-    if isinstance(exc, (SandboxGone, ProcessLookupError)):
-        return ServiceError(ErrorCode.CONFLICT, "the sandbox's init is gone")
-    if isinstance(exc, FileNotFoundError):
-        return ServiceError(ErrorCode.NOT_FOUND, f"{path}: no such file or directory")
-    if isinstance(exc, ValueError):
-        return ServiceError(ErrorCode.INVALID_REQUEST, f"{path}: {exc}")
-    if isinstance(exc, OSError) and exc.errno is not None:
-        name = errno.errorcode.get(exc.errno, exc.errno)
-        return ServiceError(ErrorCode.INVALID_REQUEST, f"{path}: {name} {exc.strerror}")
-    return ServiceError(ErrorCode.INVALID_REQUEST, f"{path}: {type(exc).__name__}")

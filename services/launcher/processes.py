@@ -40,7 +40,8 @@ from schemas.process import (
     WriteReply,
     WriteRequest,
 )
-from services.launcher.drivers.base import Command, ExecFailed, RunningCommand, SandboxGone, StdinClosed
+from services.launcher.driver_errors import DRIVER_ERRORS, service_error
+from services.launcher.drivers.base import Command, RunningCommand, StdinClosed
 from services.launcher.keys import tag
 from services.launcher.lifecycle import Launcher
 from services.launcher.process_output import OutputBuffer
@@ -174,16 +175,8 @@ async def spawn(table: ProcessTable, req: SpawnRequest) -> ProcessInfo:
     try:
         running = await live.driver.spawn(live.instance, command, process.buffer.append,
                                           lambda status: table.exited(process, status))
-    except ExecFailed as exc:
-        raise ServiceError(ErrorCode.CONFLICT, f"cannot run in sandbox {req.sandbox_id}: {exc}") from None
-    except (SandboxGone, ProcessLookupError):
-        raise ServiceError(ErrorCode.CONFLICT, "the sandbox's init is gone") from None
-    except FileNotFoundError:
-        raise ServiceError(ErrorCode.NOT_FOUND, f"{req.cwd}: no such file or directory") from None
-    except OSError as exc:
-        raise ServiceError(ErrorCode.INVALID_REQUEST, f"{req.cwd}: {exc.strerror}") from None
-    except ValueError as exc:
-        raise ServiceError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+    except DRIVER_ERRORS as exc:
+        raise service_error(exc, req.cwd) from None
     process.running = running
     if not req.stdin:
         running.close_stdin()

@@ -25,7 +25,7 @@ from sandfleet.errors import ServiceError
 from schemas import node, ports
 from schemas.errors import ErrorCode
 from schemas.ports import PortListening, PortOpenReply, PortOpenRequest, PortRefused, Reset, TunnelOpened
-from services.launcher.drivers.base import SandboxGone, Unsupported
+from services.launcher.driver_errors import DRIVER_ERRORS, service_error, translated
 from services.launcher.keys import LOGGER, tag
 from services.launcher.lifecycle import Launcher
 from services.launcher.state import Live
@@ -77,18 +77,8 @@ class Tunnels:
             sock = await live.driver.connect_port(live.instance, req.host, req.port)
         except ConnectionRefusedError:
             return _refused(req)
-        except TimeoutError:
-            why = f"port {req.port} of {req.sandbox_id} did not accept in time"
-            raise ServiceError(ErrorCode.TIMEOUT, why) from None
-        except Unsupported as exc:
-            raise ServiceError(ErrorCode.UNSUPPORTED, str(exc)) from None
-        except ValueError as exc:
-            raise ServiceError(ErrorCode.INVALID_REQUEST, str(exc)) from None
-        except SandboxGone as exc:
-            raise ServiceError(ErrorCode.CONFLICT, str(exc)) from None
-        except OSError as exc:
-            raise ServiceError(ErrorCode.CONFLICT, f"cannot reach port {req.port} of {req.sandbox_id}: "
-                                                   f"{exc.strerror or type(exc).__name__}") from None
+        except DRIVER_ERRORS as exc:
+            raise service_error(exc, f"port {req.port} of {req.sandbox_id}", path=False) from None
         finally:
             self.opening -= 1
         if live.ending:  # destroyed while we connected: its hook has run already
@@ -107,14 +97,8 @@ class Tunnels:
                             idle_s=settings.tunnel_idle_s)
 
     def _probe(self, live: Live, req: PortOpenRequest) -> PortOpenReply:
-        try:
+        with translated(f"port {req.port} of {req.sandbox_id}", path=False):
             listens = live.driver.port_listens(live.instance, req.host, req.port)
-        except Unsupported as exc:
-            raise ServiceError(ErrorCode.UNSUPPORTED, str(exc)) from None
-        except ValueError as exc:
-            raise ServiceError(ErrorCode.INVALID_REQUEST, str(exc)) from None
-        except SandboxGone as exc:
-            raise ServiceError(ErrorCode.CONFLICT, str(exc)) from None
         return PortListening(port=req.port) if listens else _refused(req)
 
     async def _run(self, tunnel: Tunnel) -> None:
