@@ -107,8 +107,8 @@ async def test_a_session_keeps_its_cwd_and_environment_and_checks_exit_codes(dep
         await runtime.run_in_session(BashAction(command="true", session="other"))
     with pytest.raises(SessionDoesNotExistError):
         await runtime.close_session(CloseBashSessionRequest(session="never"))
-    with pytest.raises(UnsupportedActionError):
-        await runtime.run_in_session(BashAction(command="cat", is_interactive_command=True, expect=[">"]))
+    with pytest.raises(UnsupportedActionError):  # expect stops interactive actions only
+        await runtime.run_in_session(BashAction(command="echo x", expect=["x"]))
 
 
 async def test_a_run_past_its_timeout_raises_and_the_session_answers_after(deployment):
@@ -121,6 +121,51 @@ async def test_a_run_past_its_timeout_raises_and_the_session_answers_after(deplo
     assert r.exit_code == 0
     r = await runtime.run_in_session(BashAction(command="echo $X", timeout=30))
     assert r.output == "kept\n" and r.exit_code == 0
+
+
+REPL = """echo "ready>"
+while read -r line; do
+  [ "$line" = quit ] && { echo bye; exit 0; }
+  echo "got $line"; echo "ready>"
+done
+"""
+
+
+async def test_an_interactive_program_reads_the_session_until_it_quits(deployment):
+    runtime = deployment.runtime
+    await runtime.write_file(WriteFileRequest(path="/workspace/repl.sh", content=REPL))
+    await _session(runtime)
+    await runtime.run_in_session(BashAction(command="X=kept; cd /workspace"))
+
+    def line(command: str, **kw) -> BashAction:
+        return BashAction(command=command, is_interactive_command=True, expect=["ready>"], timeout=30, **kw)
+
+    r = await runtime.run_in_session(line("sh repl.sh"))
+    assert (r.output, r.expect_string, r.exit_code) == ("", "ready>", 0)
+    r = await runtime.run_in_session(line("hello"))
+    assert (r.output, r.expect_string) == ("got hello", "ready>")
+    with pytest.raises(UnsupportedActionError):  # the program holds the session
+        await runtime.run_in_session(BashAction(command="echo $X"))
+    r = await runtime.run_in_session(BashAction(command="quit", is_interactive_quit=True, timeout=30))
+    assert (r.output, r.expect_string) == ("bye", "")  # "": back at the shell, SWE-ReX's prompt
+    assert (await runtime.run_in_session(BashAction(command="echo $X"))).output == "kept\n"
+
+    # A program that does not answer: the action times out, an interrupt ends it
+    with pytest.raises(CommandTimeoutError):
+        await runtime.run_in_session(BashAction(command="sleep 1000", is_interactive_command=True, timeout=0.5))
+    r = await runtime.run_in_session(BashInterruptAction(timeout=10))
+    assert r.expect_string == ""
+    assert (await runtime.run_in_session(BashAction(command="echo $X"))).output == "kept\n"
+    with pytest.raises(UnsupportedActionError):
+        await runtime.run_in_session(BashAction(command="quit", is_interactive_quit=True))
+
+    if deployment.level == "process":  # a REPL users know, on the host's python
+        prompt = dict(is_interactive_command=True, expect=[">>> "], timeout=30)
+        await runtime.run_in_session(BashAction(command="python3 -i -q", **prompt))
+        r = await runtime.run_in_session(BashAction(command="print(6 * 7)", **prompt))
+        assert r.output == "42"
+        r = await runtime.run_in_session(BashAction(command="exit()", is_interactive_quit=True, timeout=30))
+        assert r.expect_string == ""
 
 
 async def test_sessions_source_startup_files(deployment):

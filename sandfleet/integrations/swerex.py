@@ -11,15 +11,15 @@ to it. Here nothing runs inside the sandbox but the shell itself: every call goe
 to the node, which enters the sandbox from outside (DESIGN.md, trust model).
 
 A bash session is one SDK shell session (sandfleet/_shell.py): `bash` where the sandbox has it,
-`sh` otherwise. Each run is checked first with the shell's `-n` (as SWE-ReX does with `bash -n`,
-so a command with a syntax error runs nothing and raises BashIncorrectSyntaxError), then
-evaluated in the session's shell with stderr joined to stdout (SWE-ReX reads one terminal).
-What differs from SWE-ReX's pexpect sessions, and why:
+`sh` otherwise (a busybox layer); sandfleet/integrations/_swerex_session.py says how runs and
+interactive programs work there. What differs from SWE-ReX's pexpect sessions, and why:
 - A run past its timeout is interrupted at once (SIGINT to its job) before CommandTimeoutError
   is raised, so the session is usable right after; a BashInterruptAction then finds nothing to stop.
-- The shell is not interactive: commands read /dev/null, and there is no prompt. Actions for
-  interactive programs (`is_interactive_command`, `is_interactive_quit`) and `expect` strings
-  (which stop a run before its command ends) raise UnsupportedActionError.
+- There is no terminal: commands of a run read /dev/null, an interactive program reads a pipe,
+  nothing is echoed, and no prompt exists (an interactive action whose program ended says
+  expect_string ""). `expect` on an action that is not interactive raises UnsupportedActionError.
+- `execute` of a program that does not exist gives exit code 127 (the node's exec), where
+  `subprocess.run` raises FileNotFoundError.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import io
 import logging
 import posixpath
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +39,18 @@ try:
     from swerex.deployment.abstract import AbstractDeployment
     from swerex.deployment.hooks.abstract import CombinedDeploymentHook, DeploymentHook
     from swerex.exceptions import (
-        BashIncorrectSyntaxError,
         CommandTimeoutError,
         DeploymentNotStartedError,
         NonZeroExitCodeError,
         SessionDoesNotExistError,
         SessionExistsError,
-        SwerexException,
     )
     from swerex.runtime.abstract import (
         AbstractRuntime,
         BashAction,
         BashInterruptAction,
         BashObservation,
+        CloseBashSessionRequest,
         CloseBashSessionResponse,
         CloseResponse,
         Command,
@@ -71,74 +69,14 @@ except ImportError as exc:  # pragma: no cover - only without the extra
     raise MissingExtra("swerex", "sandfleet.integrations.swerex", ["swe-rex"]) from exc
 
 from sandfleet._sandbox import Sandbox
-from sandfleet._shell import Shell, quote
+from sandfleet._shell import quote
+from sandfleet.integrations._swerex_session import BashSession, UnsupportedActionError, text
 from schemas import node
 from schemas.sandbox import State
 
 __all__ = ["SandfleetDeployment", "SandfleetRuntime", "UnsupportedActionError"]
 
 MAX_EXEC_S = 24 * 3600.0  # what the node accepts for one exec: SWE-ReX's "no timeout"
-
-
-class UnsupportedActionError(SwerexException, NotImplementedError):
-    """An action this runtime cannot carry out as SWE-ReX would (see the module's docstring)."""
-
-
-def _text(data: bytes) -> str:
-    return data.decode(errors="backslashreplace")
-
-
-def _checked_run(command: str, shell: str) -> str:
-    """The session script for one BashAction: `<shell> -n` first; if the syntax is good the
-    command is evaluated in the session (so cd, exports and functions persist) with stderr
-    joined to stdout, else the checker's complaint goes to stderr and nothing runs. So stderr is
-    non-empty (and stdout empty) only for a syntax error."""
-    q = quote(command)
-    return (f"if __sandfleet_syntax=$(printf '%s\\n' {q} | {shell} -n 2>&1); then unset __sandfleet_syntax; "
-            f"{{ eval {q}\n}} 2>&1; "
-            f"else printf '%s\\n' \"$__sandfleet_syntax\" >&2; unset __sandfleet_syntax; false; fi")
-
-
-class _BashSession:
-    def __init__(self, name: str, shell: Shell, program: str) -> None:
-        self.name, self.shell, self.program = name, shell, program
-
-    async def run(self, action: BashAction) -> BashObservation:
-        if action.is_interactive_command or action.is_interactive_quit or action.expect:
-            raise UnsupportedActionError(
-                f"session {self.name!r}: interactive programs and expect strings need a terminal; "
-                "this runtime's sessions run each command to its end")
-        started = time.monotonic()
-        try:
-            r = await self.shell.run(_checked_run(action.command, self.program), timeout_s=action.timeout)
-        except errors.Conflict as exc:
-            if not self.shell.closed:
-                raise
-            if action.timeout is not None and time.monotonic() - started >= action.timeout:
-                raise CommandTimeoutError(f"timeout after {action.timeout} seconds while running command "
-                                          f"{action.command!r} (it would not stop: {exc})") from None
-            raise SessionDoesNotExistError(f"session {self.name!r} ended running {action.command!r}: {exc}") from None
-        if r.timed_out:
-            raise CommandTimeoutError(f"timeout after {action.timeout} seconds while running command {action.command!r}")
-        output, complaint = _text(r.stdout), _text(r.stderr)
-        if complaint and not output:
-            raise BashIncorrectSyntaxError(
-                f"Error (exit code 2) while checking bash command \n{action.command!r}\n"
-                f"---- Stderr ----\n{complaint}\n---- Stdout ----\n",
-                extra_info={"bash_stdout": "", "bash_stderr": complaint})
-        if action.check == "ignore":
-            return BashObservation(output=output, exit_code=None)
-        if action.check == "raise" and r.exit_code != 0:
-            msg = f"Command {action.command!r} failed with exit code {r.exit_code}. Here is the output:\n{output!r}"
-            raise NonZeroExitCodeError(f"{action.error_msg}: {msg}" if action.error_msg else msg)
-        return BashObservation(output=output, exit_code=r.exit_code)
-
-    async def interrupt(self) -> BashObservation:
-        # A run is only ever in flight inside run() (which interrupts it itself on its timeout);
-        # another task's interrupt reaches its job as SWE-ReX's Ctrl-C would.
-        if self.shell.lock.locked():
-            await self.shell.process.signal(2)
-        return BashObservation(output="", exit_code=0)
 
 
 class SandfleetRuntime(AbstractRuntime):
@@ -149,7 +87,7 @@ class SandfleetRuntime(AbstractRuntime):
         self.sandbox = sandbox
         self.cwd = cwd
         self.logger = logger or logging.getLogger("sandfleet.swerex")
-        self._sessions: dict[str, _BashSession] = {}
+        self._sessions: dict[str, BashSession] = {}
         self._shell_program: str | None = None
 
     async def _program(self) -> str:
@@ -172,7 +110,7 @@ class SandfleetRuntime(AbstractRuntime):
             raise SessionExistsError(f"session {request.session} already exists")
         program = await self._program()
         shell = await self.sandbox.shell(program, cwd=self.cwd)
-        session = _BashSession(request.session, shell, program)
+        session = BashSession(request.session, shell, program)
         self._sessions[request.session] = session
         if program == "bash":  # as in SWE-ReX's interactive bash, aliases from sourced files work
             await shell.run("shopt -s expand_aliases")
@@ -183,7 +121,7 @@ class SandfleetRuntime(AbstractRuntime):
                                          check="silent"))
         return CreateBashSessionResponse(output=r.output)
 
-    def _session(self, name: str) -> _BashSession:
+    def _session(self, name: str) -> BashSession:
         if name not in self._sessions:
             raise SessionDoesNotExistError(f"session {name!r} does not exist")
         return self._sessions[name]
@@ -191,7 +129,7 @@ class SandfleetRuntime(AbstractRuntime):
     async def run_in_session(self, action: BashAction | BashInterruptAction) -> BashObservation:
         session = self._session(action.session)
         if isinstance(action, BashInterruptAction):
-            return await session.interrupt()
+            return await session.interrupt(action)
         try:
             return await session.run(action)
         except (SessionDoesNotExistError, CommandTimeoutError):
@@ -199,7 +137,7 @@ class SandfleetRuntime(AbstractRuntime):
                 del self._sessions[action.session]
             raise
 
-    async def close_session(self, request: Any) -> CloseBashSessionResponse:
+    async def close_session(self, request: CloseBashSessionRequest) -> CloseBashSessionResponse:
         session = self._session(request.session)
         del self._sessions[request.session]
         await session.shell.close()
@@ -217,7 +155,7 @@ class SandfleetRuntime(AbstractRuntime):
         r = await self.sandbox.exec(argv, timeout_s=timeout, env=command.env, cwd=command.cwd or self.cwd)
         if r.timed_out:
             raise CommandTimeoutError(f"Timeout ({command.timeout}s) exceeded while running command")
-        out = CommandResponse(stdout=_text(r.stdout), stderr=_text(r.stderr), exit_code=r.exit_code)
+        out = CommandResponse(stdout=text(r.stdout), stderr=text(r.stderr), exit_code=r.exit_code)
         if command.check and r.exit_code != 0:
             msg = (f"Command {command.command!r} failed with exit code {r.exit_code}. "
                    f"Stdout:\n{out.stdout!r}\nStderr:\n{out.stderr!r}")
