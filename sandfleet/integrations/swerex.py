@@ -116,7 +116,9 @@ class SandfleetRuntime(AbstractRuntime):
             await shell.run("shopt -s expand_aliases")
         if not request.startup_source:
             return CreateBashSessionResponse()
-        sources = " && ".join(f". {quote(path)}" for path in request.startup_source)
+        # Each sourced whatever the one before did, as SWE-ReX's `source a ; source b`; `command`
+        # keeps a missing file from ending the list in a POSIX sh (where `.` is a special built-in)
+        sources = "\n".join(f"command . {quote(path)}" for path in request.startup_source)
         r = await session.run(BashAction(command=sources, session=request.session, timeout=request.startup_timeout,
                                          check="silent"))
         return CreateBashSessionResponse(output=r.output)
