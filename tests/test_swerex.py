@@ -7,6 +7,7 @@ python3 from the host) and `container` (a busybox layer: `sh`, no python).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 
@@ -54,13 +55,16 @@ async def _busybox_base(fleet, tmp_path_factory) -> str:
     return BASE
 
 
+async def _spec(level: str, fleet, tmp_path_factory) -> dict:
+    if level == "container":
+        return dict(isolation="container", layers=[await _busybox_base(fleet, tmp_path_factory)], memory_mb=256)
+    return dict(host_view=True, memory_mb=256)
+
+
 @pytest.fixture(params=["process", "container"])
 async def deployment(request, platform, fleet, tmp_path_factory):
-    if request.param == "container":
-        spec = dict(isolation="container", layers=[await _busybox_base(fleet, tmp_path_factory)])
-    else:
-        spec = dict(host_view=True)
-    d = SandfleetDeployment(url=platform.url, memory_mb=256, **spec)  # its own connection, as a user's
+    # Its own connection, as a user's; called from the tests' loop, not the one it lives on
+    d = SandfleetDeployment(url=platform.url, **await _spec(request.param, fleet, tmp_path_factory))
     assert isinstance(d, AbstractDeployment)
     await d.start()
     d.level = request.param
@@ -220,10 +224,34 @@ async def test_files_are_written_read_and_directories_uploaded(deployment, tmp_p
         await runtime.upload(UploadRequest(source_path=str(tmp_path / "nothing"), target_path="/workspace/x"))
 
 
-async def test_an_swe_agent_style_loop_fixes_a_failing_test(deployment, tmp_path, fleet):
+def _swe_agent_loop(deployment: SandfleetDeployment, repo, test_cmd: str, fix: tuple[str, str]) -> str:
+    """What SWE-agent's environment does, the way it does it: plain functions, each SWE-ReX call
+    in a fresh `asyncio.run` (so on a new event loop every time)."""
+    run = asyncio.run
+    run(deployment.start())
+    run(deployment.runtime.create_session(CreateBashSessionRequest(startup_source=["/root/.bashrc"],
+                                                                   startup_timeout=10)))
+    run(deployment.runtime.run_in_session(BashAction(command="export PAGER=cat LANG=C.UTF-8", check="raise")))
+    run(deployment.runtime.upload(UploadRequest(source_path=str(repo), target_path="/workspace/repo")))
+    run(deployment.runtime.run_in_session(BashAction(command="cd /workspace/repo")))
+    r = run(deployment.runtime.run_in_session(BashAction(command=test_cmd, timeout=60, check="silent")))
+    assert r.exit_code != 0 and "FAILED" in r.output
+    source = run(deployment.runtime.read_file(ReadFileRequest(path=f"/workspace/repo/{fix[0]}"))).content
+    assert source != fix[1]
+    run(deployment.runtime.write_file(WriteFileRequest(path=f"/workspace/repo/{fix[0]}", content=fix[1])))
+    r = run(deployment.runtime.run_in_session(BashAction(command=test_cmd, timeout=60)))
+    assert r.exit_code == 0 and r.output == "PASSED\n"
+    sandbox_id = deployment.sandbox.id
+    run(deployment.stop())
+    assert not run(deployment.is_alive())
+    return sandbox_id
+
+
+@pytest.mark.parametrize("level", ["process", "container"])
+async def test_an_swe_agent_style_loop_fixes_a_failing_test(level, platform, fleet, tmp_path, tmp_path_factory):
     repo = tmp_path / "repo"
     repo.mkdir()
-    if deployment.level == "container":  # busybox has no python: the same loop with a shell test
+    if level == "container":  # busybox has no python: the same loop with a shell test
         (repo / "calc.sh").write_text("add() { echo $(($1 - $2)); }\n")
         (repo / "test.sh").write_text(". ./calc.sh\n[ \"$(add 2 3)\" = 5 ] && echo PASSED || { echo FAILED; exit 1; }\n")
         test_cmd, fix = "sh test.sh", ("calc.sh", "add() { echo $(($1 + $2)); }\n")
@@ -231,22 +259,12 @@ async def test_an_swe_agent_style_loop_fixes_a_failing_test(deployment, tmp_path
         (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
         (repo / "test_calc.py").write_text("from calc import add\n\nassert add(2, 3) == 5, 'FAILED'\nprint('PASSED')\n")
         test_cmd, fix = "python3 test_calc.py", ("calc.py", "def add(a, b):\n    return a + b\n")
-    runtime = deployment.runtime
-    await runtime.upload(UploadRequest(source_path=str(repo), target_path="/workspace/repo"))
-    await _session(runtime)
-    await runtime.run_in_session(BashAction(command="cd /workspace/repo"))
-    r = await runtime.run_in_session(BashAction(command=test_cmd, timeout=60, check="silent"))
-    assert r.exit_code != 0 and "FAILED" in r.output
-    source = (await runtime.read_file(ReadFileRequest(path=f"/workspace/repo/{fix[0]}"))).content
-    assert source != fix[1]
-    await runtime.write_file(WriteFileRequest(path=f"/workspace/repo/{fix[0]}", content=fix[1]))
-    r = await runtime.run_in_session(BashAction(command=test_cmd, timeout=60))
-    assert r.exit_code == 0 and r.output == "PASSED\n"
-
-    sb = deployment.sandbox
-    await deployment.stop()
-    assert not await deployment.is_alive()
+    deployment = SandfleetDeployment(url=platform.url, **await _spec(level, fleet, tmp_path_factory))
+    try:
+        sandbox_id = await asyncio.to_thread(_swe_agent_loop, deployment, repo, test_cmd, fix)
+    finally:
+        await deployment.stop()  # a no-op once the loop stopped it
     with pytest.raises(DeploymentNotStartedError):
         deployment.runtime
     with pytest.raises(errors.NotFound):  # the sandbox is gone with the deployment
-        await fleet.get(sb.id)
+        await fleet.get(sandbox_id)

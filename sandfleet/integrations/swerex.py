@@ -70,6 +70,7 @@ except ImportError as exc:  # pragma: no cover - only without the extra
 
 from sandfleet._sandbox import Sandbox
 from sandfleet._shell import quote
+from sandfleet.integrations._home_loop import HomeLoop, at_home
 from sandfleet.integrations._swerex_session import BashSession, UnsupportedActionError, text
 from schemas import node
 from schemas.sandbox import State
@@ -83,8 +84,10 @@ class SandfleetRuntime(AbstractRuntime):
     """SWE-ReX's runtime on one sandfleet sandbox (which it does not own: `close` ends its
     sessions, the deployment destroys the sandbox)."""
 
-    def __init__(self, sandbox: Sandbox, *, cwd: str = "/workspace", logger: logging.Logger | None = None) -> None:
+    def __init__(self, sandbox: Sandbox, *, cwd: str = "/workspace", logger: logging.Logger | None = None,
+                 home: HomeLoop | None = None) -> None:
         self.sandbox = sandbox
+        self.home = home  # the loop the sandbox's connection lives on, if not the caller's
         self.cwd = cwd
         self.logger = logger or logging.getLogger("sandfleet.swerex")
         self._sessions: dict[str, BashSession] = {}
@@ -96,6 +99,7 @@ class SandfleetRuntime(AbstractRuntime):
             self._shell_program = "bash" if r.exit_code == 0 else "sh"
         return self._shell_program
 
+    @at_home
     async def is_alive(self, *, timeout: float | None = None) -> IsAliveResponse:
         try:
             record = await asyncio.wait_for(self.sandbox.info(), timeout)
@@ -105,6 +109,7 @@ class SandfleetRuntime(AbstractRuntime):
             return IsAliveResponse(is_alive=False, message=f"sandbox {self.sandbox.id} is {record.state.value}")
         return IsAliveResponse(is_alive=True)
 
+    @at_home
     async def create_session(self, request: CreateBashSessionRequest) -> CreateBashSessionResponse:
         if request.session in self._sessions:
             raise SessionExistsError(f"session {request.session} already exists")
@@ -128,6 +133,7 @@ class SandfleetRuntime(AbstractRuntime):
             raise SessionDoesNotExistError(f"session {name!r} does not exist")
         return self._sessions[name]
 
+    @at_home
     async def run_in_session(self, action: BashAction | BashInterruptAction) -> BashObservation:
         session = self._session(action.session)
         if isinstance(action, BashInterruptAction):
@@ -139,12 +145,14 @@ class SandfleetRuntime(AbstractRuntime):
                 del self._sessions[action.session]
             raise
 
+    @at_home
     async def close_session(self, request: CloseBashSessionRequest) -> CloseBashSessionResponse:
         session = self._session(request.session)
         del self._sessions[request.session]
         await session.shell.close()
         return CloseBashSessionResponse()
 
+    @at_home
     async def execute(self, command: Command) -> CommandResponse:
         """Like SWE-ReX's `subprocess.run`: argv, or a string for `sh -c` with shell=True."""
         if isinstance(command.command, str):
@@ -167,6 +175,7 @@ class SandfleetRuntime(AbstractRuntime):
     def _path(self, path: str) -> str:
         return posixpath.normpath(posixpath.join(self.cwd, path))
 
+    @at_home
     async def read_file(self, request: ReadFileRequest) -> ReadFileResponse:
         """The file as `Path.read_text` would give it (universal newlines), of any size; missing
         is FileNotFoundError, a directory IsADirectoryError, as SWE-ReX's own runtime raises."""
@@ -190,6 +199,7 @@ class SandfleetRuntime(AbstractRuntime):
             await self.sandbox.download(path, Path(local) / "file")
             return (Path(local) / "file").read_bytes()
 
+    @at_home
     async def write_file(self, request: WriteFileRequest) -> WriteFileResponse:
         """Any size; parent directories are made, as SWE-ReX's own runtime does."""
         path = self._path(request.path)
@@ -197,6 +207,7 @@ class SandfleetRuntime(AbstractRuntime):
         await self.sandbox.upload(request.content.encode(), path)
         return WriteFileResponse()
 
+    @at_home
     async def upload(self, request: UploadRequest) -> UploadResponse:
         """A local file or directory (modes and symlinks kept) to `target_path` in the sandbox."""
         source = Path(request.source_path)
@@ -207,6 +218,7 @@ class SandfleetRuntime(AbstractRuntime):
         await self.sandbox.upload(source, target)
         return UploadResponse()
 
+    @at_home
     async def close(self) -> CloseResponse:
         sessions, self._sessions = list(self._sessions.values()), {}
         for session in sessions:
@@ -215,15 +227,19 @@ class SandfleetRuntime(AbstractRuntime):
 
 
 class SandfleetDeployment(AbstractDeployment):
-    """A sandbox made by `start()` and destroyed by `stop()`. `url` (or an open `fleet`) says
-    which platform; every other keyword goes to `Fleet.create` (isolation, layers, memory_mb,
-    cpu, timeout_s, allow, host_view, ...). `cwd` is where sessions and commands start."""
+    """A sandbox made by `start()` and destroyed by `stop()`. `url` says which platform; every
+    other keyword goes to `Fleet.create` (isolation, layers, memory_mb, cpu, timeout_s, allow,
+    host_view, ...); `cwd` is where sessions and commands start. The deployment's connection
+    lives on a loop of its own (sandfleet/integrations/_home_loop.py), so its runtime may be
+    called from any loop, a fresh `asyncio.run` each time as SWE-agent does. With an open
+    `fleet` instead of `url`, it uses that connection, and callers stay on its loop."""
 
     def __init__(self, *, url: str | None = None, fleet: Any = None, cwd: str = "/workspace",
                  logger: logging.Logger | None = None, **create: Any) -> None:
         self.logger = logger or logging.getLogger("sandfleet.swerex")
         self._url, self._given_fleet, self._cwd, self._create = url, fleet, cwd, create
         self._fleet: Any = None
+        self.home: HomeLoop | None = None
         self._runtime: SandfleetRuntime | None = None
         self._hooks = CombinedDeploymentHook()
 
@@ -240,19 +256,38 @@ class SandfleetDeployment(AbstractDeployment):
         return await self._runtime.is_alive(timeout=timeout)
 
     async def start(self) -> None:
+        if self._runtime is not None:
+            return
+        if self._given_fleet is None and self.home is None:
+            self.home = HomeLoop("sandfleet-swerex")
+        self._hooks.on_custom_step("Creating a sandfleet sandbox")
+        try:
+            await self._start()
+        except BaseException:
+            self._close_home()
+            raise
+
+    @at_home
+    async def _start(self) -> None:
         import sandfleet
 
         self._fleet = self._given_fleet or await sandfleet.connect(self._url)
-        self._hooks.on_custom_step("Creating a sandfleet sandbox")
         try:
             sb = await self._fleet.create(**self._create)
         except BaseException:
             await self._close_fleet()
             raise
         self.logger.info("sandbox %s on node %s", sb.id, sb.node)
-        self._runtime = SandfleetRuntime(sb, cwd=self._cwd, logger=self.logger)
+        self._runtime = SandfleetRuntime(sb, cwd=self._cwd, logger=self.logger, home=self.home)
 
     async def stop(self) -> None:
+        try:
+            await self._stop()
+        finally:
+            self._close_home()
+
+    @at_home
+    async def _stop(self) -> None:
         runtime, self._runtime = self._runtime, None
         try:
             if runtime is not None:
@@ -270,6 +305,11 @@ class SandfleetDeployment(AbstractDeployment):
         fleet, self._fleet = self._fleet, None
         if fleet is not None and fleet is not self._given_fleet:
             await fleet.close()
+
+    def _close_home(self) -> None:
+        home, self.home = self.home, None
+        if home is not None:
+            home.close()
 
     @property
     def runtime(self) -> SandfleetRuntime:
