@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from swerex.deployment.abstract import AbstractDeployment
@@ -36,6 +38,7 @@ from swerex.runtime.abstract import (
 from sandfleet import errors
 from sandfleet.integrations.swerex import SandfleetDeployment, UnsupportedActionError
 from sandfleet.layers_client import Layers
+from tests.conftest import ROOT
 from tests.kernel import require
 from tests.layer_trees import APPLETS, make_busybox_base
 
@@ -268,3 +271,12 @@ async def test_an_swe_agent_style_loop_fixes_a_failing_test(level, platform, fle
         deployment.runtime
     with pytest.raises(errors.NotFound):  # the sandbox is gone with the deployment
         await fleet.get(sandbox_id)
+
+
+def test_without_the_extra_the_import_says_what_to_install():
+    script = ("import sys; sys.modules['swerex'] = None\n"  # as if swe-rex were not installed
+              "from sandfleet.extras import MissingExtra\n"
+              "try:\n    import sandfleet.integrations.swerex\n"
+              "except MissingExtra as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert "pip install 'sandfleet[swerex]'" in out.stdout, out

@@ -9,6 +9,8 @@ on a sandbox's shell sessions, exec, files and uploads.
 SWE-ReX's other deployments start a server (`swerex-remote`) inside the container and talk HTTP
 to it. Here nothing runs inside the sandbox but the shell itself: every call goes over the bus
 to the node, which enters the sandbox from outside (DESIGN.md, trust model).
+The deployment keeps its connection on an event loop of its own, so the runtime answers callers
+on any loop: SWE-agent runs every call in a fresh `asyncio.run`.
 
 A bash session is one SDK shell session (sandfleet/_shell.py): `bash` where the sandbox has it,
 `sh` otherwise (a busybox layer); sandfleet/integrations/_swerex_session.py says how runs and
