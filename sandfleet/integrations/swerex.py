@@ -21,7 +21,8 @@ interactive programs work there. What differs from SWE-ReX's pexpect sessions, a
   nothing is echoed, and no prompt exists (an interactive action whose program ended says
   expect_string ""). `expect` on an action that is not interactive raises UnsupportedActionError.
 - `execute` of a program that does not exist gives exit code 127 (the node's exec), where
-  `subprocess.run` raises FileNotFoundError.
+  `subprocess.run` raises FileNotFoundError; its `env` is added to the sandbox's environment
+  rather than replacing it (so PATH stays).
 """
 
 from __future__ import annotations
@@ -183,8 +184,8 @@ class SandfleetRuntime(AbstractRuntime):
         is FileNotFoundError, a directory IsADirectoryError, as SWE-ReX's own runtime raises."""
         path = self._path(request.path)
         data = await self._read_bytes(path)
-        text = io.TextIOWrapper(io.BytesIO(data), encoding=request.encoding or "utf-8", errors=request.errors)
-        return ReadFileResponse(content=text.read())
+        reader = io.TextIOWrapper(io.BytesIO(data), encoding=request.encoding or "utf-8", errors=request.errors)
+        return ReadFileResponse(content=reader.read())
 
     async def _read_bytes(self, path: str) -> bytes:
         try:
@@ -250,6 +251,8 @@ class SandfleetDeployment(AbstractDeployment):
 
     @property
     def sandbox(self) -> Sandbox:
+        """The SDK's handle; its connection lives on `home` when that is set, so SDK calls go
+        there: `await deployment.home.run(deployment.sandbox.metrics())`."""
         return self.runtime.sandbox
 
     async def is_alive(self, *, timeout: float | None = None) -> IsAliveResponse:
