@@ -117,6 +117,11 @@ async def test_a_session_keeps_its_cwd_and_environment_and_checks_exit_codes(dep
     with pytest.raises(UnsupportedActionError):  # expect stops interactive actions only
         await runtime.run_in_session(BashAction(command="echo x", expect=["x"]))
 
+    await runtime.close()  # every session ends; the sandbox stays, the deployment's to destroy
+    with pytest.raises(SessionDoesNotExistError):
+        await runtime.run_in_session(BashAction(command="true"))
+    assert await deployment.is_alive()
+
 
 async def test_a_run_past_its_timeout_raises_and_the_session_answers_after(deployment):
     runtime = deployment.runtime
