@@ -89,6 +89,10 @@ async def test_a_session_keeps_its_cwd_and_environment_and_checks_exit_codes(dep
     r = await runtime.run_in_session(BashAction(command="pwd; echo $TASK $LEVEL; echo to-stderr >&2"))
     assert r.output == "/tmp/sess\ncalc one\nto-stderr\n"  # one stream, as from SWE-ReX's terminal
 
+    # What agents send: a heredoc that writes a file, quotes of both kinds, a comment, a chain
+    r = await runtime.run_in_session(BashAction(command=(
+        "cat > notes.txt <<'EOF'\nit's \"quoted\" $TASK\nEOF\n# a comment\ncat notes.txt && echo \"it's $TASK\"")))
+    assert r.output == "it's \"quoted\" $TASK\nit's calc\n"
     with pytest.raises(NonZeroExitCodeError, match="exit code 3"):
         await runtime.run_in_session(BashAction(command="echo before; (exit 3)", check="raise"))
     r = await runtime.run_in_session(BashAction(command="echo before; (exit 3)", check="silent"))
