@@ -410,8 +410,8 @@ async def test_the_node_holds_at_most_its_tunnel_limit_and_ending_a_sandbox_free
     from sandfleet.errors import ServiceError
 
     driver = _PairDriver()
-    live = SimpleNamespace(quarantined=False, paused=False, ending=False, driver=driver, instance=None)
-    launcher = SimpleNamespace(node_id="n-unit", settings=LauncherSettings(max_tunnels=2), ending_hooks=[],
+    live = SimpleNamespace(quarantined=False, paused=False, ending=False, driver=driver, instance=None, attached={})
+    launcher = SimpleNamespace(node_id="n-unit", settings=LauncherSettings(max_tunnels=2),
                                get_live=lambda sandbox_id: live)
     table = Tunnels(bare_bus, launcher)  # type: ignore[arg-type]
     await table.listen()
@@ -421,7 +421,8 @@ async def test_the_node_holds_at_most_its_tunnel_limit_and_ending_a_sandbox_free
     with pytest.raises(ServiceError) as full:
         await table.open(req)
     assert full.value.code.value == "capacity" and len(driver.servers) == 2  # refused before connecting
-    await launcher.ending_hooks[0]("sb-unit")  # what the launcher runs when it ends the sandbox
+    assert list(live.attached) == ["tunnels"]  # what the launcher ends with the sandbox
+    await live.attached.popitem()[1].end()
     assert table.by_id == {} and table.by_sandbox == {}
     for server in driver.servers:
         server.settimeout(10)

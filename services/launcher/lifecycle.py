@@ -10,10 +10,8 @@ second): it makes no bus round trip beyond confine, compose and its record write
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from sandfleet import errors
@@ -54,7 +52,6 @@ class Launcher:
     closing: bool = False  # destroy_all has begun: queued launches end instead of being built
     slots: asyncio.Semaphore = field(init=False)  # launch_concurrency builds at once
     # What capabilities hold of a sandbox (its tunnels...) and end before its processes do.
-    ending_hooks: list[Callable[[str], Awaitable[None]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.slots = asyncio.Semaphore(self.settings.launch_concurrency)
@@ -200,15 +197,11 @@ class Launcher:
     # -- destroy -----------------------------------------------------------------------
 
     async def _end_attachments(self, sandbox_id: str, live: Live | None) -> None:
-        """What the sandbox's capabilities hold, before its processes go: node-wide tables keyed
-        by sandbox (tunnels: `ending_hooks`) and what is attached to its live entry (transfers,
-        watches: `Live.attached`)."""
-        ends = [functools.partial(hook, sandbox_id) for hook in self.ending_hooks]
+        """What the sandbox's capabilities hold (`Live.attached`: transfers, watches, tunnels), ended
+        before its processes go. One attached while these end is ended too."""
         while live is not None and live.attached:
-            ends.append(live.attached.popitem()[1].end)
-        for end in ends:
             try:
-                await end()
+                await live.attached.popitem()[1].end()
             except Exception:  # never let one capability's failure keep a sandbox alive
                 log.exception("ending what %s held failed", sandbox_id, extra=about(sandbox_id))
 

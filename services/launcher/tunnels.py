@@ -42,6 +42,9 @@ class Tunnel:
     task: asyncio.Task | None = None
 
 
+NAME = "tunnels"  # its key in Live.attached
+
+
 @dataclass
 class Tunnels:
     """Every tunnel this node's launcher holds."""
@@ -54,7 +57,6 @@ class Tunnels:
     _sub: Any = None
 
     async def listen(self) -> None:
-        self.launcher.ending_hooks.append(self.end_sandbox)
         self._sub = await self.bus.subscribe_direct(ports.tunnel_wildcard(self.launcher.node_id), self._deliver)
 
     def _deliver(self, msg: Any) -> None:
@@ -91,6 +93,7 @@ class Tunnels:
                                       idle_s=settings.tunnel_idle_s))
         self.by_id[tunnel.id] = tunnel
         self.by_sandbox.setdefault(req.sandbox_id, set()).add(tunnel.id)
+        live.attached.setdefault(NAME, _OfSandbox(self, req.sandbox_id))  # ended with the sandbox
         tunnel.task = asyncio.create_task(self._run(tunnel))
         return TunnelOpened(tunnel_id=tunnel.id, send_subject=ports.tunnel_subject(launcher.node_id, tunnel.id),
                             window=settings.tunnel_window_bytes, keepalive_s=settings.tunnel_keepalive_s,
@@ -146,3 +149,14 @@ async def port_open(tunnels: Tunnels, req: PortOpenRequest) -> PortOpenReply:
 def endpoints(tunnels: Tunnels) -> list[Endpoint]:
     return [Endpoint("port_open", node.subject(tunnels.launcher.node_id, ports.PORT_OPEN), PortOpenRequest,
                      functools.partial(port_open, tunnels))]
+
+
+@dataclass(frozen=True)
+class _OfSandbox:
+    """What a sandbox's live entry holds of the node-wide table: its end resets its tunnels."""
+
+    tunnels: Tunnels
+    sandbox_id: str
+
+    async def end(self) -> None:
+        await self.tunnels.end_sandbox(self.sandbox_id)
