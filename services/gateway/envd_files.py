@@ -1,0 +1,309 @@
+"""envd's filesystem: the `filesystem.Filesystem` Connect service (stat, list, make_dir, move,
+remove, watches streamed or polled) and envd's plain HTTP endpoints (`/files` to read and write
+a file, `/health`), on the sandfleet SDK's file tree, transfers and watches.
+
+Paths are the sandbox's own (E2B's relative ones start at shapes.HOME). A watcher id of the
+polled flavour carries its directory (`<watch id>:<path>`), so nothing is kept between polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import os
+import posixpath
+import shutil
+import stat as st
+import tempfile
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import Any
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from e2b.envd.filesystem import filesystem_pb as pb
+from protobuf import Oneof
+from protobuf.wkt import Timestamp
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+
+from sandfleet import errors
+from sandfleet._files import Watch
+from sandfleet.client import Sandbox
+from schemas import files as wire
+from services.gateway import shapes
+from services.gateway.faults import SandboxGone, connect_error, http_status, message_of
+from services.gateway.sandboxes import Sandboxes
+
+SMALL_READ = 1 << 20  # read in one request up to this; larger files go through a download
+_KINDS = {"file": pb.FileType.FILE, "dir": pb.FileType.DIRECTORY, "symlink": pb.FileType.SYMLINK}
+_EVENTS = {"created": pb.EventType.CREATE, "modified": pb.EventType.WRITE, "removed": pb.EventType.REMOVE}
+
+
+def entry_info(entry: wire.Entry) -> pb.EntryInfo:
+    mode = entry.mode
+    return pb.EntryInfo(
+        name=posixpath.basename(entry.path.rstrip("/")) or "/", type=_KINDS.get(entry.kind, pb.FileType.UNSPECIFIED),
+        path=entry.path, size=entry.size, mode=st.S_IMODE(mode), permissions=st.filemode(mode)[1:],
+        owner="root", group="root", is_symlink=entry.kind == "symlink",
+        modified_time=Timestamp.from_datetime(datetime.fromtimestamp(entry.mtime, tz=timezone.utc)),
+        **({"symlink_target": entry.target} if entry.kind == "symlink" else {}))
+
+
+def event_name(watched: str, path: str) -> str:
+    """E2B names a watch event by its path below the watched directory."""
+    if path.startswith(watched.rstrip("/") + "/"):
+        return path[len(watched.rstrip("/")) + 1:]
+    return path.lstrip("/") if path.startswith("/") and watched == "/" else path
+
+
+async def _gone_or(sandboxes: Sandboxes, sb: Sandbox, exc: Exception) -> Exception:
+    """`exc`, or SandboxGone when what is not found is the sandbox itself."""
+    if isinstance(exc, errors.NotFound):
+        try:
+            record = await sandboxes.fleet.get(sb.id)
+            alive = record.state in shapes.LIVE
+        except errors.NotFound:
+            alive = False
+        if not alive:
+            sandboxes.forget(sb.id)
+            return SandboxGone(sb.id)
+    return exc
+
+
+class FilesystemService:
+    """The `filesystem.Filesystem` service over the gateway's sandboxes."""
+
+    def __init__(self, sandboxes: Sandboxes) -> None:
+        self._sandboxes = sandboxes
+
+    async def _sandbox(self, ctx: Any) -> Sandbox:
+        headers = ctx.request_headers()
+        try:
+            sb, _ = await self._sandboxes.for_envd(headers.get("e2b-sandbox-id"), headers.get("x-access-token"))
+        except Exception as exc:
+            raise connect_error(exc) from None
+        return sb
+
+    async def _run(self, ctx: Any, act):  # type: ignore[no-untyped-def]
+        sb = await self._sandbox(ctx)
+        try:
+            return await act(sb)
+        except ConnectError:
+            raise
+        except Exception as exc:
+            raise connect_error(await _gone_or(self._sandboxes, sb, exc)) from None
+
+    async def stat(self, request: pb.StatRequest, ctx: Any) -> pb.StatResponse:
+        path = _path(request.path)
+        return await self._run(ctx, lambda sb: _stat(sb, path))
+
+    async def list_dir(self, request: pb.ListDirRequest, ctx: Any) -> pb.ListDirResponse:
+        path, depth = _path(request.path), max(1, min(int(request.depth or 1), 32))
+
+        async def act(sb: Sandbox) -> pb.ListDirResponse:
+            entries = await sb.files.list(path, depth=depth)
+            return pb.ListDirResponse(entries=[entry_info(e) for e in entries if e.path != path])
+        return await self._run(ctx, act)
+
+    async def make_dir(self, request: pb.MakeDirRequest, ctx: Any) -> pb.MakeDirResponse:
+        path = _path(request.path)
+
+        async def act(sb: Sandbox) -> pb.MakeDirResponse:
+            if await sb.files.exists(path):
+                raise ConnectError(Code.ALREADY_EXISTS, f"{path} already exists")
+            await sb.files.mkdir(path, parents=True)
+            return pb.MakeDirResponse(entry=entry_info(await sb.files.stat(path)))
+        return await self._run(ctx, act)
+
+    async def move(self, request: pb.MoveRequest, ctx: Any) -> pb.MoveResponse:
+        src, dst = _path(request.source), _path(request.destination)
+
+        async def act(sb: Sandbox) -> pb.MoveResponse:
+            await sb.files.rename(src, dst)
+            return pb.MoveResponse(entry=entry_info(await sb.files.stat(dst)))
+        return await self._run(ctx, act)
+
+    async def remove(self, request: pb.RemoveRequest, ctx: Any) -> pb.RemoveResponse:
+        path = _path(request.path)
+
+        async def act(sb: Sandbox) -> pb.RemoveResponse:
+            await sb.files.remove(path, recursive=True)
+            return pb.RemoveResponse()
+        return await self._run(ctx, act)
+
+    async def watch_dir(self, request: pb.WatchDirRequest, ctx: Any) -> AsyncIterator[pb.WatchDirResponse]:
+        path = _path(request.path)
+        watch = await self._run(ctx, lambda sb: sb.files.watch(path, recursive=request.recursive).start())
+        keepalive_s = _keepalive_s(ctx)
+        try:
+            yield pb.WatchDirResponse(event=Oneof("start", pb.WatchDirResponse.StartEvent()))
+            quiet = 0.0
+            while not watch.ended:
+                wait_s = min(10.0, keepalive_s)
+                try:
+                    events = await watch.poll(wait_s=wait_s)
+                except errors.SandfleetError as exc:
+                    raise connect_error(await _gone_or(self._sandboxes, watch._sb, exc)) from None
+                quiet = 0.0 if events else quiet + wait_s
+                for event in events:
+                    yield pb.WatchDirResponse(event=Oneof("filesystem", await self._event(watch, event, request)))
+                if quiet >= keepalive_s:
+                    quiet = 0.0
+                    yield pb.WatchDirResponse(event=Oneof("keepalive", pb.WatchDirResponse.KeepAlive()))
+        finally:
+            await watch.close()
+
+    async def _event(self, watch: Watch, event: wire.FileEvent, request: Any) -> pb.FilesystemEvent:
+        fields: dict[str, Any] = {"name": event_name(watch.path, event.path), "type": _EVENTS[event.kind]}
+        if request.include_entry and event.kind != "removed":
+            with contextlib.suppress(errors.SandfleetError):
+                fields["entry"] = entry_info(await watch._sb.files.stat(_absolute(watch.path, event.path)))
+        return pb.FilesystemEvent(**fields)
+
+    async def create_watcher(self, request: pb.CreateWatcherRequest, ctx: Any) -> pb.CreateWatcherResponse:
+        path = _path(request.path)
+        watch = await self._run(ctx, lambda sb: sb.files.watch(path, recursive=request.recursive).start())
+        return pb.CreateWatcherResponse(watcher_id=f"{watch.watch_id}:{path}")
+
+    def _watch(self, sb: Sandbox, watcher_id: str) -> Watch:
+        watch_id, sep, path = watcher_id.partition(":")
+        if not sep or not watch_id:
+            raise ConnectError(Code.NOT_FOUND, f"no watcher {watcher_id!r}")
+        watch = Watch(sb, path, False, 60.0)
+        watch.watch_id = watch_id
+        return watch
+
+    async def get_watcher_events(self, request: pb.GetWatcherEventsRequest, ctx: Any) -> pb.GetWatcherEventsResponse:
+        async def act(sb: Sandbox) -> pb.GetWatcherEventsResponse:
+            watch = self._watch(sb, request.watcher_id)
+            events = await watch.poll(wait_s=0)
+            if watch.ended and not events:
+                raise ConnectError(Code.NOT_FOUND, f"watcher {request.watcher_id} has ended")
+            return pb.GetWatcherEventsResponse(events=[await self._event(watch, e, request) for e in events])
+        return await self._run(ctx, act)
+
+    async def remove_watcher(self, request: pb.RemoveWatcherRequest, ctx: Any) -> pb.RemoveWatcherResponse:
+        async def act(sb: Sandbox) -> pb.RemoveWatcherResponse:
+            await self._watch(sb, request.watcher_id).close()
+            return pb.RemoveWatcherResponse()
+        return await self._run(ctx, act)
+
+
+def _keepalive_s(ctx: Any) -> float:
+    try:
+        return max(1.0, float(ctx.request_headers().get("keepalive-ping-interval") or 50))
+    except ValueError:
+        return 50.0
+
+
+def _path(path: str) -> str:
+    try:
+        return shapes.sandbox_path(path)
+    except shapes.BadRequest as exc:
+        raise ConnectError(Code.INVALID_ARGUMENT, str(exc)) from None
+
+
+def _absolute(watched: str, name: str) -> str:
+    return name if name.startswith("/") else posixpath.join(watched, name)
+
+
+async def _stat(sb: Sandbox, path: str) -> pb.StatResponse:
+    return pb.StatResponse(entry=entry_info(await sb.files.stat(path)))
+
+
+# -- envd's HTTP endpoints -----------------------------------------------------------------------
+
+def http_error(code: int, message: str) -> JSONResponse:
+    """envd's HTTP error body: the SDK reads `message` and maps the status code."""
+    return JSONResponse({"code": code, "message": message}, status_code=code)
+
+
+def _failure(exc: Exception) -> JSONResponse:
+    if isinstance(exc, SandboxGone):
+        return http_error(502, message_of(exc))
+    return http_error(http_status(exc), message_of(exc) if http_status(exc) != 500 else "internal error")
+
+
+async def _envd_sandbox(request: Request, sandboxes: Sandboxes) -> Sandbox:
+    sb, _ = await sandboxes.for_envd(request.headers.get("e2b-sandbox-id"), request.headers.get("x-access-token"))
+    return sb
+
+
+async def health(request: Request, sandboxes: Sandboxes) -> Response:
+    try:
+        sb = await _envd_sandbox(request, sandboxes)
+        record = await sandboxes.fleet.get(sb.id)
+        if record.state not in shapes.LIVE:
+            raise SandboxGone(sb.id)
+    except errors.NotFound:
+        return http_error(502, f"The sandbox {request.headers.get('e2b-sandbox-id')} was not found")
+    except errors.SandfleetError as exc:
+        return _failure(exc)
+    return Response(status_code=204)
+
+
+async def read_file(request: Request, sandboxes: Sandboxes) -> Response:
+    try:
+        sb = await _envd_sandbox(request, sandboxes)
+        path = shapes.sandbox_path(request.query_params.get("path", ""))
+        try:
+            entry = await sb.files.stat(path)
+            if entry.kind == "dir":
+                raise shapes.BadRequest(f"{path} is a directory")
+            if entry.size <= SMALL_READ:
+                return Response(await sb.read_file(path), media_type="application/octet-stream")
+            where = tempfile.mkdtemp(prefix="sandfleet-gateway-")
+            try:
+                await sb.download(path, os.path.join(where, "file"))
+            except BaseException:
+                shutil.rmtree(where, ignore_errors=True)
+                raise
+            return FileResponse(os.path.join(where, "file"), media_type="application/octet-stream",
+                                background=BackgroundTask(shutil.rmtree, where, ignore_errors=True))
+        except errors.SandfleetError as exc:
+            raise await _gone_or(sandboxes, sb, exc) from None
+    except (errors.SandfleetError, shapes.BadRequest) as exc:
+        return _failure(exc)
+
+
+async def _bodies(request: Request) -> list[tuple[str | None, bytes]]:
+    """(path or None for the query's, bytes) of each file an upload carries."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind == "multipart/form-data":
+        form = await request.form(max_files=1000, max_part_size=1 << 30)
+        files = [(v.filename, await v.read()) for _, v in form.multi_items() if not isinstance(v, str)]
+        await form.close()
+        return files
+    data = await request.body()
+    if request.headers.get("content-encoding", "").lower() == "gzip":
+        try:
+            data = await asyncio.to_thread(gzip.decompress, data)
+        except (OSError, EOFError) as exc:
+            raise shapes.BadRequest(f"the gzip body does not decompress: {exc}") from None
+    return [(None, data)]
+
+
+async def write_file(request: Request, sandboxes: Sandboxes) -> Response:
+    try:
+        sb = await _envd_sandbox(request, sandboxes)
+        query_path = request.query_params.get("path", "")
+        bodies = await _bodies(request)
+        written = []
+        for name, data in bodies:
+            # One file goes to the query's path; several each to their own (their part's file name).
+            path = shapes.sandbox_path(query_path if query_path and len(bodies) == 1 else name or "")
+            try:
+                with contextlib.suppress(errors.SandfleetError):  # the upload says what is wrong, if anything
+                    await sb.files.mkdir(posixpath.dirname(path), parents=True)
+                await sb.upload(data, path)
+            except errors.SandfleetError as exc:
+                raise await _gone_or(sandboxes, sb, exc) from None
+            written.append({"name": posixpath.basename(path), "type": "file", "path": path})
+        if not written:
+            raise shapes.BadRequest("no file in the request")
+        return JSONResponse(written)
+    except (errors.SandfleetError, shapes.BadRequest) as exc:
+        return _failure(exc)
