@@ -80,7 +80,7 @@ class FilesystemService:
         self._sandboxes = sandboxes
 
     async def _sandbox(self, ctx: Any) -> Sandbox:
-        headers = ctx.request_headers()
+        headers = ctx.request_headers
         try:
             sb, _ = await self._sandboxes.for_envd(headers.get("e2b-sandbox-id"), headers.get("x-access-token"))
         except Exception as exc:
@@ -149,16 +149,17 @@ class FilesystemService:
                     raise connect_error(await _gone_or(self._sandboxes, watch._sb, exc)) from None
                 quiet = 0.0 if events else quiet + wait_s
                 for event in events:
-                    yield pb.WatchDirResponse(event=Oneof("filesystem", await self._event(watch, event, request)))
+                    found = await self._event(watch, event, request.include_entry)
+                    yield pb.WatchDirResponse(event=Oneof("filesystem", found))
                 if quiet >= keepalive_s:
                     quiet = 0.0
                     yield pb.WatchDirResponse(event=Oneof("keepalive", pb.WatchDirResponse.KeepAlive()))
         finally:
             await watch.close()
 
-    async def _event(self, watch: Watch, event: wire.FileEvent, request: Any) -> pb.FilesystemEvent:
+    async def _event(self, watch: Watch, event: wire.FileEvent, include_entry: bool) -> pb.FilesystemEvent:
         fields: dict[str, Any] = {"name": event_name(watch.path, event.path), "type": _EVENTS[event.kind]}
-        if request.include_entry and event.kind != "removed":
+        if include_entry and event.kind != "removed":
             with contextlib.suppress(errors.SandfleetError):
                 fields["entry"] = entry_info(await watch._sb.files.stat(_absolute(watch.path, event.path)))
         return pb.FilesystemEvent(**fields)
@@ -182,7 +183,7 @@ class FilesystemService:
             events = await watch.poll(wait_s=0)
             if watch.ended and not events:
                 raise ConnectError(Code.NOT_FOUND, f"watcher {request.watcher_id} has ended")
-            return pb.GetWatcherEventsResponse(events=[await self._event(watch, e, request) for e in events])
+            return pb.GetWatcherEventsResponse(events=[await self._event(watch, e, False) for e in events])
         return await self._run(ctx, act)
 
     async def remove_watcher(self, request: pb.RemoveWatcherRequest, ctx: Any) -> pb.RemoveWatcherResponse:
@@ -194,7 +195,7 @@ class FilesystemService:
 
 def _keepalive_s(ctx: Any) -> float:
     try:
-        return max(1.0, float(ctx.request_headers().get("keepalive-ping-interval") or 50))
+        return max(1.0, float(ctx.request_headers.get("keepalive-ping-interval") or 50))
     except ValueError:
         return 50.0
 

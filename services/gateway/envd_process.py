@@ -49,7 +49,7 @@ def end_event(exit: Any) -> pb.ProcessEvent:
 
 def _keepalive_s(ctx: Any) -> float:
     try:
-        return max(1.0, float(ctx.request_headers().get(KEEPALIVE_HEADER) or DEFAULT_KEEPALIVE_S))
+        return max(1.0, float(ctx.request_headers.get(KEEPALIVE_HEADER) or DEFAULT_KEEPALIVE_S))
     except ValueError:
         return DEFAULT_KEEPALIVE_S
 
@@ -104,7 +104,7 @@ class ProcessService:
         self._sandboxes = sandboxes
 
     async def _sandbox(self, ctx: Any):  # type: ignore[no-untyped-def]
-        headers = ctx.request_headers()
+        headers = ctx.request_headers
         try:
             return await self._sandboxes.for_envd(headers.get("e2b-sandbox-id"), headers.get("x-access-token"))
         except Exception as exc:
@@ -117,7 +117,7 @@ class ProcessService:
         config = request.process or pb.ProcessConfig()
         if not config.cmd:
             raise ConnectError(Code.INVALID_ARGUMENT, "no command")
-        timeout_ms = ctx.timeout_ms()
+        timeout_ms = ctx.timeout_ms
         try:
             cwd = shapes.sandbox_path(config.cwd) if config.has_field("cwd") and config.cwd else shapes.HOME
             process = await sb.spawn([config.cmd, *config.args], env={**envs, **dict(config.envs)}, cwd=cwd,

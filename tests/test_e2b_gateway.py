@@ -1,0 +1,286 @@
+"""The E2B gateway (services/gateway) judged by the official `e2b` SDK from PyPI, unchanged, pointed
+at it with its API and sandbox URL settings, on the real platform: create from a template, commands
+in the foreground and the background (output callbacks, stdin, kill, list, connect), files (write,
+read, list, make_dir, rename, remove, watch), set_timeout, list and connect, kill, get_host(port)
+reached with an HTTP request carrying that Host, E2B's error shapes for bad calls, both flavours
+of the SDK. Templates here are a host-view process sandbox (quick; Python's http.server in it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+from e2b import (AsyncSandbox, AuthenticationException, CommandExitException, FileNotFoundException, FileType,
+                 FilesystemEventType, NotFoundException, Sandbox, SandboxException, SandboxNotFoundException,
+                 SandboxQuery)
+
+from sandfleet.supervisor import free_port
+from tests.conftest import CLI, EVENT_DEADLINE_S, ROOT
+
+KEY, OTHER_KEY = "e2b_test_key_a", "e2b_test_key_b"
+HOST_TEMPLATE = {"isolation": "process", "host_view": True, "memory_mb": 256, "disk_mb": 256}
+
+
+@pytest.fixture(scope="module")
+def gateway(platform, tmp_path_factory):
+    """`sandfleet gateway` against the session's platform, on a free loopback port."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("gateway") / "gateway.log", "wb")
+    proc = subprocess.Popen(
+        [*CLI, "gateway", "--nats", platform.url, "--listen", f"127.0.0.1:{port}",
+         "--api-key", f"{KEY}=tenant-a", "--api-key", f"{OTHER_KEY}=tenant-b",
+         "--templates", json.dumps({"host": HOST_TEMPLATE})],
+        env={**platform.env, "SANDFLEET_DATA_DIR": str(platform.data_dir)}, cwd=ROOT, stdout=log, stderr=log)
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, "the gateway exited at start"
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            break
+        assert time.monotonic() < deadline, "the gateway did not listen within 60s"
+        time.sleep(0.1)
+    url = f"http://127.0.0.1:{port}"
+    yield {"url": url, "port": port, "opts": {"api_key": KEY, "api_url": url, "sandbox_url": url}}
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+    assert proc.returncode == 0, "the gateway did not stop cleanly on SIGTERM"
+
+
+@pytest.fixture
+async def sbx(gateway):
+    sandbox = await AsyncSandbox.create(template="host", metadata={"suite": "e2b-gateway"}, **gateway["opts"])
+    try:
+        yield sandbox
+    finally:
+        await sandbox.kill()
+
+
+async def eventually(check, what: str, deadline_s: float = EVENT_DEADLINE_S):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + deadline_s
+    while True:
+        got = await check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what} within {deadline_s:g}s"
+        await asyncio.sleep(0.1)
+
+
+def request(port: int, method: str, path: str, *, host: str | None = None, body: bytes | None = None,
+            headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """One HTTP request to the gateway on 127.0.0.1 (never DNS), with the Host header chosen."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.putrequest(method, path, skip_host=True)
+        conn.putheader("Host", host or f"127.0.0.1:{port}")
+        for k, v in (headers or {}).items():
+            conn.putheader(k, v)
+        conn.putheader("Content-Length", str(len(body or b"")))
+        conn.endheaders(body or b"")
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+# -- commands -----------------------------------------------------------------------------------
+
+async def test_a_command_runs_in_the_foreground_and_a_failing_one_raises(sbx):
+    result = await sbx.commands.run("echo hello; echo oops >&2; pwd")
+    assert (result.exit_code, result.stdout, result.stderr) == (0, "hello\n/workspace\n", "oops\n")
+    result = await sbx.commands.run("echo $GREETING from $PWD", envs={"GREETING": "hi"}, cwd="/tmp")
+    assert result.stdout == "hi from /tmp\n"
+    with pytest.raises(CommandExitException) as failed:
+        await sbx.commands.run("echo partial; exit 3")
+    assert (failed.value.exit_code, failed.value.stdout) == (3, "partial\n")
+
+
+async def test_a_background_command_streams_takes_stdin_and_is_killed(sbx):
+    seen: list[str] = []
+    handle = await sbx.commands.run("cat", background=True, stdin=True, on_stdout=seen.append)
+    assert handle.pid in [p.pid for p in await sbx.commands.list()]
+    await sbx.commands.send_stdin(handle.pid, "ping\n")
+    await eventually(lambda: _async("".join(seen) == "ping\n"), "the echoed stdin came back to on_stdout")
+    again = await sbx.commands.connect(handle.pid)  # a second reader of the same process
+    await sbx.commands.send_stdin(handle.pid, "pong\n")
+    await eventually(lambda: _async("".join(seen) == "ping\npong\n"), "the second line came back too")
+    assert await sbx.commands.kill(handle.pid) is True
+    with pytest.raises(CommandExitException) as ended:
+        await handle.wait()
+    assert (ended.value.exit_code, ended.value.stdout) == (-1, "ping\npong\n")  # a signal's end, as envd reports it
+    with pytest.raises(CommandExitException):
+        await again.wait()
+    assert "pong\n" in again.stdout
+    assert await sbx.commands.kill(handle.pid) is False  # gone: E2B's answer for a pid it does not have
+    assert handle.pid not in [p.pid for p in await sbx.commands.list()]
+
+
+async def _async(value):  # type: ignore[no-untyped-def]
+    return value
+
+
+async def test_a_background_command_ends_by_itself_with_its_output(sbx):
+    lines: list[str] = []
+    handle = await sbx.commands.run("for i in 1 2 3; do echo line$i; sleep 0.1; done", background=True,
+                                    on_stdout=lines.append)
+    result = await handle.wait()
+    assert result.exit_code == 0 and result.stdout == "line1\nline2\nline3\n"
+    assert "".join(lines) == "line1\nline2\nline3\n"
+
+
+# -- files --------------------------------------------------------------------------------------
+
+async def test_files_write_read_list_make_dir_rename_and_remove(sbx):
+    info = await sbx.files.write("/workspace/notes/a.txt", "hello")  # parents made, as envd does
+    assert (info.path, info.name) == ("/workspace/notes/a.txt", "a.txt")
+    assert await sbx.files.read("/workspace/notes/a.txt") == "hello"
+    await sbx.files.write("b.bin", bytes(range(256)) * 8)  # relative: from the home directory
+    assert await sbx.files.read("/workspace/b.bin", format="bytes") == bytearray(bytes(range(256)) * 8)
+    big = os.urandom(3 * 1024 * 1024 + 17)  # past one request: a chunked download
+    await sbx.files.write("/workspace/big.bin", big)
+    assert bytes(await sbx.files.read("/workspace/big.bin", format="bytes")) == big
+    assert (await sbx.commands.run("sha256sum /workspace/big.bin")).stdout.split()[0] == __import__(
+        "hashlib").sha256(big).hexdigest()
+    assert await sbx.files.make_dir("/workspace/d/e") is True
+    assert await sbx.files.make_dir("/workspace/d/e") is False  # it exists
+    entries = {e.name: e for e in await sbx.files.list("/workspace")}
+    assert {"notes", "b.bin", "big.bin", "d"} <= set(entries)
+    assert entries["d"].type == FileType.DIR and entries["b.bin"].type == FileType.FILE
+    assert entries["b.bin"].size == 2048 and entries["b.bin"].path == "/workspace/b.bin"
+    moved = await sbx.files.rename("/workspace/b.bin", "/workspace/d/c.bin")
+    assert moved.path == "/workspace/d/c.bin"
+    assert await sbx.files.exists("/workspace/b.bin") is False
+    assert await sbx.files.exists("/workspace/d/c.bin") is True
+    await sbx.files.remove("/workspace/d")  # a directory and all in it
+    assert await sbx.files.exists("/workspace/d") is False
+    with pytest.raises(FileNotFoundException):
+        await sbx.files.read("/workspace/missing.txt")
+    with pytest.raises(NotFoundException):
+        await sbx.files.list("/workspace/missing")
+
+
+async def test_a_watch_sees_files_made_and_removed(sbx):
+    await sbx.files.make_dir("/workspace/w")
+    events: list = []
+    handle = await sbx.files.watch_dir("/workspace/w", on_event=events.append)
+    try:
+        await sbx.files.write("/workspace/w/new.txt", "x")
+        await eventually(lambda: _async(any(e.name == "new.txt" and e.type in (
+            FilesystemEventType.CREATE, FilesystemEventType.WRITE) for e in events)), "a create event")
+        await sbx.files.remove("/workspace/w/new.txt")
+        await eventually(lambda: _async(any(e.name == "new.txt" and e.type == FilesystemEventType.REMOVE
+                                            for e in events)), "a remove event")
+    finally:
+        await handle.stop()
+
+
+# -- the control plane --------------------------------------------------------------------------
+
+async def test_set_timeout_list_connect_and_kill(gateway, sbx):
+    before = await sbx.get_info()
+    assert before.sandbox_id == sbx.sandbox_id and before.metadata == {"suite": "e2b-gateway"}
+    assert before.template_id == "host"
+    await sbx.set_timeout(3600)
+    after = await sbx.get_info()
+    assert after.end_at > before.end_at
+    listed = await AsyncSandbox.list(query=SandboxQuery(metadata={"suite": "e2b-gateway"}),
+                                     **gateway["opts"]).next_items()
+    assert sbx.sandbox_id in [s.sandbox_id for s in listed]
+    again = await AsyncSandbox.connect(sbx.sandbox_id, **gateway["opts"])
+    assert (await again.commands.run("echo again")).stdout == "again\n"
+    assert await again.is_running() is True
+    other = {**gateway["opts"], "api_key": OTHER_KEY}  # another tenant sees nothing of it
+    assert sbx.sandbox_id not in [s.sandbox_id for s in await AsyncSandbox.list(**other).next_items()]
+    with pytest.raises(SandboxNotFoundException):
+        await AsyncSandbox.get_info(sbx.sandbox_id, **other)
+    assert await AsyncSandbox.kill(sbx.sandbox_id, **other) is False
+    assert await sbx.kill() is True
+    assert await sbx.is_running() is False
+    assert await AsyncSandbox.kill(sbx.sandbox_id, **gateway["opts"]) is False  # already gone
+    with pytest.raises(SandboxException):
+        await sbx.commands.run("echo too late")
+
+
+def test_the_sync_sdk_flavour(gateway):
+    sandbox = Sandbox.create(template="host", **gateway["opts"])
+    try:
+        assert sandbox.commands.run("echo sync").stdout == "sync\n"
+        sandbox.files.write("/workspace/s.txt", "sync file")
+        assert sandbox.files.read("/workspace/s.txt") == "sync file"
+        watcher = sandbox.files.watch_dir("/workspace")  # the polled flavour of watches
+        sandbox.files.write("/workspace/t.txt", "t")
+        deadline = time.monotonic() + EVENT_DEADLINE_S
+        names: list[str] = []
+        while "t.txt" not in names:
+            assert time.monotonic() < deadline, "the sync watcher saw t.txt within the deadline"
+            names += [e.name for e in watcher.get_new_events()]
+            time.sleep(0.1)
+        watcher.stop()
+        handle = sandbox.commands.run("sleep 60", background=True)
+        assert handle.kill() is True
+    finally:
+        sandbox.kill()
+
+
+# -- get_host(port) -------------------------------------------------------------------------------
+
+async def test_get_host_reaches_an_http_server_in_the_sandbox(gateway, sbx):
+    await sbx.files.write("/workspace/site/index.html", "hello from the sandbox")
+    server = await sbx.commands.run("python3 -m http.server 8000 --bind 127.0.0.1 -d /workspace/site",
+                                    background=True)
+    host = sbx.get_host(8000)
+    assert host == f"8000-{sbx.sandbox_id}.sandfleet.localhost:{gateway['port']}"
+
+    async def answered():  # type: ignore[no-untyped-def]
+        status, body = await asyncio.to_thread(request, gateway["port"], "GET", "/index.html", host=host)
+        return (status, body) if status == 200 else None
+
+    assert await eventually(answered, "the server answered through the gateway") == (200, b"hello from the sandbox")
+    status, _ = await asyncio.to_thread(request, gateway["port"], "GET", "/missing", host=host)
+    assert status == 404  # the sandbox's server's answer, passed through
+    status, body = await asyncio.to_thread(request, gateway["port"], "GET", "/", host=sbx.get_host(8001))
+    assert status == 502 and "port is not open" in json.loads(body)["message"]
+    await server.kill()
+
+
+# -- bad calls get E2B's error shapes ------------------------------------------------------------
+
+async def test_bad_calls_get_e2b_error_shapes(gateway):
+    port = gateway["port"]
+    with pytest.raises(AuthenticationException):
+        await AsyncSandbox.create(template="host", **{**gateway["opts"], "api_key": "not-a-key"})
+    with pytest.raises(SandboxException):
+        await AsyncSandbox.create(template="no-such-layer-here", **gateway["opts"])
+    status, body = await asyncio.to_thread(request, port, "POST", "/v2/sandboxes", body=b"{not json",
+                                           headers={"X-API-KEY": KEY, "Content-Type": "application/json"})
+    assert status == 400 and json.loads(body)["code"] == 400 and json.loads(body)["message"]
+    status, body = await asyncio.to_thread(request, port, "POST", "/v2/sandboxes", body=b'{"timeout": -1}',
+                                           headers={"X-API-KEY": KEY})
+    assert status == 400 and "templateID" in json.loads(body)["message"]
+    status, body = await asyncio.to_thread(request, port, "GET", "/no/such/path", headers={"X-API-KEY": KEY})
+    assert status == 404 and json.loads(body) == {"code": 404, "message": "GET /no/such/path: no such path in "
+                                                  "the E2B API"}
+    status, body = await asyncio.to_thread(request, port, "GET", "/sandboxes", headers={})
+    assert status == 401 and json.loads(body)["code"] == 401
+    with pytest.raises(SandboxNotFoundException):
+        await AsyncSandbox.connect("sb-does-not-exist", **gateway["opts"])
+    # envd's Connect RPC: a wrong access token and an unknown sandbox get Connect error codes.
+    rpc = {"Content-Type": "application/json", "Connect-Protocol-Version": "1", "E2b-Sandbox-Id": "sb-nope"}
+    status, body = await asyncio.to_thread(request, port, "POST", "/process.Process/List", body=b"{}",
+                                           headers={**rpc, "X-Access-Token": "wrong"})
+    assert status == 401 and json.loads(body)["code"] == "unauthenticated"
+    status, body = await asyncio.to_thread(request, port, "POST", "/process.Process/NoSuchMethod", body=b"{}",
+                                           headers=rpc)
+    assert status == 404
