@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
+import io
 import json
 import os
 import signal
@@ -131,6 +132,19 @@ async def _async(value):  # type: ignore[no-untyped-def]
     return value
 
 
+async def test_stdin_closed_ends_a_reader_and_create_envs_reach_commands(gateway):
+    sandbox = await AsyncSandbox.create(template="host", envs={"FROM_CREATE": "yes"}, **gateway["opts"])
+    try:
+        assert (await sandbox.commands.run("echo $FROM_CREATE")).stdout == "yes\n"
+        handle = await sandbox.commands.run("wc -c", background=True, stdin=True)
+        await sandbox.commands.send_stdin(handle.pid, b"12345")
+        await sandbox.commands.close_stdin(handle.pid)
+        result = await handle.wait()
+        assert (result.exit_code, result.stdout.strip()) == (0, "5")
+    finally:
+        await sandbox.kill()
+
+
 async def test_a_background_command_ends_by_itself_with_its_output(sbx):
     lines: list[str] = []
     handle = await sbx.commands.run("for i in 1 2 3; do echo line$i; sleep 0.1; done", background=True,
@@ -153,6 +167,10 @@ async def test_files_write_read_list_make_dir_rename_and_remove(sbx):
     assert bytes(await sbx.files.read("/workspace/big.bin", format="bytes")) == big
     assert (await sbx.commands.run("sha256sum /workspace/big.bin")).stdout.split()[0] == __import__(
         "hashlib").sha256(big).hexdigest()
+    await sbx.files.write("/workspace/stream.bin", io.BytesIO(b"streamed" * 1000))  # the octet-stream upload
+    await sbx.files.write("/workspace/zipped.txt", "compressed on the way", gzip=True)
+    assert await sbx.files.read("/workspace/stream.bin", format="bytes") == bytearray(b"streamed" * 1000)
+    assert await sbx.files.read("/workspace/zipped.txt") == "compressed on the way"
     assert await sbx.files.make_dir("/workspace/d/e") is True
     assert await sbx.files.make_dir("/workspace/d/e") is False  # it exists
     entries = {e.name: e for e in await sbx.files.list("/workspace")}
@@ -198,7 +216,12 @@ async def test_set_timeout_list_connect_and_kill(gateway, sbx):
     listed = await AsyncSandbox.list(query=SandboxQuery(metadata={"suite": "e2b-gateway"}),
                                      **gateway["opts"]).next_items()
     assert sbx.sandbox_id in [s.sandbox_id for s in listed]
-    again = await AsyncSandbox.connect(sbx.sandbox_id, **gateway["opts"])
+    usage = (await sbx.get_metrics())[-1]
+    assert usage.mem_total == 256 << 20 and usage.mem_used > 0 and usage.disk_total == 256 << 20
+    assert await sbx.pause() is True
+    assert (await sbx.get_info()).state.value == "paused"
+    again = await AsyncSandbox.connect(sbx.sandbox_id, **gateway["opts"])  # connect resumes it, as E2B's does
+    assert (await again.get_info()).state.value == "running"
     assert (await again.commands.run("echo again")).stdout == "again\n"
     assert await again.is_running() is True
     other = {**gateway["opts"], "api_key": OTHER_KEY}  # another tenant sees nothing of it
@@ -284,3 +307,46 @@ async def test_bad_calls_get_e2b_error_shapes(gateway):
     status, body = await asyncio.to_thread(request, port, "POST", "/process.Process/NoSuchMethod", body=b"{}",
                                            headers=rpc)
     assert status == 404
+
+
+# -- the translation, without a platform ---------------------------------------------------------
+
+def test_port_hosts_paths_and_create_bodies_translate():
+    from services.gateway import shapes
+
+    domain = "sandfleet.localhost:3000"
+    assert shapes.port_host("8000-sb-abc12.sandfleet.localhost:3000", domain) == (8000, "sb-abc12")
+    assert shapes.port_host("8000-sb-abc12.sandfleet.localhost", domain) == (8000, "sb-abc12")
+    assert shapes.port_host("8000-sb-abc12.elsewhere.example", domain) is None
+    assert shapes.port_host("127.0.0.1:3000", domain) is None
+    assert shapes.port_host("99999-sb-abc12.sandfleet.localhost", domain) is None
+    assert shapes.sandbox_path("a/b") == "/workspace/a/b"
+    assert shapes.sandbox_path("/x/../y//z") == "/y/z"
+    with pytest.raises(shapes.BadRequest):
+        shapes.sandbox_path("bad\x00path")
+    templates = {"host": HOST_TEMPLATE}
+    spec = shapes.create_spec({"templateID": "host", "timeout": 30, "metadata": {"k": "v"}, "envVars": {"A": "1"}},
+                              tenant="t", templates=templates, isolation="container")
+    assert spec["host_view"] is True and spec["timeout_s"] == 30
+    assert spec["labels"] == {"tenant": "t", "e2b.template": "host", "e2b.meta/k": "v", "e2b.env/A": "1"}
+    layer = shapes.create_spec({"templateID": "debian"}, tenant="t", templates=templates, isolation="container")
+    assert (layer["isolation"], layer["layers"], layer["timeout_s"]) == ("container", ["debian"], 300)
+    for bad in ({}, {"templateID": ""}, {"templateID": "x", "timeout": 0}, {"templateID": "x", "timeout": "1"},
+                {"templateID": "x", "metadata": {"no spaces": "v"}}, {"templateID": "x", "envVars": {"1A": "v"}},
+                {"templateID": "x", "metadata": {"k": 1}}, [1]):
+        with pytest.raises(shapes.BadRequest):
+            shapes.create_spec(bad, tenant="t", templates=templates, isolation="container")
+    token = shapes.access_token(b"secret", "sb-1")
+    assert shapes.token_matches(b"secret", "sb-1", token) and not shapes.token_matches(b"secret", "sb-2", token)
+    assert not shapes.token_matches(b"other", "sb-1", token)
+
+
+def test_gateway_settings_refuse_what_they_cannot_use():
+    from services.gateway.settings import GatewaySettings, SettingsError
+
+    s = GatewaySettings.from_env({"SANDFLEET_GATEWAY_LISTEN": "127.0.0.1:4100", "SANDFLEET_GATEWAY_API_KEYS": "k=a,j=b"})
+    assert (s.port, s.api_keys, s.sandbox_domain) == (4100, {"k": "a", "j": "b"}, "sandfleet.localhost:4100")
+    for env in ({"SANDFLEET_GATEWAY_LISTEN": "nowhere"}, {"SANDFLEET_GATEWAY_API_KEYS": "k"},
+                {"SANDFLEET_GATEWAY_TEMPLATES": "{"}, {"SANDFLEET_GATEWAY_TEMPLATES": '{"t": {"gpu": 1}}'}):
+        with pytest.raises(SettingsError):
+            GatewaySettings.from_env(env)

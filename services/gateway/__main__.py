@@ -31,6 +31,7 @@ class _Server(uvicorn.Server):
 
 async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
     settings = GatewaySettings.from_env()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per proxied request otherwise
     if not settings.api_keys:
         log.warning("no API keys (SANDFLEET_GATEWAY_API_KEYS=KEY=TENANT,...): every call is refused")
     async with sandfleet.connect(config.nats_url, name="gateway") as fleet:

@@ -151,6 +151,13 @@ async def connect(request: Request, deps: Deps) -> Response:
     return JSONResponse(body, status_code=200)
 
 
+async def metrics(request: Request, deps: Deps) -> Response:
+    tenant = _tenant(request, deps)
+    record = await deps.sandboxes.record(request.path_params["sandbox_id"], tenant)
+    reading = await (await deps.sandboxes.handle(record.id, tenant)).metrics()
+    return JSONResponse([shapes.metric_json(record, reading)])
+
+
 async def pause(request: Request, deps: Deps) -> Response:
     tenant = _tenant(request, deps)
     record = await deps.sandboxes.record(request.path_params["sandbox_id"], tenant)
@@ -194,6 +201,7 @@ def routes(deps: Deps) -> list[Route]:
         ("/sandboxes/{sandbox_id}/refreshes", refresh, ["POST"]),
         ("/sandboxes/{sandbox_id}/connect", connect, ["POST"]),
         ("/v2/sandboxes/{sandbox_id}/connect", connect, ["POST"]),
+        ("/sandboxes/{sandbox_id}/metrics", metrics, ["GET"]),
         ("/sandboxes/{sandbox_id}/pause", pause, ["POST"]),
         ("/sandboxes/{sandbox_id}/resume", resume, ["POST"]),
     ]

@@ -101,6 +101,17 @@ def detail_json(record: SandboxRecord, *, domain: str, token: str) -> dict[str, 
     return {**listed_json(record), "envdAccessToken": token, "domain": domain}
 
 
+def metric_json(record: SandboxRecord, m: Any) -> dict[str, Any]:
+    """E2B's `SandboxMetric` from a sandfleet reading; CPU as the average since it started (a
+    reading is a counter, not a rate), a figure the node cannot read as 0."""
+    cpus = max(1, round(record.spec.cpu))
+    ran_s = max(1e-3, m.at - (record.started_at or record.created_at))
+    return {"timestamp": _iso(m.at), "timestampUnix": int(m.at), "cpuCount": cpus,
+            "cpuUsedPct": round(max(0.0, m.cpu_s) / ran_s / cpus * 100, 2), "memUsed": max(0, m.memory_bytes),
+            "memTotal": max(0, m.memory_limit_bytes), "memCache": 0, "diskUsed": max(0, m.disk_bytes),
+            "diskTotal": record.spec.disk_mb << 20}
+
+
 def _strings(value: Any, what: str) -> dict[str, str]:
     if value is None:
         return {}
