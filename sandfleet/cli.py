@@ -198,7 +198,8 @@ def _detached(args: argparse.Namespace, data_dir: Path) -> int:
             print(f"sandfleet {args.command} failed; see {data_dir / 'supervisor.log'}", file=sys.stderr)
             return 1
         state = read_state(data_dir)
-        if state and asyncio.run(_healthy(state["url"], want)):
+        healthy = state and asyncio.run(_healthy(state["url"], want))
+        if healthy and cli_gateway.wait_listening(getattr(args, "gateway", None)):
             print(state["url"])
             return 0
         time.sleep(0.2)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
+import time
 
 from sandfleet.config import nats_url
 from sandfleet.extras import require
@@ -36,3 +38,19 @@ def _gateway(args: argparse.Namespace) -> int:
     # The service is a module above this package (floors: sandfleet never imports services): run it.
     os.execve(sys.executable, [sys.executable, "-m", "services.gateway"], env)
     return 0  # not reached
+
+
+def wait_listening(listen: str | None, timeout_s: float = 30.0) -> bool:
+    """For `up --detach --gateway`: whether the gateway listens at HOST:PORT within `timeout_s`
+    (it starts after the services it needs, so "healthy" comes a moment before it)."""
+    if not listen:
+        return True
+    host, _, port = listen.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.1)
+    return False

@@ -25,7 +25,8 @@ from e2b import (AsyncSandbox, AuthenticationException, CommandExitException, Fi
                  SandboxQuery)
 
 from sandfleet.supervisor import free_port
-from tests.conftest import CLI, EVENT_DEADLINE_S, ROOT
+from tests.conftest import CLI, EVENT_DEADLINE_S, NODE_ID, ROOT, assert_nothing_left, start_platform, stop_platform
+from tests.leaks import Snapshot
 
 KEY, OTHER_KEY = "e2b_test_key_a", "e2b_test_key_b"
 HOST_TEMPLATE = {"isolation": "process", "host_view": True, "memory_mb": 256, "disk_mb": 256}
@@ -284,8 +285,9 @@ async def test_bad_calls_get_e2b_error_shapes(gateway):
     port = gateway["port"]
     with pytest.raises(AuthenticationException):
         await AsyncSandbox.create(template="host", **{**gateway["opts"], "api_key": "not-a-key"})
-    with pytest.raises(SandboxException):
+    with pytest.raises(SandboxException) as unknown:
         await AsyncSandbox.create(template="no-such-layer-here", **gateway["opts"])
+    assert "no-such-layer-here" in str(unknown.value)
     status, body = await asyncio.to_thread(request, port, "POST", "/v2/sandboxes", body=b"{not json",
                                            headers={"X-API-KEY": KEY, "Content-Type": "application/json"})
     assert status == 400 and json.loads(body)["code"] == 400 and json.loads(body)["message"]
@@ -307,6 +309,26 @@ async def test_bad_calls_get_e2b_error_shapes(gateway):
     status, body = await asyncio.to_thread(request, port, "POST", "/process.Process/NoSuchMethod", body=b"{}",
                                            headers=rpc)
     assert status == 404
+
+
+def test_up_starts_the_gateway_when_asked(tmp_path):
+    """`sandfleet up --detach --gateway` returns once the gateway answers, over its own bus; `down`
+    stops it with the rest. No sandbox: the session's platform already runs on this egress subnet."""
+    before = Snapshot.take()
+    node, port = f"{NODE_ID}-gw", free_port()
+    p = start_platform(tmp_path / "data", node, extra=("--gateway", f"127.0.0.1:{port}"),
+                       env={"SANDFLEET_GATEWAY_API_KEYS": f"{KEY}=tenant-a"})
+    try:
+        assert p.state()["services"]["gateway"] > 0
+        status, body = request(port, "GET", "/v2/sandboxes", headers={"X-API-KEY": KEY})
+        assert (status, json.loads(body)) == (200, [])  # answered through the platform's bus
+        status, _ = request(port, "GET", "/v2/sandboxes", headers={"X-API-KEY": "wrong"})
+        assert status == 401
+    finally:
+        stop_platform(p)
+    assert_nothing_left(before, tmp_path / "data", [node])
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
 
 
 # -- the translation, without a platform ---------------------------------------------------------

@@ -39,7 +39,7 @@ def error(code: int, message: str) -> JSONResponse:
 def failure(exc: Exception) -> JSONResponse:
     status = http_status(exc)
     if status == 500:
-        log.exception("gateway request failed")
+        log.error("gateway request failed: %s", message_of(exc))
         return error(500, "internal error")
     return error(status, message_of(exc))
 
@@ -186,6 +186,9 @@ def _guarded(handler, deps: Deps):  # type: ignore[no-untyped-def]
             if isinstance(exc, SandboxGone):
                 return error(404, message_of(exc))
             return failure(exc)
+        except Exception:  # never a traceback to the caller: E2B's 500, the detail in our log
+            log.exception("%s %s failed", request.method, request.url.path)
+            return error(500, "internal error")
     return endpoint
 
 
