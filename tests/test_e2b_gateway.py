@@ -279,6 +279,64 @@ async def test_get_host_reaches_an_http_server_in_the_sandbox(gateway, sbx):
     await server.kill()
 
 
+# A websocket echo server on the standard library only (the sandbox sees the host's Python, not the
+# venv): the handshake, then each frame back prefixed "echo:" (short frames: this test's only).
+WS_ECHO = """
+import base64, hashlib, socket, threading
+s = socket.create_server(("127.0.0.1", 8765))
+def recv(c, n):
+    b = b""
+    while len(b) < n:
+        b += c.recv(n - len(b)) or exit()
+    return b
+def one(c):
+    req = b""
+    while b"\\r\\n\\r\\n" not in req:
+        req += c.recv(4096)
+    key = [l.split(b":", 1)[1].strip() for l in req.split(b"\\r\\n") if l.lower().startswith(b"sec-websocket-key")][0]
+    accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+    c.sendall(b"HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: websocket\\r\\nConnection: Upgrade\\r\\n"
+              b"Sec-WebSocket-Accept: " + accept + b"\\r\\n\\r\\n")
+    while True:
+        head = recv(c, 2)
+        op, n = head[0] & 15, head[1] & 127
+        mask = recv(c, 4)
+        data = bytes(x ^ mask[i % 4] for i, x in enumerate(recv(c, n)))
+        if op == 8:
+            c.sendall(b"\\x88\\x00")
+            return c.close()
+        out = b"echo:" + data
+        c.sendall(bytes([0x80 | op, len(out)]) + out)
+while True:
+    threading.Thread(target=one, args=(s.accept()[0],), daemon=True).start()
+"""
+
+
+async def test_get_host_carries_a_websocket(gateway, sbx):
+    from websockets.asyncio.client import connect
+
+    await sbx.files.write("/workspace/ws.py", WS_ECHO)
+    server = await sbx.commands.run("python3 /workspace/ws.py", background=True)
+    url = f"ws://{sbx.get_host(8765)}/chat"  # dialled at 127.0.0.1: the name is only the Host header
+
+    async def opened():  # type: ignore[no-untyped-def]
+        try:
+            return await connect(url, host="127.0.0.1", port=gateway["port"], proxy=None, open_timeout=10)
+        except OSError:
+            return None
+        except Exception as exc:  # the server is not up yet: the gateway refuses the upgrade
+            return None if "1011" in str(exc) or "HTTP" in str(exc) else exc
+
+    ws = await eventually(opened, "the websocket opened through the gateway")
+    assert not isinstance(ws, Exception), ws
+    async with ws:
+        await ws.send("hello")
+        assert await ws.recv() == "echo:hello"
+        await ws.send(b"\x00\x01")
+        assert await ws.recv() == b"echo:\x00\x01"
+    await server.kill()
+
+
 # -- bad calls get E2B's error shapes ------------------------------------------------------------
 
 async def test_bad_calls_get_e2b_error_shapes(gateway):

@@ -57,12 +57,17 @@ class Gateway:
         await self.proxy.close()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":  # lifespan is off; websockets are not proxied (yet)
-            if scope["type"] == "websocket":
-                await send({"type": "websocket.close", "code": 1003})
+        if scope["type"] not in ("http", "websocket"):  # lifespan is off
             return
         headers = dict(scope.get("headers") or [])
         target = shapes.port_host(headers.get(b"host", b"").decode("latin-1"), self.deps.settings.sandbox_domain)
+        if scope["type"] == "websocket":  # only a sandbox's port speaks websockets here
+            if target is not None and target[0] != shapes.ENVD_PORT:
+                await self.proxy.websocket(scope, receive, send, *target)
+            else:
+                await receive()
+                await send({"type": "websocket.close", "code": 1003})
+            return
         if target is not None and target[0] != shapes.ENVD_PORT:
             request = Request(scope, receive)
             response = await self.proxy(request, *target)

@@ -3,7 +3,8 @@
 (sandfleet/_ports.py: a loopback listener whose connections are tunnelled over the bus).
 
 Forwards are kept per (sandbox, port) for the next request, up to MAX_FORWARDS; one that fails
-(its sandbox ended, its tunnel reset) is closed and opened again once.
+(its sandbox ended, its tunnel reset) is closed and opened again once. A websocket upgrade is
+relayed message by message to a websocket opened to the same port (`websocket`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import logging
 from collections import OrderedDict
 
 import httpx
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -27,6 +30,9 @@ MAX_FORWARDS = 256
 # Hop-by-hop headers (RFC 9110 §7.6.1) are the proxy's own, never passed along.
 HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                  "transfer-encoding", "upgrade", "content-length"})
+# A websocket's own handshake headers: the upstream handshake makes its own.
+WS_OWN = HOP | {"host", "sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
+                "sec-websocket-protocol"}
 
 
 def _proxy_error(sandbox_id: str, port: int, message: str, code: int = 502) -> JSONResponse:
@@ -95,6 +101,51 @@ class PortProxy:
             return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, headers=out,
                                      background=_Close(upstream))
         raise AssertionError("unreachable")
+
+
+    async def websocket(self, scope: dict, receive, send, port: int, sandbox_id: str) -> None:  # type: ignore[no-untyped-def]
+        """Relay a websocket to the sandbox's port: accepted only once the sandbox's server has
+        accepted (with the subprotocol it chose), closed as the other side closes."""
+        if (await receive())["type"] != "websocket.connect":
+            return
+        try:
+            host, local = await self._forward(sandbox_id, port)
+            target = scope["path"] + (f"?{scope['query_string'].decode()}" if scope.get("query_string") else "")
+            headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", [])
+                       if k.decode("latin-1").lower() not in WS_OWN]
+            upstream = await ws_connect(f"ws://{host}:{local}{target}", subprotocols=scope.get("subprotocols") or None,
+                                        additional_headers=headers, proxy=None, compression=None, max_size=None,
+                                        ping_interval=None, user_agent_header=None)
+        except Exception as exc:  # refused, gone, or not a websocket server: the handshake fails
+            log.info("websocket to port %d of %s refused: %s", port, sandbox_id, exc)
+            await send({"type": "websocket.close", "code": 1011})
+            return
+        await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+
+        async def inbound() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                data = message.get("bytes")
+                await upstream.send(data if data is not None else message.get("text") or "")
+
+        async def outbound() -> None:
+            with contextlib.suppress(ConnectionClosed):
+                async for data in upstream:
+                    kind = "bytes" if isinstance(data, bytes) else "text"
+                    await send({"type": "websocket.send", kind: data})
+            with contextlib.suppress(Exception):
+                await send({"type": "websocket.close", "code": upstream.close_code or 1000})
+
+        relays = [asyncio.create_task(inbound()), asyncio.create_task(outbound())]
+        try:
+            await asyncio.wait(relays, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for relay in relays:
+                relay.cancel()
+            await asyncio.gather(*relays, return_exceptions=True)
+            await upstream.close()
 
 
 class _Close:
