@@ -9,7 +9,6 @@ keepalive the SDK asks for (its `Keepalive-Ping-Interval` header), as envd does.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -84,8 +83,7 @@ async def follow(process: Process, offset: int, keepalive_s: float) -> AsyncIter
         yield end_event(process.exit or await process.wait())
     finally:
         reader.cancel()
-        with contextlib.suppress(BaseException):
-            await reader
+        await asyncio.gather(reader, return_exceptions=True)
 
 
 def _pid(selector: pb.ProcessSelector | None) -> int:
