@@ -157,7 +157,7 @@ async def test_a_background_command_ends_by_itself_with_its_output(sbx):
 
 # -- files --------------------------------------------------------------------------------------
 
-async def test_files_write_read_list_make_dir_rename_and_remove(sbx):
+async def test_files_write_read_list_make_dir_rename_and_remove(gateway, sbx):
     info = await sbx.files.write("/workspace/notes/a.txt", "hello")  # parents made, as envd does
     assert (info.path, info.name) == ("/workspace/notes/a.txt", "a.txt")
     assert await sbx.files.read("/workspace/notes/a.txt") == "hello"
@@ -172,6 +172,12 @@ async def test_files_write_read_list_make_dir_rename_and_remove(sbx):
     await sbx.files.write("/workspace/zipped.txt", "compressed on the way", gzip=True)
     assert await sbx.files.read("/workspace/stream.bin", format="bytes") == bytearray(b"streamed" * 1000)
     assert await sbx.files.read("/workspace/zipped.txt") == "compressed on the way"
+    envd = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token,
+            "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"}
+    status, body = await asyncio.to_thread(request, gateway["port"], "POST", "/files?path=/workspace/bomb",
+                                           body=b"not gzip at all", headers=envd)
+    assert status == 400 and "gzip" in json.loads(body)["message"]
+    assert await sbx.files.exists("/workspace/bomb") is False
     assert await sbx.files.make_dir("/workspace/d/e") is True
     assert await sbx.files.make_dir("/workspace/d/e") is False  # it exists
     entries = {e.name: e for e in await sbx.files.list("/workspace")}
