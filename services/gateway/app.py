@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from services.gateway import control, envd_files, shapes
+from services.gateway import control, envd_http, shapes
 from services.gateway.envd_files import FilesystemService
 from services.gateway.envd_process import ProcessService
 from services.gateway.ports import PortProxy
@@ -42,15 +42,15 @@ class Gateway:
         self.process = ProcessASGIApplication(ProcessService(sandboxes))
         self.filesystem = FilesystemASGIApplication(FilesystemService(sandboxes))
 
-        def envd_route(handler, methods: list[str]) -> Any:  # type: ignore[no-untyped-def]
+        def envd_route(handler) -> Any:  # type: ignore[no-untyped-def]
             async def endpoint(request: Request) -> Any:
                 return await handler(request, sandboxes)
             return endpoint
 
         self.envd_http = Starlette(routes=[
-            Route("/files", envd_route(envd_files.read_file, ["GET"]), methods=["GET"]),
-            Route("/files", envd_route(envd_files.write_file, ["POST"]), methods=["POST"]),
-            Route("/health", envd_route(envd_files.health, ["GET"]), methods=["GET"]),
+            Route("/files", envd_route(envd_http.read_file), methods=["GET"]),
+            Route("/files", envd_route(envd_http.write_file), methods=["POST"]),
+            Route("/health", envd_route(envd_http.health), methods=["GET"]),
         ], exception_handlers={404: _rest_not_found, 405: _rest_not_found})
 
     async def close(self) -> None:
