@@ -146,6 +146,11 @@ async def test_stdin_closed_ends_a_reader_and_create_envs_reach_commands(gateway
         await sandbox.kill()
 
 
+async def test_many_commands_at_once_each_get_their_own_output(sbx):
+    results = await asyncio.gather(*(sbx.commands.run(f"sleep 0.$((RANDOM % 5)); echo {i}") for i in range(24)))
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(24)]
+
+
 async def test_a_background_command_ends_by_itself_with_its_output(sbx):
     lines: list[str] = []
     handle = await sbx.commands.run("for i in 1 2 3; do echo line$i; sleep 0.1; done", background=True,
@@ -199,11 +204,13 @@ async def test_files_write_read_list_make_dir_rename_and_remove(gateway, sbx):
 async def test_a_watch_sees_files_made_and_removed(sbx):
     await sbx.files.make_dir("/workspace/w")
     events: list = []
-    handle = await sbx.files.watch_dir("/workspace/w", on_event=events.append)
+    handle = await sbx.files.watch_dir("/workspace/w", on_event=events.append, include_entry=True)
     try:
         await sbx.files.write("/workspace/w/new.txt", "x")
         await eventually(lambda: _async(any(e.name == "new.txt" and e.type in (
             FilesystemEventType.CREATE, FilesystemEventType.WRITE) for e in events)), "a create event")
+        made = next(e for e in events if e.name == "new.txt")
+        assert made.entry is not None and made.entry.path == "/workspace/w/new.txt"
         await sbx.files.remove("/workspace/w/new.txt")
         await eventually(lambda: _async(any(e.name == "new.txt" and e.type == FilesystemEventType.REMOVE
                                             for e in events)), "a remove event")

@@ -127,6 +127,7 @@ class FilesystemService:
 
     async def watch_dir(self, request: pb.WatchDirRequest, ctx: Any) -> AsyncIterator[pb.WatchDirResponse]:
         path = _path(request.path)
+        sb = await self._sandbox(ctx)
         watch = await self._run(ctx, lambda sb: sb.files.watch(path, recursive=request.recursive).start())
         keepalive_s = _keepalive_s(ctx)
         try:
@@ -137,10 +138,10 @@ class FilesystemService:
                 try:
                     events = await watch.poll(wait_s=wait_s)
                 except errors.SandfleetError as exc:
-                    raise connect_error(await gone_or(self._sandboxes, watch._sb, exc)) from None
+                    raise connect_error(await gone_or(self._sandboxes, sb, exc)) from None
                 quiet = 0.0 if events else quiet + wait_s
                 for event in events:
-                    found = await self._event(watch, event, request.include_entry)
+                    found = await self._event(sb, watch, event, request.include_entry)
                     yield pb.WatchDirResponse(event=Oneof("filesystem", found))
                 if quiet >= keepalive_s:
                     quiet = 0.0
@@ -148,11 +149,12 @@ class FilesystemService:
         finally:
             await watch.close()
 
-    async def _event(self, watch: Watch, event: wire.FileEvent, include_entry: bool) -> pb.FilesystemEvent:
+    async def _event(self, sb: Sandbox, watch: Watch, event: wire.FileEvent,
+                     include_entry: bool) -> pb.FilesystemEvent:
         fields: dict[str, Any] = {"name": event_name(watch.path, event.path), "type": _EVENTS[event.kind]}
         if include_entry and event.kind != "removed":
             with contextlib.suppress(errors.SandfleetError):
-                fields["entry"] = entry_info(await watch._sb.files.stat(_absolute(watch.path, event.path)))
+                fields["entry"] = entry_info(await sb.files.stat(_absolute(watch.path, event.path)))
         return pb.FilesystemEvent(**fields)
 
     async def create_watcher(self, request: pb.CreateWatcherRequest, ctx: Any) -> pb.CreateWatcherResponse:
@@ -174,7 +176,7 @@ class FilesystemService:
             events = await watch.poll(wait_s=0)
             if watch.ended and not events:
                 raise ConnectError(Code.NOT_FOUND, f"watcher {request.watcher_id} has ended")
-            return pb.GetWatcherEventsResponse(events=[await self._event(watch, e, False) for e in events])
+            return pb.GetWatcherEventsResponse(events=[await self._event(sb, watch, e, False) for e in events])
         return await self._run(ctx, act)
 
     async def remove_watcher(self, request: pb.RemoveWatcherRequest, ctx: Any) -> pb.RemoveWatcherResponse:
