@@ -177,6 +177,11 @@ async def test_files_write_read_list_make_dir_rename_and_remove(gateway, sbx):
     await sbx.files.write("/workspace/zipped.txt", "compressed on the way", gzip=True)
     assert await sbx.files.read("/workspace/stream.bin", format="bytes") == bytearray(b"streamed" * 1000)
     assert await sbx.files.read("/workspace/zipped.txt") == "compressed on the way"
+    many = await sbx.files.write_files([{"path": "/workspace/m/one", "data": "1"}, {"path": "m/two", "data": b"2"}])
+    assert sorted(w.path for w in many) == ["/workspace/m/one", "/workspace/m/two"]
+    assert [await sbx.files.read(p) for p in ("/workspace/m/one", "/workspace/m/two")] == ["1", "2"]
+    info = await sbx.files.get_info("/workspace/m/one")
+    assert (info.name, info.type, info.size, info.permissions) == ("one", FileType.FILE, 1, "rw-r--r--")
     envd = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token,
             "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"}
     status, body = await asyncio.to_thread(request, gateway["port"], "POST", "/files?path=/workspace/bomb",
@@ -352,7 +357,7 @@ async def test_get_host_carries_a_websocket(gateway, sbx):
 
 # -- bad calls get E2B's error shapes ------------------------------------------------------------
 
-async def test_bad_calls_get_e2b_error_shapes(gateway):
+async def test_bad_calls_get_e2b_error_shapes(gateway, sbx):
     port = gateway["port"]
     with pytest.raises(AuthenticationException):
         await AsyncSandbox.create(template="host", **{**gateway["opts"], "api_key": "not-a-key"})
@@ -370,6 +375,8 @@ async def test_bad_calls_get_e2b_error_shapes(gateway):
                                                   "the E2B API"}
     status, body = await asyncio.to_thread(request, port, "GET", "/sandboxes", headers={})
     assert status == 401 and json.loads(body)["code"] == 401
+    status, body = await asyncio.to_thread(request, port, "PUT", "/sandboxes", headers={"X-API-KEY": KEY})
+    assert status == 405 and json.loads(body)["code"] == 405
     with pytest.raises(SandboxNotFoundException):
         await AsyncSandbox.connect("sb-does-not-exist", **gateway["opts"])
     # envd's Connect RPC: a wrong access token and an unknown sandbox get Connect error codes.
@@ -380,6 +387,18 @@ async def test_bad_calls_get_e2b_error_shapes(gateway):
     status, body = await asyncio.to_thread(request, port, "POST", "/process.Process/NoSuchMethod", body=b"{}",
                                            headers=rpc)
     assert status == 404
+    mine = {**rpc, "E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token}
+    status, body = await asyncio.to_thread(request, port, "POST", "/filesystem.Filesystem/Stat", body=b"{not json",
+                                           headers=mine)
+    assert status == 400 and json.loads(body)["code"] == "invalid_argument", body
+    status, body = await asyncio.to_thread(request, port, "POST", "/process.Process/SendSignal", headers=mine,
+                                           body=b'{"process": {"pid": 999999}, "signal": "SIGNAL_SIGKILL"}')
+    assert status == 404 and json.loads(body)["code"] == "not_found"
+    gone = await AsyncSandbox.create(template="host", **gateway["opts"])
+    await gone.kill()
+    with pytest.raises(SandboxException) as ended:  # envd calls to a killed sandbox: E2B's "not running"
+        await gone.files.read("/workspace/anything")
+    assert "was not found" in str(ended.value)
 
 
 def test_up_starts_the_gateway_when_asked(tmp_path):

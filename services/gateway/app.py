@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from connectrpc.code import Code
+from connectrpc.codec import proto_binary_codec, proto_json_codec
+from connectrpc.errors import ConnectError
 from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 from e2b.envd.process.process_connect import ProcessASGIApplication
 from starlette.applications import Starlette
@@ -26,6 +29,29 @@ from services.gateway.ports import PortProxy
 SANDBOX_HEADER = b"e2b-sandbox-id"
 
 
+class _Strict:
+    """connectrpc's own codec, with a body it cannot decode answered `invalid_argument` (as envd
+    does) instead of an `unknown` failure of the server."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def name(self) -> str:
+        return self._inner.name()
+
+    def encode(self, message: Any) -> bytes:
+        return self._inner.encode(message)
+
+    def decode(self, data: bytes | bytearray, message_class: type) -> Any:
+        try:
+            return self._inner.decode(data, message_class)
+        except Exception as exc:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"the request is not a {message_class.__name__}: {exc}") from None
+
+
+CODECS = [_Strict(proto_binary_codec()), _Strict(proto_json_codec())]
+
+
 async def _rest_not_found(request: Request, exc: Exception) -> JSONResponse:
     code = exc.status_code if isinstance(exc, HTTPException) else 500
     what = "no such path in the E2B API" if code == 404 else "method not allowed here" if code == 405 else "error"
@@ -39,8 +65,8 @@ class Gateway:
         self.proxy = PortProxy(sandboxes)
         self.rest = Starlette(routes=control.routes(deps),
                               exception_handlers={404: _rest_not_found, 405: _rest_not_found})
-        self.process = ProcessASGIApplication(ProcessService(sandboxes))
-        self.filesystem = FilesystemASGIApplication(FilesystemService(sandboxes))
+        self.process = ProcessASGIApplication(ProcessService(sandboxes), codecs=CODECS)
+        self.filesystem = FilesystemASGIApplication(FilesystemService(sandboxes), codecs=CODECS)
 
         def envd_route(handler) -> Any:  # type: ignore[no-untyped-def]
             async def endpoint(request: Request) -> Any:
