@@ -255,6 +255,19 @@ async def test_set_timeout_list_connect_and_kill(gateway, sbx):
         await sbx.commands.run("echo too late")
 
 
+async def test_a_create_retried_with_its_idempotency_key_gets_the_same_sandbox(gateway):
+    first = await AsyncSandbox.create(template="host", idempotency_key="job-7-try", **gateway["opts"])
+    try:
+        again = await AsyncSandbox.create(template="host", idempotency_key="job-7-try", **gateway["opts"])
+        assert again.sandbox_id == first.sandbox_id
+        with pytest.raises(SandboxException) as reused:  # the same key with another request
+            await AsyncSandbox.create(template="host", metadata={"k": "v"}, idempotency_key="job-7-try",
+                                      **gateway["opts"])
+        assert "422" in str(reused.value)
+    finally:
+        await first.kill()
+
+
 def test_the_sync_sdk_flavour(gateway):
     sandbox = Sandbox.create(template="host", **gateway["opts"])
     try:

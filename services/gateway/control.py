@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -19,6 +19,7 @@ from sandfleet import errors
 from schemas.sandbox import State
 from services.gateway import shapes
 from services.gateway.faults import SandboxGone, http_status, message_of
+from services.gateway.idempotency import IdempotentCreates, KeyReused
 from services.gateway.sandboxes import Sandboxes
 from services.gateway.settings import GatewaySettings
 
@@ -30,6 +31,7 @@ MAX_PAGE = 1000
 class Deps:
     sandboxes: Sandboxes
     settings: GatewaySettings
+    creates: IdempotentCreates = field(default_factory=IdempotentCreates)
 
 
 def error(code: int, message: str) -> JSONResponse:
@@ -72,12 +74,21 @@ def _timeout(body: Any, name: str = "timeout") -> int | None:
 
 async def create(request: Request, deps: Deps) -> Response:
     tenant = _tenant(request, deps)
-    kwargs = shapes.create_spec(await _json(request), tenant=tenant, templates=deps.settings.templates,
+    body = await _json(request)
+    kwargs = shapes.create_spec(body, tenant=tenant, templates=deps.settings.templates,
                                 isolation=deps.settings.isolation)
-    sb = await deps.sandboxes.fleet.create(**kwargs)
-    record = await deps.sandboxes.record(sb.id, tenant)
-    body = shapes.sandbox_json(record, domain=deps.settings.sandbox_domain, token=deps.sandboxes.token(sb.id))
-    return JSONResponse(body, status_code=201)
+
+    async def make() -> str:
+        return (await deps.sandboxes.fleet.create(**kwargs)).id
+
+    try:
+        sandbox_id = await deps.creates.once(tenant, request.headers.get("idempotency-key"), body, make)
+    except KeyReused as exc:
+        return JSONResponse({**shapes.error_body(422, str(exc)), "error_code": "idempotency_request_mismatch"},
+                            status_code=422)
+    record = await deps.sandboxes.record(sandbox_id, tenant)
+    answer = shapes.sandbox_json(record, domain=deps.settings.sandbox_domain, token=deps.sandboxes.token(sandbox_id))
+    return JSONResponse(answer, status_code=201)
 
 
 async def list_sandboxes(request: Request, deps: Deps) -> Response:
