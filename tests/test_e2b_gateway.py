@@ -26,6 +26,8 @@ from e2b import (AsyncSandbox, AuthenticationException, CommandExitException, Fi
 
 from sandfleet.supervisor import free_port
 from tests.conftest import CLI, EVENT_DEADLINE_S, NODE_ID, ROOT, assert_nothing_left, start_platform, stop_platform
+from tests.kernel import require
+from tests.layer_trees import make_busybox_base
 from tests.leaks import Snapshot
 
 KEY, OTHER_KEY = "e2b_test_key_a", "e2b_test_key_b"
@@ -268,6 +270,32 @@ async def test_a_create_retried_with_its_idempotency_key_gets_the_same_sandbox(g
         await first.kill()
 
 
+async def test_a_layer_template_is_a_container_even_without_bash(gateway, fleet, tmp_path):
+    """A template that is only a layer name runs at the gateway's isolation (container): here a
+    busybox layer, which has no bash, so the SDK's `/bin/bash -l -c` runs with its sh."""
+    import shutil
+
+    from sandfleet.layers_client import Layers
+
+    require(os.geteuid() == 0 and shutil.which("crun") is not None, "containers need root and crun")
+    require(os.path.exists("/bin/busybox"), "busybox-static at /bin/busybox")
+    make_busybox_base(tmp_path / "root", hostname="e2b-bb")
+    await Layers(fleet.bus).build_dir("e2b-busybox", tmp_path / "root")
+    sandbox = await AsyncSandbox.create(template="e2b-busybox", **gateway["opts"])
+    try:
+        assert (await sandbox.get_info()).template_id == "e2b-busybox"
+        result = await sandbox.commands.run("echo in $(cat /etc/hostname); test -e /bin/bash || echo no bash")
+        assert result.stdout == "in e2b-bb\nno bash\n"
+        handle = await sandbox.commands.run("sleep 30", background=True)
+        listed = {p.pid: p for p in await sandbox.commands.list()}
+        assert (listed[handle.pid].cmd, listed[handle.pid].args) == ("/bin/bash", ["-l", "-c", "sleep 30"])
+        await handle.kill()
+        await sandbox.files.write("/workspace/x.txt", "in a container")
+        assert await sandbox.files.read("/workspace/x.txt") == "in a container"
+    finally:
+        await sandbox.kill()
+
+
 def test_the_sync_sdk_flavour(gateway):
     sandbox = Sandbox.create(template="host", **gateway["opts"])
     try:
@@ -461,6 +489,12 @@ def test_port_hosts_paths_and_create_bodies_translate():
                 {"templateID": "x", "metadata": {"k": 1}}, [1]):
         with pytest.raises(shapes.BadRequest):
             shapes.create_spec(bad, tenant="t", templates=templates, isolation="container")
+    from services.gateway.envd_process import command_argv, sdk_config
+
+    argv = command_argv("/bin/bash", ["-l", "-c", "echo 'a b'"])
+    assert argv[:2] == ["/bin/sh", "-c"] and argv[3] == "echo 'a b'"
+    assert (sdk_config(argv).cmd, list(sdk_config(argv).args)) == ("/bin/bash", ["-l", "-c", "echo 'a b'"])
+    assert command_argv("python3", ["-c", "1"]) == ["python3", "-c", "1"]
     token = shapes.access_token(b"secret", "sb-1")
     assert shapes.token_matches(b"secret", "sb-1", token) and not shapes.token_matches(b"secret", "sb-2", token)
     assert not shapes.token_matches(b"other", "sb-1", token)

@@ -23,6 +23,10 @@ from services.gateway import shapes
 from services.gateway.faults import connect_error
 from services.gateway.sandboxes import Sandboxes
 
+# The SDK runs every command as `/bin/bash -l -c CMD` (E2B's templates all have bash); a layer
+# without bash (busybox, alpine) runs it with its /bin/sh instead of failing with 127.
+SDK_SHELL = ["/bin/bash", "-l", "-c"]
+BASH_OR_SH = 'if [ -x /bin/bash ]; then exec /bin/bash -l -c "$0"; else exec /bin/sh -c "$0"; fi'
 KEEPALIVE_HEADER = "keepalive-ping-interval"
 DEFAULT_KEEPALIVE_S = 50.0
 _END = object()
@@ -44,6 +48,19 @@ def end_event(exit: Any) -> pb.ProcessEvent:
         end = pb.ProcessEvent.EndEvent(exit_code=end.exit_code, exited=end.exited, status=end.status,
                                        error="the command's timeout ended it")
     return _event(end=end)
+
+
+def command_argv(cmd: str, args: list[str]) -> list[str]:
+    if [cmd, *args[:2]] == SDK_SHELL and len(args) == 3:
+        return ["/bin/sh", "-c", BASH_OR_SH, args[2]]
+    return [cmd, *args]
+
+
+def sdk_config(argv: list[str]) -> pb.ProcessConfig:
+    """A process's command as the SDK started it (command_argv undone)."""
+    if argv[:3] == ["/bin/sh", "-c", BASH_OR_SH] and len(argv) == 4:
+        argv = [*SDK_SHELL, argv[3]]
+    return pb.ProcessConfig(cmd=argv[0] if argv else "", args=argv[1:])
 
 
 def _keepalive_s(ctx: Any) -> float:
@@ -115,11 +132,11 @@ class ProcessService:
         config = request.process or pb.ProcessConfig()
         if not config.cmd:
             raise ConnectError(Code.INVALID_ARGUMENT, "no command")
-        timeout_ms = ctx.timeout_ms
+        timeout_s = max(0.001, ctx.timeout_ms / 1000) if ctx.timeout_ms else None  # the SDK's whole-stream deadline
         try:
             cwd = shapes.sandbox_path(config.cwd) if config.has_field("cwd") and config.cwd else shapes.HOME
-            process = await sb.spawn([config.cmd, *config.args], env={**envs, **dict(config.envs)}, cwd=cwd,
-                                     stdin=bool(request.stdin), timeout_s=timeout_ms / 1000 if timeout_ms else None)
+            process = await sb.spawn(command_argv(config.cmd, list(config.args)), env={**envs, **dict(config.envs)},
+                                     cwd=cwd, stdin=bool(request.stdin), timeout_s=timeout_s)
         except Exception as exc:
             raise connect_error(exc) from None
         yield pb.StartResponse(event=_event(start=pb.ProcessEvent.StartEvent(pid=process.pid)))
@@ -151,9 +168,8 @@ class ProcessService:
             found = await sb.processes()
         except Exception as exc:
             raise connect_error(exc) from None
-        return pb.ListResponse(processes=[
-            pb.ProcessInfo(pid=p.pid, config=pb.ProcessConfig(cmd=p.argv[0] if p.argv else "", args=p.argv[1:]))
-            for p in found if p.exit is None])
+        return pb.ListResponse(processes=[pb.ProcessInfo(pid=p.pid, config=sdk_config(p.argv))
+                                          for p in found if p.exit is None])
 
     async def _on_process(self, ctx: Any, selector: pb.ProcessSelector | None, act) -> None:  # type: ignore[no-untyped-def]
         sb, _ = await self._sandbox(ctx)
