@@ -16,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 
-from sandfleet import cli_files, cli_health, cli_layers, cli_ports, cli_processes, cli_rollout, client, errors
+from sandfleet import cli_files, cli_gateway, cli_health, cli_layers, cli_ports, cli_processes, cli_rollout, client, errors
 from sandfleet.config import DEFAULT_PORT, default_data_dir, nats_url, node_id
 from sandfleet.extras import MissingExtra, require
 from sandfleet.supervisor import Supervisor, free_port, plan_nodes, read_state, stop_unsupervised
@@ -64,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
                     help="N clustered nats-servers on loopback (3: JetStream keeps everything on all three)")
     up.add_argument("--egress-subnet", default=None, help="sandbox egress subnet (split between the nodes)")
+    up.add_argument("--gateway", default=None, metavar="HOST:PORT", help="also serve the E2B API there (see README)")
 
     node = cmd("node", _node, "run one node's services (agent, layer-cache, launcher, ...) against a running bus")
     node.add_argument("--data-dir", type=Path, default=None)
@@ -118,6 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     cli_processes.register(sub)
     cli_ports.register(sub)
     cli_files.register(sub)
+    cli_gateway.register(sub)
     return p
 
 
@@ -147,7 +149,7 @@ def _up(args: argparse.Namespace) -> int:
         return _detached(args, data_dir)
     port = args.port or (0 if args.nats_cluster > 1 else free_port())  # a cluster picks its own free ports
     return Supervisor(data_dir=data_dir, port=port, env=_node_env(args), nodes=args.nodes,
-                      nats_cluster=args.nats_cluster).run()
+                      nats_cluster=args.nats_cluster, gateway=args.gateway).run()
 
 
 def _node(args: argparse.Namespace) -> int:
@@ -176,7 +178,7 @@ def _node_env(args: argparse.Namespace) -> dict[str, str]:
     return {env: getattr(args, opt) for opt, env in names.items() if getattr(args, opt, None)}
 
 
-_FORWARDED = ("port", "node_id", "fetch", "default_layers", "nodes", "nats_cluster", "egress_subnet", "nats")
+_FORWARDED = ("port", "node_id", "fetch", "default_layers", "nodes", "nats_cluster", "egress_subnet", "nats", "gateway")
 
 
 def _detached(args: argparse.Namespace, data_dir: Path) -> int:
@@ -196,7 +198,8 @@ def _detached(args: argparse.Namespace, data_dir: Path) -> int:
             print(f"sandfleet {args.command} failed; see {data_dir / 'supervisor.log'}", file=sys.stderr)
             return 1
         state = read_state(data_dir)
-        if state and asyncio.run(_healthy(state["url"], want)):
+        healthy = state and asyncio.run(_healthy(state["url"], want))
+        if healthy and cli_gateway.wait_listening(getattr(args, "gateway", None)):
             print(state["url"])
             return 0
         time.sleep(0.2)

@@ -175,6 +175,7 @@ class Supervisor:
     nodes: int = 1
     nats_cluster: int = 1  # nats-servers of the bus: 1, or a loopback cluster (3: JetStream replicas 3)
     join: str | None = None  # the URL of a bus that runs elsewhere: run only one node (`sandfleet node`)
+    gateway: str | None = None  # HOST:PORT of the E2B gateway (services/gateway), started last when given
     children: list[Child] = field(default_factory=list)
     servers: list[NatsServer] = field(default_factory=list)
     plan: list[NodePlan] = field(default_factory=list)
@@ -213,6 +214,9 @@ class Supervisor:
                 label = name if self.nodes == 1 else f"{name}@{node.id}"
                 self.children.append(Child(label, [sys.executable, "-m", module], logs / f"{label}.log",
                                            group=name, env=node.env()))
+        if self.gateway and not self.join:  # a bus client like any other: last up, first down
+            self.children.append(Child("gateway", [sys.executable, "-m", "services.gateway"], logs / "gateway.log",
+                                       group="gateway", env={"SANDFLEET_GATEWAY_LISTEN": self.gateway}))
         self._state = self.data_dir / "supervisor.json"
         try:
             for child in self.children[: len(self.servers)]:
