@@ -20,6 +20,7 @@ import msgspec
 from sandfleet import errors
 from sandfleet.config import node_id
 from sandfleet.layers_client import Layers, connect
+from schemas.layers import BuildReply
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,6 +44,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--timeout-s", type=float, default=None)
     build.add_argument("--json", action="store_true")
     build.set_defaults(func=_sync(_build))
+
+    imp = verbs.add_parser("import", parents=[bus], help="import an OCI image as a stack of layers (one per OCI layer)")
+    imp.add_argument("name")
+    imp.add_argument("source", help="an OCI archive, a `docker save` archive or an OCI layout directory")
+    imp.add_argument("--tag", action="append", default=[], help="also tag this import (repeatable)")
+    imp.add_argument("--compression", choices=["lz4", "lz4hc"], default="lz4")
+    imp.add_argument("--max-unpacked-bytes", type=int, default=0,
+                     help="refuse an image whose layers unpack to more (default: the node's limit)")
+    imp.add_argument("--timeout-s", type=float, default=None)
+    imp.add_argument("--json", action="store_true")
+    imp.set_defaults(func=_sync(_import))
 
     ls = verbs.add_parser("ls", parents=[bus], help="list layers")
     ls.add_argument("name", nargs="?", default=None)
@@ -133,6 +145,38 @@ async def _build(layers: Layers, args: argparse.Namespace) -> int:
     print(f"{layer.name}  {layer.digest}  {_size(layer.size)}  {layer.files} files  "
           f"{reply.seconds:.2f}s on {reply.node}  ({stored})")
     return 0
+
+
+async def _import(layers: Layers, args: argparse.Namespace) -> int:
+    extra: dict[str, Any] = {"timeout": args.timeout_s} if args.timeout_s else {}
+    reply = await layers.import_image(args.name, args.source, tags=args.tag, compression=args.compression,
+                                      max_unpacked_bytes=args.max_unpacked_bytes, **extra)
+    if args.json:
+        _json(reply)
+        return 0
+    print(describe_import(reply))
+    return 0
+
+
+def describe_import(reply: BuildReply) -> str:
+    """What an import made, for people: its layers (new or shared), its config, and what of the
+    config sandfleet does not apply."""
+    layer = reply.layer
+    reused = set(reply.reused)
+    lines = [f"{layer.name}  {len(layer.stack)} layer(s), {len(layer.stack) - len(reused)} new  "
+             f"{reply.seconds:.2f}s on {reply.node}"]
+    for part in layer.stack:
+        how = "shared" if part.digest in reused else "new"
+        lines.append(f"  {_short(part.digest)}  {_size(part.size):>9}  {how:6}  diff {_short(part.diff_id) or '-'}  "
+                     f"{part.created_by[:60]}".rstrip())
+    config = layer.config
+    if config is not None:
+        command = [*config.entrypoint, *config.cmd]
+        lines.append(f"  env {len(config.env)} var(s); workdir {config.working_dir or '-'}; user {config.user or '-'}; "
+                     f"command {json.dumps(command) if command else '-'}; {len(config.labels)} label(s)")
+        for item in config.not_applied:
+            lines.append(f"  not applied: {item}")
+    return "\n".join(lines)
 
 
 def pip_arguments(reqs: list[str]) -> tuple[str, list[str]]:

@@ -40,6 +40,7 @@ from schemas.process import (
     WriteReply,
     WriteRequest,
 )
+from services.launcher import image_config
 from services.launcher.drivers.base import Command, ExecFailed, RunningCommand, SandboxGone, StdinClosed
 from services.launcher.keys import tag
 from services.launcher.lifecycle import Launcher
@@ -161,10 +162,9 @@ async def spawn(table: ProcessTable, req: SpawnRequest) -> ProcessInfo:
         raise ServiceError(ErrorCode.CAPACITY, f"sandbox {req.sandbox_id} already runs {limit} background "
                                                "processes (the node's limit): wait for or kill one")
     size = min(req.buffer_bytes or table.settings.process_buffer_bytes, table.settings.max_process_buffer_bytes)
-    process = Process(pid=next(table._pids), sandbox_id=req.sandbox_id, argv=list(req.argv),
-                      buffer=OutputBuffer(size))
-    command = Command(argv=list(req.argv), env=dict(req.env), cwd=req.cwd, stdin=b"", timeout_s=req.timeout_s or 0,
-                      max_output=size)
+    argv, env, cwd = image_config.resolve(live.rootfs, req.argv, req.env, req.cwd, req.image_command)
+    process = Process(pid=next(table._pids), sandbox_id=req.sandbox_id, argv=argv, buffer=OutputBuffer(size))
+    command = Command(argv=argv, env=env, cwd=cwd, stdin=b"", timeout_s=req.timeout_s or 0, max_output=size)
     try:
         running = await live.driver.spawn(live.instance, command, process.buffer.append,
                                           lambda status: table.exited(process, status))
@@ -173,9 +173,9 @@ async def spawn(table: ProcessTable, req: SpawnRequest) -> ProcessInfo:
     except (SandboxGone, ProcessLookupError):
         raise ServiceError(ErrorCode.CONFLICT, "the sandbox's init is gone") from None
     except FileNotFoundError:
-        raise ServiceError(ErrorCode.NOT_FOUND, f"{req.cwd}: no such file or directory") from None
+        raise ServiceError(ErrorCode.NOT_FOUND, f"{cwd}: no such file or directory") from None
     except OSError as exc:
-        raise ServiceError(ErrorCode.INVALID_REQUEST, f"{req.cwd}: {exc.strerror}") from None
+        raise ServiceError(ErrorCode.INVALID_REQUEST, f"{cwd}: {exc.strerror}") from None
     except ValueError as exc:
         raise ServiceError(ErrorCode.INVALID_REQUEST, str(exc)) from None
     process.running = running

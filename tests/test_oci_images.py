@@ -1,0 +1,280 @@
+"""OCI images through the real platform: `layer import` of archives this test builds, one EROFS
+layer per OCI layer shared by diff id, whiteouts as the image reads, the image config inside
+`process` and `container` sandboxes over the imported stack, and Dockerfile builds.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from sandfleet import errors
+from sandfleet.cli_layers import describe_import
+from sandfleet.layers_client import Layers
+from schemas import node as node_schema
+from schemas import process as proc_schema
+from schemas.layers import OBJECT_BUCKET
+from tests.kernel import require
+from tests.layer_trees import make_busybox_base
+from tests.oci_archives import Image, entry, file_member, layer_of_dir, layer_of_members
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CONFIG = {
+    "Env": ["PATH=/usr/local/bin:/bin", "GREETING=from the image", "SHARED=image"],
+    "WorkingDir": "/srv/app",
+    "Entrypoint": ["/bin/sh", "-c", 'echo "entry:$GREETING:$0:$*:$(pwd)"'],
+    "Cmd": ["default-arg"],
+    "Labels": {"org.opencontainers.image.title": "oci-test"},
+    "ExposedPorts": {"8080/tcp": {}},
+    "Volumes": {"/data": {}},
+    "StopSignal": "SIGINT",
+}
+
+
+@pytest.fixture(scope="module")
+def base_layer(tmp_path_factory) -> bytes:
+    require(os.geteuid() == 0, "the layer-cache mounts and builds as root")
+    require(os.path.exists("/bin/busybox"), "busybox-static at /bin/busybox")
+    root = tmp_path_factory.mktemp("oci-base") / "root"
+    make_busybox_base(root, hostname="oci")
+    (root / "etc" / "doomed").write_text("deleted by the app layer\n")
+    (root / "opt" / "old").mkdir(parents=True)
+    (root / "opt" / "old" / "stale").write_text("hidden by an opaque dir\n")
+    return layer_of_dir(root)
+
+
+def app_layer(marker: str) -> bytes:
+    """Adds /srv/app, deletes /etc/doomed (a whiteout), makes /opt/old opaque, adds /opt/old/fresh."""
+    return layer_of_members([
+        entry("srv", tarfile.DIRTYPE), entry("srv/app", tarfile.DIRTYPE),
+        file_member("srv/app/marker", marker.encode()),
+        entry("etc", tarfile.DIRTYPE), file_member("etc/.wh.doomed", b""),
+        entry("opt", tarfile.DIRTYPE), entry("opt/old", tarfile.DIRTYPE),
+        file_member("opt/old/.wh..wh..opq", b""), file_member("opt/old/fresh", b"fresh\n"),
+    ])
+
+
+def _name(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(3)}"
+
+
+async def _store_bytes(fleet) -> dict[str, int]:
+    bucket = await fleet.bus.js.object_store(OBJECT_BUCKET)
+    try:
+        return {o.name: o.size for o in await bucket.list()}
+    except Exception as exc:  # nats-py raises NotFoundError for an empty bucket
+        if type(exc).__name__ == "NotFoundError":
+            return {}
+        raise
+
+
+async def _image_exec(fleet, sb, argv: list[str] | None = None, **fields) -> node_schema.ExecReply:
+    """An exec asking for the image's command: what `sb.exec(None)` sends (see the report)."""
+    req = node_schema.ExecRequest(sandbox_id=sb.id, argv=argv, image_command=True, **fields)
+    return await fleet.bus.request(node_schema.subject(sb.node, node_schema.EXEC), req, node_schema.ExecReply,
+                                   timeout=30)
+
+
+@pytest.fixture(scope="module")
+async def imported(fleet, base_layer, tmp_path_factory):
+    layers = Layers(fleet.bus)
+    archive = Image([base_layer, app_layer("one")], CONFIG, ["busybox base", "the app"]).oci_archive(
+        tmp_path_factory.mktemp("oci-img") / "one.tar")
+    name = _name("img")
+    reply = await layers.import_image(name, archive)
+    yield layers, name, reply
+    await layers.remove(name)
+
+
+async def test_each_oci_layer_becomes_one_erofs_layer_and_the_config_is_recorded(fleet, imported):
+    layers, name, reply = imported
+    layer = reply.layer
+    assert len(layer.stack) == 2 and layer.digest == layer.stack[-1].digest
+    assert [p.created_by for p in layer.stack] == ["busybox base", "the app"]
+    assert all(p.diff_id.startswith("sha256:") for p in layer.stack)
+    stored = await _store_bytes(fleet)
+    assert all(stored.get(p.digest) == p.size for p in layer.stack), "every layer is its own image in the store"
+    config = layer.config
+    assert config is not None and config.working_dir == "/srv/app" and config.cmd == ["default-arg"]
+    assert config.labels == {"org.opencontainers.image.title": "oci-test"}
+    # What sandfleet does not do is said, not dropped.
+    assert {item.split(":")[0] for item in config.not_applied} == {"ExposedPorts", "StopSignal", "Volumes"}
+    shown = describe_import(reply)
+    assert "not applied: ExposedPorts" in shown and "not applied: Volumes" in shown
+    assert (await layers.get(name)).stack == layer.stack
+
+
+@pytest.mark.parametrize("isolation", ["process", "container"])
+async def test_a_sandbox_over_the_image_reads_its_layers_and_config(fleet, imported, isolation):
+    if isolation == "container":
+        require(shutil.which("crun") is not None, "crun is installed")
+    _, name, _ = imported
+    sb = await fleet.create(isolation=isolation, memory_mb=128, layers=[name])
+    try:
+        r = await sb.exec(["sh", "-c", 'echo "$GREETING|$SHARED|$(pwd)"; cat marker; '
+                                       'test -e /etc/doomed || echo doomed-gone; ls /opt/old'],
+                          env={"SHARED": "request"})
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.decode().split("\n") == ["from the image|request|/srv/app", "one" + "doomed-gone",
+                                                  "fresh", ""]
+        # A command naming its own cwd keeps it.
+        assert (await sb.exec(["sh", "-c", "pwd"], cwd="/etc")).stdout == b"/etc\n"
+        # The image's command: Entrypoint + Cmd, or Entrypoint + the given argv.
+        r = await _image_exec(fleet, sb)
+        assert r.exit_code == 0 and r.stdout == b"entry:from the image:default-arg::/srv/app\n", r
+        r = await _image_exec(fleet, sb, ["given", "two"])
+        assert r.stdout == b"entry:from the image:given:two:/srv/app\n"
+        spawned = await fleet.bus.request(
+            node_schema.subject(sb.node, proc_schema.SPAWN),
+            proc_schema.SpawnRequest(sandbox_id=sb.id, image_command=True, argv=["spawned"]), proc_schema.ProcessInfo)
+        assert spawned.argv[:2] == ["/bin/sh", "-c"] and spawned.argv[-1] == "spawned"
+    finally:
+        await sb.destroy()
+
+
+async def test_image_command_on_layers_without_a_config_and_a_missing_argv_are_refused(fleet, imported):
+    sb = await fleet.create(host_view=True)
+    try:
+        with pytest.raises(errors.InvalidRequest, match="no image config"):
+            await _image_exec(fleet, sb)
+        req = node_schema.ExecRequest(sandbox_id=sb.id)
+        with pytest.raises(errors.InvalidRequest, match="argv is required"):
+            await fleet.bus.request(node_schema.subject(sb.node, node_schema.EXEC), req, node_schema.ExecReply)
+    finally:
+        await sb.destroy()
+
+
+async def test_two_images_sharing_a_base_share_its_layer_and_its_bytes(fleet, platform, imported, base_layer,
+                                                                       tmp_path):
+    layers, _, first = imported
+    before = await _store_bytes(fleet)
+    archive = Image([base_layer, app_layer("two")], CONFIG).oci_archive(tmp_path / "two.tar")
+    name = _name("img2")
+    second = await layers.import_image(name, archive)
+    try:
+        assert second.layer.stack[0] == msgspec.structs.replace(first.layer.stack[0], created_by="")
+        assert second.reused == [first.layer.stack[0].digest]
+        assert second.layer.stack[1].digest != first.layer.stack[1].digest
+        added = {k: v for k, v in (await _store_bytes(fleet)).items() if k not in before}
+        own = second.layer.stack[1]
+        assert set(added) == {own.digest, own.digest + ".chunks"}, "only the image's own layer is stored"
+        # The base is one cached image and one mount on the node for both images' sandboxes.
+        a = await fleet.create(layers=[first.layer.name])
+        b = await fleet.create(layers=[name])
+        try:
+            assert (await b.exec(["cat", "/srv/app/marker"])).stdout == b"two"
+            cache = await layers.cache(platform.node_id)
+            base = [i for i in cache.images if i.digest == first.layer.stack[0].digest]
+            assert len(base) == 1 and base[0].mounted and base[0].users >= 2
+        finally:
+            await a.destroy()
+            await b.destroy()
+    finally:
+        await layers.remove(name)
+    assert first.layer.stack[0].digest in await _store_bytes(fleet), "removing one image keeps the shared base"
+
+
+@pytest.mark.parametrize("form", ["docker-save", "oci-layout-dir"])
+async def test_docker_save_archives_and_oci_layout_directories_import_alike(fleet, imported, base_layer, tmp_path,
+                                                                            form):
+    layers, _, first = imported
+    image = Image([base_layer, app_layer("one")], CONFIG, ["busybox base", "the app"])
+    if form == "docker-save":
+        source = image.docker_save(tmp_path / "saved.tar")
+    else:
+        source = image.oci_layout(tmp_path / "layout")
+    name = _name("img-" + form.split("-")[0])
+    reply = await layers.import_image(name, source)
+    try:
+        assert [p.digest for p in reply.layer.stack] == [p.digest for p in first.layer.stack]
+        assert reply.layer.config == first.layer.config
+        assert reply.stored is False, "the same layers as an image already imported: nothing new stored"
+    finally:
+        await layers.remove(name)
+
+
+async def test_a_registry_reference_is_refused_with_what_to_do_instead(fleet):
+    with pytest.raises(errors.Unsupported, match="skopeo copy"):
+        await Layers(fleet.bus).import_image("reg", "docker.io/library/debian:12")
+
+
+async def test_the_cli_imports_and_lists_what_it_did_not_apply(fleet, platform, base_layer, tmp_path):
+    archive = Image([base_layer], {"Healthcheck": {"Test": ["CMD", "true"]}, "User": "1000"}).oci_archive(
+        tmp_path / "cli.tar")
+    name = _name("img-cli")
+    out = platform.cli("layer", "import", name, str(archive)).stdout.decode()
+    try:
+        assert f"{name}  1 layer(s)" in out
+        assert "not applied: Healthcheck" in out and "not applied: User: 1000" in out
+        listed = platform.cli("layer", "ls", name).stdout.decode()
+        assert "(oci, 1 layer(s)" in listed
+    finally:
+        platform.cli("layer", "rm", name)
+
+
+# -- Dockerfile builds -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dockerfile_builder():
+    spec = __import__("importlib").util.find_spec("services.layer_cache.dockerfile")
+    require(spec is not None, "the Dockerfile builder exists")
+
+
+async def test_a_dockerfile_build_round_trip(fleet, platform, imported, tmp_path, dockerfile_builder):
+    _, name, first = imported
+    context = tmp_path / "ctx"
+    (context / "src").mkdir(parents=True)
+    (context / "src" / "hello.txt").write_text("copied\n")
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text(f"""\
+# a comment
+ARG WHO=builder
+FROM {name}
+ENV STAGE=built \\
+    WHO2=${{WHO}}
+WORKDIR /work
+COPY src/hello.txt ./hello.txt
+RUN echo "ran as $WHO in $(pwd)" > ran.txt && \\
+    rm /srv/app/marker
+LABEL stage=two
+ENTRYPOINT ["/bin/sh", "-c"]
+CMD ["cat /work/ran.txt /work/hello.txt; echo $STAGE"]
+""")
+    built = _name("df")
+    out = platform.cli("layer", "build", built, "--dockerfile", str(dockerfile), "--context", str(context),
+                       timeout=300)
+    try:
+        layer = await Layers(fleet.bus).get(built)
+        assert [p.digest for p in layer.stack[:2]] == [p.digest for p in first.layer.stack]
+        assert len(layer.stack) > 2 and layer.config is not None
+        assert layer.config.labels["stage"] == "two" and layer.config.working_dir == "/work"
+        sb = await fleet.create(layers=[built])
+        try:
+            r = await _image_exec(fleet, sb)
+            assert r.stdout == b"ran as builder in /work\ncopied\nbuilt\n", (r, out.stdout)
+            assert (await sb.exec(["test", "-e", "/srv/app/marker"])).exit_code == 1
+        finally:
+            await sb.destroy()
+    finally:
+        platform.cli("layer", "rm", built, check=False)
+
+
+async def test_a_dockerfile_instruction_it_cannot_build_is_refused_naming_its_line(fleet, imported, tmp_path,
+                                                                                   dockerfile_builder):
+    _, name, _ = imported
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text(f"FROM {name}\nRUN true\nHEALTHCHECK CMD true\n")
+    proc = subprocess.run([sys.executable, "-m", "sandfleet.cli", "layer", "build", _name("df-bad"), "--dockerfile",
+                           str(dockerfile), "--context", str(tmp_path)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "SANDFLEET_NATS_URL": fleet.bus.url}, timeout=120)
+    assert proc.returncode != 0 and "line 3" in proc.stderr and "HEALTHCHECK" in proc.stderr, proc.stderr
