@@ -54,7 +54,7 @@ async def import_image(store: LayerStore, req: BuildRequest, archive: Path, work
     """Check the archive and make every layer the store lacks; nothing is stored yet."""
     source = req.source
     assert isinstance(source, ImageSource)
-    budget = min(source.max_unpacked_bytes or node_limit(), node_limit())
+    limit = budget = min(source.max_unpacked_bytes or node_limit(), node_limit())
     outer = await asyncio.to_thread(tarfile.open, archive, "r:*")
     try:
         names = await asyncio.to_thread(oci.member_names, outer)
@@ -80,7 +80,8 @@ async def import_image(store: LayerStore, req: BuildRequest, archive: Path, work
             prepared.files += stats.files
             prepared.content_bytes += stats.content_bytes
     except oci.TooBig as exc:
-        raise ServiceError(ErrorCode.INVALID_REQUEST, f"decompression limit: {exc}") from None
+        raise ServiceError(ErrorCode.INVALID_REQUEST,
+                           f"decompression limit: {exc} (the import unpacks {limit} bytes at most)") from None
     except oci.Unsupported as exc:
         raise ServiceError(ErrorCode.UNSUPPORTED, str(exc)) from None
     except (oci.ImageError, tarfile.TarError, KeyError) as exc:

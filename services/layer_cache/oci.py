@@ -240,7 +240,7 @@ def extract_layer(outer: tarfile.TarFile, names: dict[str, str], layer: OciLayer
                         pending, inflate = inflate.unused_data + pending, zlib.decompressobj(zlib.MAX_WBITS | 16)
                 written += len(data)
                 if written > budget:
-                    raise TooBig(f"layer {layer.member} unpacks past the import's limit of {budget} bytes")
+                    raise TooBig(f"layer {layer.member} unpacks past the {budget} bytes left of the limit")
                 plain.update(data)
                 out.write(data)
             chunk = f.read(READ_BYTES)
@@ -248,7 +248,7 @@ def extract_layer(outer: tarfile.TarFile, names: dict[str, str], layer: OciLayer
             while not inflate.eof and (data := inflate.decompress(b"", READ_BYTES)):
                 written += len(data)
                 if written > budget:
-                    raise TooBig(f"layer {layer.member} unpacks past the import's limit of {budget} bytes")
+                    raise TooBig(f"layer {layer.member} unpacks past the {budget} bytes left of the limit")
                 plain.update(data)
                 out.write(data)
     if layer.digest and "sha256:" + stored.hexdigest() != layer.digest:
