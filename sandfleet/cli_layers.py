@@ -37,6 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     source.add_argument("--debian", nargs="*", metavar="PKG", help="a minimal Debian root with these packages")
     source.add_argument("--pip", nargs="+", metavar="REQS",
                         help="a Python environment over --on: requirements files and/or package specs")
+    source.add_argument("--dockerfile", type=Path, help="a Dockerfile whose FROM is a layer, an image or an image "
+                        "archive; each RUN runs in a sandbox, its writes the next layer")
+    build.add_argument("--context", type=Path, default=None, help="the build context of --dockerfile (default: its dir)")
+    build.add_argument("--build-arg", action="append", default=[], metavar="KEY=VALUE", help="an ARG's value")
+    build.add_argument("--isolation", choices=["process", "container"], default="container",
+                       help="the level RUN steps of --dockerfile run at")
     build.add_argument("--suite", default="", help="Debian suite (default: the building node's release)")
     build.add_argument("--on", default=None, metavar="LAYER", help="the layer this one goes over")
     build.add_argument("--tag", action="append", default=[], help="also tag this build (repeatable)")
@@ -124,6 +130,12 @@ async def _build(layers: Layers, args: argparse.Namespace) -> int:
     common: dict[str, Any] = {"tags": args.tag, "compression": args.compression}
     if args.timeout_s:
         common["timeout"] = args.timeout_s
+    if args.dockerfile is not None:
+        if args.on:
+            raise errors.InvalidRequest("--dockerfile builds over its FROM; it takes no --on")
+        reply = await _dockerfile(layers, args)
+        print(describe_import(reply))
+        return 0
     if args.dir is not None:
         reply = await layers.build_dir(args.name, args.dir, on=args.on, **common)
     elif args.tar is not None:
@@ -145,6 +157,19 @@ async def _build(layers: Layers, args: argparse.Namespace) -> int:
     print(f"{layer.name}  {layer.digest}  {_size(layer.size)}  {layer.files} files  "
           f"{reply.seconds:.2f}s on {reply.node}  ({stored})")
     return 0
+
+
+async def _dockerfile(layers: Layers, args: argparse.Namespace) -> BuildReply:
+    from sandfleet import dockerfile
+    from sandfleet.client import Fleet
+
+    build_args = dict(a.partition("=")[::2] for a in args.build_arg)
+    context = args.context or args.dockerfile.parent
+    if not context.is_dir():
+        raise errors.InvalidRequest(f"{context} is not a directory")
+    return await dockerfile.build(Fleet(layers.bus), layers, args.name, args.dockerfile, context,
+                                  build_args=build_args, isolation=args.isolation, tags=args.tag,
+                                  log=lambda line: print(line, file=sys.stderr))
 
 
 async def _import(layers: Layers, args: argparse.Namespace) -> int:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
@@ -25,8 +23,6 @@ from schemas.layers import OBJECT_BUCKET
 from tests.kernel import require
 from tests.layer_trees import make_busybox_base
 from tests.oci_archives import Image, entry, file_member, layer_of_dir, layer_of_members
-
-ROOT = Path(__file__).resolve().parent.parent
 
 CONFIG = {
     "Env": ["PATH=/usr/local/bin:/bin", "GREETING=from the image", "SHARED=image"],
@@ -224,13 +220,7 @@ async def test_the_cli_imports_and_lists_what_it_did_not_apply(fleet, platform, 
 # -- Dockerfile builds -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def dockerfile_builder():
-    spec = __import__("importlib").util.find_spec("services.layer_cache.dockerfile")
-    require(spec is not None, "the Dockerfile builder exists")
-
-
-async def test_a_dockerfile_build_round_trip(fleet, platform, imported, tmp_path, dockerfile_builder):
+async def test_a_dockerfile_build_round_trip(fleet, platform, imported, tmp_path):
     _, name, first = imported
     context = tmp_path / "ctx"
     (context / "src").mkdir(parents=True)
@@ -252,8 +242,9 @@ CMD ["cat /work/ran.txt /work/hello.txt; echo $STAGE"]
 """)
     built = _name("df")
     out = platform.cli("layer", "build", built, "--dockerfile", str(dockerfile), "--context", str(context),
-                       timeout=300)
+                       timeout=300, check=False)
     try:
+        assert out.returncode == 0, out.stderr.decode()
         layer = await Layers(fleet.bus).get(built)
         assert [p.digest for p in layer.stack[:2]] == [p.digest for p in first.layer.stack]
         assert len(layer.stack) > 2 and layer.config is not None
@@ -269,12 +260,26 @@ CMD ["cat /work/ran.txt /work/hello.txt; echo $STAGE"]
         platform.cli("layer", "rm", built, check=False)
 
 
-async def test_a_dockerfile_instruction_it_cannot_build_is_refused_naming_its_line(fleet, imported, tmp_path,
-                                                                                   dockerfile_builder):
+async def test_a_dockerfile_instruction_it_cannot_build_is_refused_naming_its_line(fleet, platform, imported,
+                                                                                   tmp_path):
     _, name, _ = imported
     dockerfile = tmp_path / "Dockerfile"
     dockerfile.write_text(f"FROM {name}\nRUN true\nHEALTHCHECK CMD true\n")
-    proc = subprocess.run([sys.executable, "-m", "sandfleet.cli", "layer", "build", _name("df-bad"), "--dockerfile",
-                           str(dockerfile), "--context", str(tmp_path)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "SANDFLEET_NATS_URL": fleet.bus.url}, timeout=120)
-    assert proc.returncode != 0 and "line 3" in proc.stderr and "HEALTHCHECK" in proc.stderr, proc.stderr
+    before = {layer.name for layer in await Layers(fleet.bus).list()}
+    proc = platform.cli("layer", "build", _name("df-bad"), "--dockerfile", str(dockerfile), check=False)
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 2 and "line 3" in stderr and "HEALTHCHECK" in stderr, stderr
+    assert "Traceback" not in stderr
+    assert {layer.name for layer in await Layers(fleet.bus).list()} == before
+
+
+async def test_a_failing_run_step_leaves_no_layer_behind(fleet, platform, imported, tmp_path):
+    _, name, _ = imported
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text(f"FROM {name}\nRUN echo one > /srv/one\nRUN echo failing >&2; exit 7\n")
+    before = {layer.name for layer in await Layers(fleet.bus).list()}
+    proc = platform.cli("layer", "build", _name("df-fail"), "--dockerfile", str(dockerfile), check=False,
+                        timeout=300)
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 2 and "line 3: RUN exited 7: failing" in stderr, stderr
+    assert {layer.name for layer in await Layers(fleet.bus).list()} == before, "the steps' layers are removed"
