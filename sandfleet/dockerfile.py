@@ -57,7 +57,7 @@ def parse(text: str) -> list[Instruction]:
         if not pending:
             start = number
         if stripped.endswith("\\"):
-            pending += stripped[:-1] + " "
+            pending += stripped[:-1].rstrip() + " "
             continue
         whole = (pending + stripped).strip()
         pending = ""

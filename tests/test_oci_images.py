@@ -14,12 +14,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from sandfleet import errors
+from sandfleet import dockerfile, errors
 from sandfleet.cli_layers import describe_import
 from sandfleet.layers_client import Layers
 from schemas import node as node_schema
 from schemas import process as proc_schema
-from schemas.layers import OBJECT_BUCKET
+from schemas.layers import OBJECT_BUCKET, ImageConfig
 from tests.kernel import require
 from tests.layer_trees import make_busybox_base
 from tests.oci_archives import Image, entry, file_member, layer_of_dir, layer_of_members
@@ -283,3 +283,48 @@ async def test_a_failing_run_step_leaves_no_layer_behind(fleet, platform, import
     stderr = proc.stderr.decode()
     assert proc.returncode == 2 and "line 3: RUN exited 7: failing" in stderr, stderr
     assert {layer.name for layer in await Layers(fleet.bus).list()} == before, "the steps' layers are removed"
+
+
+# -- the Dockerfile parser and plan, without a platform ------------------------------------
+
+
+def test_the_parser_joins_continuations_skips_comments_and_numbers_lines():
+    found = dockerfile.parse("# c\n\nFROM base\nRUN a \\\n  # inside\n  b\nenv K=V\n")
+    assert [(i.line, i.keyword, i.text) for i in found] == [(3, "FROM", "base"), (4, "RUN", "a b"),
+                                                           (7, "ENV", "K=V")]
+
+
+@pytest.mark.parametrize("text, line, what", [
+    ("FROM a\nFROM b\n", 2, "second FROM"),
+    ("FROM a\nEXPOSE 80\n", 2, "EXPOSE"),
+    ("RUN x\nFROM a\n", 1, "only ARG"),
+    ("FROM a\nCOPY ../secret /x\n", 2, "outside the build context"),
+    ("FROM a\nCOPY --chown=1:1 f /x\n", 2, "flags"),
+    ("FROM a\nADD https://example.com/f /x\n", 2, "URL"),
+    ("FROM scratch\n", 1, "scratch"),
+])
+def test_what_the_builder_does_not_take_is_refused_naming_the_line(tmp_path, text, line, what):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(dockerfile.DockerfileError, match=f"line {line}: .*{what}"):
+        dockerfile.plan(dockerfile.parse(text), tmp_path)
+
+
+def test_a_symlink_in_the_context_cannot_reach_out_of_it(tmp_path):
+    (tmp_path / "ctx").mkdir()
+    os.symlink("/etc", tmp_path / "ctx" / "out")
+    with pytest.raises(dockerfile.DockerfileError, match="line 2: out/hostname is outside the build context"):
+        dockerfile.plan(dockerfile.parse("FROM a\nCOPY out/hostname /x\n"), tmp_path / "ctx")
+
+
+def test_the_plan_carries_the_base_config_args_env_and_docker_s_entrypoint_rule(tmp_path):
+    base = ImageConfig(env=["PATH=/bin", "A=base"], working_dir="/srv", cmd=["base-cmd"], labels={"l": "1"})
+    text = ("ARG V=1\nFROM img:${V}\nARG B=arg-b\nENV A=${A}-more C=\"x y\"\nWORKDIR app\n"
+            "RUN echo $B\nENTRYPOINT [\"/bin/sh\"]\nUSER app\n")
+    planned = dockerfile.plan(dockerfile.parse(text), tmp_path, base, {"B": "given"})
+    assert planned.base == "img:1"
+    assert planned.config.env == ["PATH=/bin", "A=base-more", "C=x y"]
+    assert planned.config.working_dir == "/srv/app" and planned.config.labels == {"l": "1"}
+    assert planned.config.entrypoint == ["/bin/sh"] and planned.config.cmd == [], "a new ENTRYPOINT drops the CMD"
+    assert any(n.startswith("User: app") for n in planned.config.not_applied)
+    run = planned.steps[-1]
+    assert isinstance(run, dockerfile.Run) and run.env["B"] == "given" and run.cwd == "/srv/app"
