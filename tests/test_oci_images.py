@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -328,3 +329,29 @@ def test_the_plan_carries_the_base_config_args_env_and_docker_s_entrypoint_rule(
     assert any(n.startswith("User: app") for n in planned.config.not_applied)
     run = planned.steps[-1]
     assert isinstance(run, dockerfile.Run) and run.env["B"] == "given" and run.cwd == "/srv/app"
+
+
+async def test_push_copies_an_image_with_every_layer_of_its_stack(fleet, imported, tmp_path):
+    """Another cluster's store (a bare nats-server) gets every layer, and the stack pulls back."""
+    from sandfleet.supervisor import free_port, nats_server_binary
+
+    layers, name, first = imported
+    port = free_port()
+    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd",
+                             str(tmp_path / "other")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"nats://127.0.0.1:{port}"
+        pushed = await layers.push(name, url)
+        assert pushed.copied + pushed.present == [p.digest for p in first.layer.stack]
+        assert pushed.layer.stack == first.layer.stack and pushed.layer.config == first.layer.config
+        await layers.remove(name)  # gone here with its images; the fixture's teardown finds it pulled back
+        pulled = await layers.pull(name, url)
+        assert pulled.layer.stack == first.layer.stack and len(pulled.copied) == len(first.layer.stack)
+        sb = await fleet.create(layers=[name])
+        try:
+            assert (await sb.exec(["cat", "/srv/app/marker"])).stdout == b"one"
+        finally:
+            await sb.destroy()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
