@@ -355,3 +355,27 @@ async def test_push_copies_an_image_with_every_layer_of_its_stack(fleet, importe
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_the_launcher_puts_the_image_config_under_each_command():
+    from schemas.layers import Rootfs
+    from services.launcher import image_config
+
+    config = ImageConfig(env=["A=image", "B=image", "broken"], working_dir="/srv", entrypoint=["/e"], cmd=["c"])
+    root = Rootfs(sandbox_id="s", path="/r", upper="/u", layers=[], config=config)
+    assert image_config.resolve(root, ["x"], {"B": "mine"}, "/workspace", False) == (
+        ["x"], {"A": "image", "B": "mine"}, "/srv")
+    assert image_config.resolve(root, ["x"], {}, "/tmp", False)[2] == "/tmp"
+    assert image_config.resolve(root, None, {}, "/workspace", True)[0] == ["/e", "c"]
+    assert image_config.resolve(root, ["y"], {}, "/workspace", True)[0] == ["/e", "y"]
+    assert image_config.resolve(None, ["x"], {}, "/workspace", False) == (["x"], {}, "/workspace")
+    with pytest.raises(errors.ServiceError):
+        image_config.resolve(None, None, {}, "/workspace", True)
+
+
+def test_a_layer_twice_in_an_image_is_kept_where_it_is_highest():
+    from schemas.layers import StackLayer
+    from services.layer_cache.importing import upper_copies
+
+    a, b = StackLayer(digest="sha256:a", size=1), StackLayer(digest="sha256:b", size=1)
+    assert upper_copies([a, b, a]) == [b, a] and upper_copies([a, b]) == [a, b]

@@ -68,7 +68,7 @@ async def import_image(store: LayerStore, req: BuildRequest, archive: Path, work
             if known is not None:
                 prepared.parts.append(StackLayer(digest=known.digest, size=known.size, diff_id=layer.diff_id,
                                                  created_by=layer.created_by))
-                if known.digest not in prepared.made:
+                if known.digest not in prepared.made and known.digest not in prepared.reused:
                     prepared.reused.append(known.digest)
                 continue
             part, image_file, stats = await _make_layer(outer, names, layer, work / f"layer-{index}", budget,
@@ -88,7 +88,16 @@ async def import_image(store: LayerStore, req: BuildRequest, archive: Path, work
         raise ServiceError(ErrorCode.INVALID_REQUEST, f"not a valid image: {exc}") from None
     finally:
         outer.close()
+    prepared.parts = upper_copies(prepared.parts)
     return image, prepared
+
+
+def upper_copies(parts: list[StackLayer]) -> list[StackLayer]:
+    """The stack with a layer that appears twice kept only where it is highest: its lower copy
+    changes nothing (every path it has, whiteouts included, the upper copy sets again), and a
+    root takes each image once."""
+    highest = {part.digest: i for i, part in enumerate(parts)}
+    return [part for i, part in enumerate(parts) if highest[part.digest] == i]
 
 
 async def _make_layer(outer: tarfile.TarFile, names: dict[str, str], layer: oci.OciLayer, work: Path, budget: int,
@@ -139,10 +148,8 @@ async def record_stack(store: LayerStore, req: BuildRequest) -> Layer:
     parts: list[StackLayer] = []
     for ref in source.layers:
         found, _ = await store.stack(ref)
-        for digest, size in found:
-            if any(p.digest == digest for p in parts):
-                raise ServiceError(ErrorCode.INVALID_REQUEST, f"layer {digest} appears twice in the stack")
-            parts.append(StackLayer(digest=digest, size=size))
+        parts += [StackLayer(digest=digest, size=size) for digest, size in found]
+    parts = upper_copies(parts)
     top = parts[-1]
     layer = Layer(name=req.name, digest=top.digest, size=top.size, created_at=time.time(), tags=sorted(set(req.tags)),
                   built_from=f"stack of {' < '.join(source.layers)}", stack=parts,
