@@ -3,7 +3,9 @@
 A layer is an EROFS image addressed by the sha256 of the image (`sha256:<hex>`), stored once
 in the Object Store bucket `layers`. The KV bucket `layers` maps references to images: key
 `<name>` holds the newest build of a name, `<name>.<tag>` a tagged build, so rebuilding a
-layer moves its name and never touches the layers under or over it.
+layer moves its name and never touches the layers under or over it. An image (an OCI import,
+a Dockerfile build) is an entry whose `stack` lists its layers bottom first, each an image of
+its own, so a reference to it stands for the whole stack and two images share what they share.
 
 `layer.v1.<verb>` is answered by any node's layer-cache (one queue group); composing and
 releasing a sandbox's root filesystem goes to the node that runs it:

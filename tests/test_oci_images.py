@@ -379,3 +379,27 @@ def test_a_layer_twice_in_an_image_is_kept_where_it_is_highest():
 
     a, b = StackLayer(digest="sha256:a", size=1), StackLayer(digest="sha256:b", size=1)
     assert upper_copies([a, b, a]) == [b, a] and upper_copies([a, b]) == [a, b]
+
+
+async def test_a_dockerfile_from_an_image_archive_imports_it_first(fleet, platform, base_layer, tmp_path):
+    context = tmp_path / "ctx"
+    context.mkdir()
+    Image([base_layer], {"Env": ["FROM_ARCHIVE=yes"]}).oci_archive(context / "base.tar")
+    (context / "note").write_text("noted\n")
+    (context / "Dockerfile").write_text("FROM base.tar\nCOPY note /etc/note\nCMD [\"cat\", \"/etc/note\"]\n")
+    built = _name("df-arch")
+    out = platform.cli("layer", "build", built, "--dockerfile", str(context / "Dockerfile"), check=False, timeout=300)
+    try:
+        assert out.returncode == 0, out.stderr.decode()
+        assert "importing the archive" in out.stderr.decode()
+        layer = await Layers(fleet.bus).get(built)
+        assert layer.config is not None and "FROM_ARCHIVE=yes" in layer.config.env
+        sb = await fleet.create(layers=[built])
+        try:
+            assert (await _image_exec(fleet, sb)).stdout == b"noted\n"
+        finally:
+            await sb.destroy()
+        names = {entry.name for entry in await Layers(fleet.bus).list()}
+        assert not [n for n in names if n.startswith(built[:40] + "-")], "the build's own names are gone"
+    finally:
+        platform.cli("layer", "rm", built, check=False)
