@@ -20,10 +20,10 @@ from sandfleet.cli_layers import describe_import
 from sandfleet.layers_client import Layers
 from schemas import node as node_schema
 from schemas import process as proc_schema
-from schemas.layers import OBJECT_BUCKET, ImageConfig
+from schemas.layers import DIFF_BUCKET, OBJECT_BUCKET, ImageConfig
 from tests.kernel import require
 from tests.layer_trees import make_busybox_base
-from tests.oci_archives import Image, entry, file_member, layer_of_dir, layer_of_members
+from tests.oci_archives import Image, entry, file_member, layer_of_dir, layer_of_members, sha
 
 CONFIG = {
     "Env": ["PATH=/usr/local/bin:/bin", "GREETING=from the image", "SHARED=image"],
@@ -403,3 +403,19 @@ async def test_a_dockerfile_from_an_image_archive_imports_it_first(fleet, platfo
         assert not [n for n in names if n.startswith(built[:40] + "-")], "the build's own names are gone"
     finally:
         platform.cli("layer", "rm", built, check=False)
+
+
+async def test_the_same_layer_with_whiteouts_gives_the_same_image_every_time(fleet, tmp_path):
+    """Built twice (the diff-id map emptied between: a store that never saw it), one digest."""
+    layers = Layers(fleet.bus)
+    layer = app_layer("same")
+    digests = []
+    for i in range(2):
+        kv = await fleet.bus.js.key_value(DIFF_BUCKET)
+        await kv.purge(sha(layer).removeprefix("sha256:"))
+        name = _name(f"img-same{i}")
+        reply = await layers.import_image(name, Image([layer]).oci_archive(tmp_path / f"{i}.tar"))
+        digests.append(reply.layer.digest)
+        assert reply.reused == []
+        await layers.remove(name)
+    assert digests[0] == digests[1]

@@ -196,6 +196,15 @@ def _replacing(entries: list[tarfile.TarInfo]) -> Iterator[tarfile.TarInfo]:
         yield member
 
 
+def _no_time_after(newest: float) -> None:
+    """What this unpacker made itself (the root, whiteout markers, parents the tar does not
+    list) gets the layer's newest time instead of now: the same layer must give the same image."""
+    for dirpath, dirnames, filenames in os.walk("/"):
+        for path in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
+            if os.lstat(path).st_mtime > newest:
+                os.utime(path, (newest, newest), follow_symlinks=False)
+
+
 def unpack(tar_path: str, dest: str, mode: str, keep_whiteouts: bool, max_bytes: int = 0) -> dict:
     outer = tarfile.open(tar_path, "r:*")
     fmt, layer_names = ("dir", []) if mode == "dir" else ("layer", []) if mode == "layer" else image_layers(outer)
@@ -204,6 +213,7 @@ def unpack(tar_path: str, dest: str, mode: str, keep_whiteouts: bool, max_bytes:
     os.chdir("/")
     if mode == "layer":
         apply_layer(outer, whiteouts=True, keep_whiteouts=True, own_layer=True, max_bytes=max_bytes)
+        _no_time_after(max((m.mtime for m in outer.getmembers()), default=0))
         return {"format": fmt, "layers": 1}
     if not layer_names:
         apply_layer(outer, whiteouts=mode == "image", keep_whiteouts=keep_whiteouts)
