@@ -20,6 +20,7 @@ import msgspec
 from sandfleet import errors
 from sandfleet.config import node_id
 from sandfleet.layers_client import Layers, connect
+from schemas.layers import BuildReply
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     source.add_argument("--debian", nargs="*", metavar="PKG", help="a minimal Debian root with these packages")
     source.add_argument("--pip", nargs="+", metavar="REQS",
                         help="a Python environment over --on: requirements files and/or package specs")
+    source.add_argument("--dockerfile", type=Path, help="a Dockerfile whose FROM is a layer, an image or an image "
+                        "archive; each RUN runs in a sandbox, its writes the next layer")
+    build.add_argument("--context", type=Path, default=None, help="the build context of --dockerfile (default: its dir)")
+    build.add_argument("--build-arg", action="append", default=[], metavar="KEY=VALUE", help="an ARG's value")
+    build.add_argument("--isolation", choices=["process", "container"], default="container",
+                       help="the level RUN steps of --dockerfile run at")
     build.add_argument("--suite", default="", help="Debian suite (default: the building node's release)")
     build.add_argument("--on", default=None, metavar="LAYER", help="the layer this one goes over")
     build.add_argument("--tag", action="append", default=[], help="also tag this build (repeatable)")
@@ -43,6 +50,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--timeout-s", type=float, default=None)
     build.add_argument("--json", action="store_true")
     build.set_defaults(func=_sync(_build))
+
+    imp = verbs.add_parser("import", parents=[bus], help="import an OCI image as a stack of layers (one per OCI layer)")
+    imp.add_argument("name")
+    imp.add_argument("source", help="an OCI archive, a `docker save` archive or an OCI layout directory")
+    imp.add_argument("--tag", action="append", default=[], help="also tag this import (repeatable)")
+    imp.add_argument("--compression", choices=["lz4", "lz4hc"], default="lz4")
+    imp.add_argument("--max-unpacked-bytes", type=int, default=0,
+                     help="refuse an image whose layers unpack to more (default: the node's limit)")
+    imp.add_argument("--timeout-s", type=float, default=None)
+    imp.add_argument("--json", action="store_true")
+    imp.set_defaults(func=_sync(_import))
 
     ls = verbs.add_parser("ls", parents=[bus], help="list layers")
     ls.add_argument("name", nargs="?", default=None)
@@ -112,6 +130,12 @@ async def _build(layers: Layers, args: argparse.Namespace) -> int:
     common: dict[str, Any] = {"tags": args.tag, "compression": args.compression}
     if args.timeout_s:
         common["timeout"] = args.timeout_s
+    if args.dockerfile is not None:
+        if args.on:
+            raise errors.InvalidRequest("--dockerfile builds over its FROM; it takes no --on")
+        reply = await _dockerfile(layers, args)
+        print(describe_import(reply))
+        return 0
     if args.dir is not None:
         reply = await layers.build_dir(args.name, args.dir, on=args.on, **common)
     elif args.tar is not None:
@@ -133,6 +157,51 @@ async def _build(layers: Layers, args: argparse.Namespace) -> int:
     print(f"{layer.name}  {layer.digest}  {_size(layer.size)}  {layer.files} files  "
           f"{reply.seconds:.2f}s on {reply.node}  ({stored})")
     return 0
+
+
+async def _dockerfile(layers: Layers, args: argparse.Namespace) -> BuildReply:
+    from sandfleet import dockerfile
+    from sandfleet.client import Fleet
+
+    build_args = dict(a.partition("=")[::2] for a in args.build_arg)
+    context = args.context or args.dockerfile.parent
+    if not context.is_dir():
+        raise errors.InvalidRequest(f"{context} is not a directory")
+    return await dockerfile.build(Fleet(layers.bus), layers, args.name, args.dockerfile, context,
+                                  build_args=build_args, isolation=args.isolation, tags=args.tag,
+                                  log=lambda line: print(line, file=sys.stderr))
+
+
+async def _import(layers: Layers, args: argparse.Namespace) -> int:
+    extra: dict[str, Any] = {"timeout": args.timeout_s} if args.timeout_s else {}
+    reply = await layers.import_image(args.name, args.source, tags=args.tag, compression=args.compression,
+                                      max_unpacked_bytes=args.max_unpacked_bytes, **extra)
+    if args.json:
+        _json(reply)
+        return 0
+    print(describe_import(reply))
+    return 0
+
+
+def describe_import(reply: BuildReply) -> str:
+    """What an import made, for people: its layers (new or shared), its config, and what of the
+    config sandfleet does not apply."""
+    layer = reply.layer
+    reused = set(reply.reused)
+    lines = [f"{layer.name}  {len(layer.stack)} layer(s), {len(layer.stack) - len(reused)} new  "
+             f"{reply.seconds:.2f}s on {reply.node}"]
+    for part in layer.stack:
+        how = "shared" if part.digest in reused else "new"
+        lines.append(f"  {_short(part.digest)}  {_size(part.size):>9}  {how:6}  diff {_short(part.diff_id) or '-'}  "
+                     f"{part.created_by[:60]}".rstrip())
+    config = layer.config
+    if config is not None:
+        command = [*config.entrypoint, *config.cmd]
+        lines.append(f"  env {len(config.env)} var(s); workdir {config.working_dir or '-'}; user {config.user or '-'}; "
+                     f"command {json.dumps(command) if command else '-'}; {len(config.labels)} label(s)")
+        for item in config.not_applied:
+            lines.append(f"  not applied: {item}")
+    return "\n".join(lines)
 
 
 def pip_arguments(reqs: list[str]) -> tuple[str, list[str]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import secrets
 import tarfile
 import tempfile
@@ -29,6 +30,7 @@ from schemas.layers import (
     BuildSource,
     CacheListing,
     DirSource,
+    ImageConfig,
     Layer,
     Rootfs,
     TarSource,
@@ -38,6 +40,10 @@ BUILD_TIMEOUT_S = 600.0
 DEBIAN_TIMEOUT_S = 1800.0
 PIP_TIMEOUT_S = 1800.0
 TRANSFER_TIMEOUT_S = 1800.0
+IMPORT_TIMEOUT_S = 1800.0
+# `docker.io/library/debian:12`, `ghcr.io/o/r@sha256:...`, `debian:12`: a name with a registry,
+# a tag or a digest, which is not a path on this machine
+REGISTRY_REF = re.compile(r"^[a-z0-9][a-z0-9._\-]*(:[0-9]+)?(/[a-z0-9._\-]+)*(:[A-Za-z0-9_.\-]+|@sha256:[0-9a-f]{64})$")
 
 
 def tar_directory(src: Path, out: Path) -> None:
@@ -82,6 +88,42 @@ class Layers:
             raise errors.InvalidRequest(f"{archive} is not a file")
         upload = await self._upload(archive)
         return await self._build(name, TarSource(upload=upload, filename=archive.name), on, tags, compression, timeout)
+
+    async def import_image(self, name: str, source: str | Path, *, tags: Iterable[str] = (),
+                           compression: str = "lz4", max_unpacked_bytes: int = 0,
+                           timeout: float = IMPORT_TIMEOUT_S) -> BuildReply:
+        """An OCI image as a named stack, one layer per OCI layer (shared by diff id with every
+        other image), its config applied to sandboxes over it. `source`: an OCI archive, a
+        `docker save` archive, or an OCI layout directory. A registry reference is refused: no
+        node here reaches a registry; `skopeo copy docker://REF oci-archive:FILE` where one does,
+        then import FILE. The reply's `layer.config.not_applied` lists what the image asks and
+        sandfleet does not do."""
+        text = str(source)
+        path = Path(source)
+        if not path.exists() and ("://" in text or REGISTRY_REF.match(text)):
+            raise errors.Unsupported(f"{text}: pulling from a registry is not offered (no node reaches one); "
+                                     f"`skopeo copy docker://{text.removeprefix('docker://')} oci-archive:image.tar` "
+                                     "on a machine that does, then import image.tar")
+        if path.is_dir():
+            if not (path / "oci-layout").is_file() or not (path / "index.json").is_file():
+                raise errors.InvalidRequest(f"{path} is not an OCI layout directory (no oci-layout and index.json)")
+            with tempfile.TemporaryDirectory(prefix="sandfleet-image-") as tmp:
+                archive = Path(tmp) / "layout.tar"
+                await asyncio.to_thread(tar_directory, path.resolve(), archive)
+                upload = await self._upload(archive)
+        elif path.is_file():
+            upload = await self._upload(path)
+        else:
+            raise errors.InvalidRequest(f"{path}: no such file or directory")
+        source_ = {"type": "image", "upload": upload, "filename": path.name, "max_unpacked_bytes": max_unpacked_bytes}
+        return await self._build(name, source_, None, tags, compression, timeout)
+
+    async def stack(self, name: str, layers: list[str], config: ImageConfig | None = None, *,
+                    tags: Iterable[str] = ()) -> BuildReply:
+        """Name layers already in the store (bottom first; an image name stands for its stack)
+        as one stack, with an image config: what a Dockerfile build records."""
+        source = {"type": "stack", "layers": list(layers), "config": msgspec.to_builtins(config or ImageConfig())}
+        return await self._build(name, source, None, tags, "lz4", BUILD_TIMEOUT_S)
 
     async def build_debian(self, name: str, packages: Iterable[str] = (), *, suite: str = "",
                            variant: str = "minbase", tags: Iterable[str] = (), compression: str = "lz4",

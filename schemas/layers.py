@@ -3,7 +3,9 @@
 A layer is an EROFS image addressed by the sha256 of the image (`sha256:<hex>`), stored once
 in the Object Store bucket `layers`. The KV bucket `layers` maps references to images: key
 `<name>` holds the newest build of a name, `<name>.<tag>` a tagged build, so rebuilding a
-layer moves its name and never touches the layers under or over it.
+layer moves its name and never touches the layers under or over it. An image (an OCI import,
+a Dockerfile build) is an entry whose `stack` lists its layers bottom first, each an image of
+its own, so a reference to it stands for the whole stack and two images share what they share.
 
 `layer.v1.<verb>` is answered by any node's layer-cache (one queue group); composing and
 releasing a sandbox's root filesystem goes to the node that runs it:
@@ -54,9 +56,13 @@ KV_BUCKET = "layers"
 OBJECT_BUCKET = "layers"
 UPLOAD_BUCKET = "layer-uploads"  # sources (a directory as a tar, an image archive) on their way to a builder
 UPLOAD_TTL_S = 3600  # an upload nobody built from is dropped after this
+# KV: an OCI layer's diff id (hex, the sha256 of its uncompressed tar) → the EROFS image built
+# from it (`StackLayer`), so an OCI layer two images share is built and stored once.
+DIFF_BUCKET = "layer-diffs"
 CHUNK_BYTES = 128 * 1024  # Object Store chunk size; a lazy reader maps offsets to chunks with it
 
 MAX_LAYERS = 16
+MAX_STACK = 128  # layers of one imported image (a compose over image names may reach this many)
 
 LayerName = Annotated[str, Meta(min_length=1, max_length=63, pattern=r"^(?!sha256$)[a-z0-9][a-z0-9_\-]*$")]
 Tag = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")]
@@ -76,6 +82,31 @@ Suite = Annotated[str, Meta(max_length=64, pattern=r"^[a-z0-9\-]*$")]
 PipPackage = Annotated[str, Meta(min_length=1, max_length=512, pattern=r"^[A-Za-z0-9]")]
 
 
+class ImageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What an image's config asks of the processes run in it. A sandbox composed over an image
+    name gets it: `env` under every exec/spawn's own env, `working_dir` for those that ask for
+    no cwd of their own, `entrypoint` + `cmd` as the command run when one asks for the image's
+    command (`image_command=True`). `not_applied` lists, for people, what the image says and
+    sandfleet does not do (exposed ports, volumes, a healthcheck, ...), never dropped silently."""
+
+    env: Annotated[list[Annotated[str, Meta(max_length=131_072)]], Meta(max_length=1024)] = []  # "KEY=value"
+    working_dir: Annotated[str, Meta(max_length=4096)] = ""
+    user: Annotated[str, Meta(max_length=256)] = ""  # as the image says it ("app", "1000:1000")
+    entrypoint: Annotated[list[Annotated[str, Meta(max_length=131_072)]], Meta(max_length=4096)] = []
+    cmd: Annotated[list[Annotated[str, Meta(max_length=131_072)]], Meta(max_length=4096)] = []
+    labels: Annotated[dict[str, Annotated[str, Meta(max_length=4096)]], Meta(max_length=1024)] = {}
+    not_applied: Annotated[list[Annotated[str, Meta(max_length=4096)]], Meta(max_length=256)] = []
+
+
+class StackLayer(msgspec.Struct, frozen=True, kw_only=True):
+    """One layer of a named stack: an EROFS image, and the OCI layer it was built from, if any."""
+
+    digest: str
+    size: int
+    diff_id: str = ""  # sha256 of the OCI layer's uncompressed tar
+    created_by: str = ""  # the image history's line for it, for people
+
+
 class Layer(msgspec.Struct, frozen=True, kw_only=True):
     """The KV value under `<name>` and `<name>.<tag>`: one build of a layer."""
 
@@ -90,6 +121,10 @@ class Layer(msgspec.Struct, frozen=True, kw_only=True):
     files: int = 0  # entries in the image
     content_bytes: int = 0  # bytes of file content before compression
     current: bool = True  # in listings: `<name>` points at this build (false: only tags do)
+    # An image (an import, a Dockerfile build): its layers bottom first, the last one `digest`;
+    # `layers=["NAME"]` composes all of them. Empty: this layer alone.
+    stack: list[StackLayer] = []
+    config: ImageConfig | None = None  # the image's config, applied to sandboxes over it
 
 
 # -- build sources --------------------------------------------------------------------
@@ -128,7 +163,31 @@ class PipSource(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     packages: Annotated[list[PipPackage], Meta(max_length=512)] = []
 
 
-BuildSource = DirSource | TarSource | DebianSource | PipSource
+class ImageSource(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="image"
+):
+    """An OCI image kept as it is: each of its layers one EROFS image (built once per diff id),
+    the whole a named stack with the image's config. The upload is an OCI archive, a `docker
+    save` archive, or an OCI layout directory sent as a tar. Every blob is checked against its
+    digest and every layer against its diff id; unpacking more than `max_unpacked_bytes` in
+    all (0: the node's limit) refuses the image with nothing stored."""
+
+    upload: UploadName
+    filename: Annotated[str, Meta(max_length=4096)] = ""
+    max_unpacked_bytes: Annotated[int, Meta(ge=0)] = 0
+
+
+class StackSource(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="stack"
+):
+    """A name for layers already in the store, bottom first (each a reference; an image name
+    stands for its whole stack), with an image config: what a Dockerfile build records."""
+
+    layers: Annotated[list[LayerRef], Meta(min_length=1, max_length=MAX_STACK)]
+    config: ImageConfig = ImageConfig()
+
+
+BuildSource = DirSource | TarSource | DebianSource | PipSource | ImageSource | StackSource
 
 
 class BuildRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -144,6 +203,7 @@ class BuildReply(msgspec.Struct, frozen=True, kw_only=True):
     stored: bool  # false: the store already held an identical image
     seconds: float
     node: str = ""  # the node that built it (and so already caches it)
+    reused: list[str] = []  # an image's layers the store already held (built from the same diff id)
 
 
 class ListRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -203,6 +263,7 @@ class Rootfs(msgspec.Struct, frozen=True, kw_only=True):
     layers: list[str]  # digests, bottom first
     created_at: float = 0.0
     broken: str = ""  # why reads of its lazy layers fail now ("lazy daemon died"); empty: readable
+    config: ImageConfig | None = None  # of the last image among the composed references
 
 
 class ReleaseRootfsRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

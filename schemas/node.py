@@ -130,7 +130,10 @@ AbsPath = Annotated[str, Meta(min_length=1, max_length=4096, pattern=r"^/")]
 
 class ExecRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     sandbox_id: SandboxId
-    argv: Argv
+    argv: Argv | None = None  # required unless image_command
+    # Run the image's command (a sandbox over an imported image): its Entrypoint followed by
+    # `argv` if given, else by its Cmd, as `docker run IMAGE [ARGS]` does.
+    image_command: bool = False
     env: Annotated[dict[str, str], Meta(max_length=1024)] = {}
     cwd: AbsPath = "/workspace"
     stdin: Annotated[bytes, Meta(max_length=MAX_FILE_BYTES)] = b""

@@ -40,7 +40,8 @@ class _Struct(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 class SpawnRequest(_Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="proc.spawn"):
     sandbox_id: SandboxId
-    argv: Argv
+    argv: Argv | None = None  # required unless image_command
+    image_command: bool = False  # as ExecRequest's: the image's Entrypoint + (argv or its Cmd)
     env: Annotated[dict[str, str], Meta(max_length=1024)] = {}
     cwd: AbsPath = "/workspace"
     stdin: bool = False  # keep a stdin pipe open for proc.write; else stdin is empty

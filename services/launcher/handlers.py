@@ -35,7 +35,7 @@ from schemas.node import (
     WriteFileReply,
     WriteFileRequest,
 )
-from services.launcher import decisions, pausing
+from services.launcher import decisions, image_config, pausing
 from services.launcher.driver_errors import DRIVER_ERRORS, service_error, translated
 from services.launcher.drivers.base import Command
 from services.launcher.keys import tag
@@ -64,7 +64,8 @@ async def exec_(launcher: Launcher, req: ExecRequest) -> ExecReply:
     if live.paused:  # it would hang until a resume, and its timeout could not stop it
         raise ServiceError(ErrorCode.CONFLICT, f"sandbox {req.sandbox_id} is paused: resume it first")
     started = time.perf_counter()
-    command = Command(argv=list(req.argv), env=dict(req.env), cwd=req.cwd, stdin=req.stdin, timeout_s=req.timeout_s,
+    argv, env, cwd = image_config.resolve(live.rootfs, req.argv, req.env, req.cwd, req.image_command)
+    command = Command(argv=argv, env=env, cwd=cwd, stdin=req.stdin, timeout_s=req.timeout_s,
                       max_output=MAX_OUTPUT_BYTES)
     # Tracked, so a quarantine can end it: a frozen command never answers a timeout's SIGTERM.
     running = asyncio.ensure_future(live.driver.exec(live.instance, command))
@@ -76,7 +77,7 @@ async def exec_(launcher: Launcher, req: ExecRequest) -> ExecReply:
             raise ServiceError(ErrorCode.CONFLICT, f"sandbox {req.sandbox_id} was quarantined while the command ran")
         raise
     except DRIVER_ERRORS as exc:
-        raise service_error(exc, req.cwd) from None
+        raise service_error(exc, cwd) from None
     finally:
         live.execs.discard(running)
     signalled = result.exit_code > 128 and not result.timed_out

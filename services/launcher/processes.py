@@ -40,6 +40,7 @@ from schemas.process import (
     WriteReply,
     WriteRequest,
 )
+from services.launcher import image_config
 from services.launcher.driver_errors import DRIVER_ERRORS, service_error
 from services.launcher.drivers.base import Command, RunningCommand, StdinClosed
 from services.launcher.keys import tag
@@ -168,15 +169,14 @@ async def spawn(table: ProcessTable, req: SpawnRequest) -> ProcessInfo:
         raise ServiceError(ErrorCode.CAPACITY, f"sandbox {req.sandbox_id} already runs {limit} background "
                                                "processes (the node's limit): wait for or kill one")
     size = min(req.buffer_bytes or table.settings.process_buffer_bytes, table.settings.max_process_buffer_bytes)
-    process = Process(pid=next(table._pids), sandbox_id=req.sandbox_id, argv=list(req.argv),
-                      buffer=OutputBuffer(size))
-    command = Command(argv=list(req.argv), env=dict(req.env), cwd=req.cwd, stdin=b"", timeout_s=req.timeout_s or 0,
-                      max_output=size)
+    argv, env, cwd = image_config.resolve(live.rootfs, req.argv, req.env, req.cwd, req.image_command)
+    process = Process(pid=next(table._pids), sandbox_id=req.sandbox_id, argv=argv, buffer=OutputBuffer(size))
+    command = Command(argv=argv, env=env, cwd=cwd, stdin=b"", timeout_s=req.timeout_s or 0, max_output=size)
     try:
         running = await live.driver.spawn(live.instance, command, process.buffer.append,
                                           lambda status: table.exited(process, status))
     except DRIVER_ERRORS as exc:
-        raise service_error(exc, req.cwd) from None
+        raise service_error(exc, cwd) from None
     process.running = running
     if not req.stdin:
         running.close_stdin()

@@ -27,7 +27,18 @@ from pathlib import Path
 
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
-from schemas.layers import MAX_LAYERS, BuildReply, BuildRequest, DebianSource, DirSource, Layer, PipSource, TarSource
+from schemas.layers import (
+    MAX_STACK,
+    BuildReply,
+    BuildRequest,
+    DebianSource,
+    DirSource,
+    ImageSource,
+    Layer,
+    PipSource,
+    StackSource,
+    TarSource,
+)
 from services.layer_cache.cache import ImageCache
 from services.layer_cache.mounts import remove_tree
 from services.layer_cache.pip_env import strip_overlay_xattrs
@@ -98,10 +109,12 @@ async def make_image(root: Path, out: Path, compression: str = "lz4") -> TreeSta
     return stats
 
 
-async def unpack(tar: Path, dest: Path, mode: str, keep_whiteouts: bool) -> dict:
+async def unpack(tar: Path, dest: Path, mode: str, keep_whiteouts: bool, max_bytes: int = 0) -> dict:
     argv = [sys.executable, "-m", "services.layer_cache.unpack", "--dest", str(dest), "--mode", mode, str(tar)]
     if keep_whiteouts:
         argv.insert(-1, "--keep-whiteouts")
+    if max_bytes:
+        argv[-1:-1] = ["--max-bytes", str(max_bytes)]
     pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     out = await run(argv, "unpacking the archive", env={"PYTHONPATH": pythonpath}, failure=ErrorCode.INVALID_REQUEST)
     return json.loads(out.strip().splitlines()[-1])
@@ -187,6 +200,10 @@ class LayerBuilder:
             raise ServiceError(ErrorCode.UNSUPPORTED, "a Debian root is a base layer; it cannot go on another layer")
         if isinstance(req.source, PipSource) and not req.on:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "a pip layer goes on a layer with a Python: pass on=LAYER")
+        if isinstance(req.source, (ImageSource, StackSource)):
+            if req.on:
+                raise ServiceError(ErrorCode.INVALID_REQUEST, "an image is a stack of its own; it takes no on=LAYER")
+            return await (self._import(req) if isinstance(req.source, ImageSource) else self._stack(req))
         parent_digest = (await self.store.resolve(req.on))[0] if req.on else ""
         async with self._slot:
             started = time.perf_counter()
@@ -229,6 +246,39 @@ class LayerBuilder:
         described = f"({summary['format']}, {summary['layers']} layer(s))"
         return f"tar {source.filename} {described}" if source.filename else f"tar {described}"
 
+    # -- images ---------------------------------------------------------------------------
+
+    async def _import(self, req: BuildRequest) -> BuildReply:
+        from services.layer_cache import importing  # it builds on this module's steps
+
+        source = req.source
+        assert isinstance(source, ImageSource)
+        async with self._slot:
+            started = time.perf_counter()
+            work = self.layout.builds / secrets.token_hex(8)
+            work.mkdir(parents=True)
+            try:
+                archive = work / "source.tar"
+                await self.store.fetch_upload(source.upload, archive)
+                image, prepared = await importing.import_image(self.store, req, archive, work, req.compression)
+                layer, stored = await importing.store_image(self.store, req, image, prepared, self.node_id, started)
+                for digest, made in prepared.made.items():  # the importing node caches what it made
+                    if digest not in self.images.images:
+                        self.images.add(digest, made)
+            finally:
+                await asyncio.to_thread(remove_tree, work)
+            await self.store.delete_upload(source.upload)
+            return BuildReply(layer=layer, stored=stored, seconds=time.perf_counter() - started, node=self.node_id,
+                              reused=prepared.reused)
+
+    async def _stack(self, req: BuildRequest) -> BuildReply:
+        from services.layer_cache import importing
+
+        started = time.perf_counter()
+        layer = await importing.record_stack(self.store, req)
+        return BuildReply(layer=layer, stored=False, seconds=time.perf_counter() - started, node=self.node_id,
+                          reused=[p.digest for p in layer.stack])
+
     # -- pip ----------------------------------------------------------------------------
 
     async def _pip(self, source: PipSource, on: str, work: Path, root: Path) -> str:
@@ -262,11 +312,14 @@ class LayerBuilder:
         return f"pip on {on}: {what.strip()}"
 
     async def _chain(self, on: str) -> list[tuple[str, int]]:
-        """(digest, size) of `on` and the layers it was built on, bottom first, as recorded."""
-        digest, size = await self.store.resolve(on)
+        """(digest, size) of `on` and the layers it was built on, bottom first, as recorded (an
+        image's whole stack where one is among them)."""
+        chain, _ = await self.store.stack(on)
         known = {layer.digest: layer for layer in (await self.store.all()).values()}
-        chain = [(digest, size)]
-        while len(chain) < MAX_LAYERS and (layer := known.get(chain[0][0])) is not None and layer.parent_digest:
+        while len(chain) < MAX_STACK and (layer := known.get(chain[0][0])) is not None and layer.parent_digest:
             parent = known.get(layer.parent_digest)
-            chain.insert(0, (parent.digest, parent.size) if parent else await self.store.resolve(layer.parent_digest))
+            if parent is None:
+                chain.insert(0, await self.store.resolve(layer.parent_digest))
+            else:
+                chain[:0] = [(p.digest, p.size) for p in parent.stack] or [(parent.digest, parent.size)]
         return chain

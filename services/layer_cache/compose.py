@@ -19,16 +19,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from sandfleet.errors import ServiceError
 from sandfleet.telemetry import SANDBOX_ID
 from schemas.errors import ErrorCode
-from schemas.layers import Rootfs
+from schemas.layers import ImageConfig, Rootfs
 from services.layer_cache import mounts
 from services.layer_cache.cache import ImageCache
 from services.layer_cache.mounts import LayerMounts, remove_tree
 from services.layer_cache.recovery import Layout, Plan, plan
 
 log = logging.getLogger("sandfleet.layer_cache")
+
+CONFIG_FILE = "image-config.json"  # beside rootfs/upper/work: a restarted layer-cache reads it back
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class Composed:
     digests: tuple[str, ...]  # bottom first
     dir: Path
     created_at: float
+    config: ImageConfig | None = None  # of the image it was composed over; kept beside the root
 
     @property
     def rootfs(self) -> Path:
@@ -52,7 +57,11 @@ class Composed:
 
     def wire(self, broken: str = "") -> Rootfs:
         return Rootfs(sandbox_id=self.sandbox_id, path=str(self.rootfs), upper=str(self.upper),
-                      layers=list(self.digests), created_at=self.created_at, broken=broken)
+                      layers=list(self.digests), created_at=self.created_at, broken=broken, config=self.config)
+
+    @property
+    def config_file(self) -> Path:
+        return self.dir / CONFIG_FILE
 
 
 class RootfsComposer:
@@ -97,7 +106,8 @@ class RootfsComposer:
 
     # -- compose / release ------------------------------------------------------------
 
-    async def compose(self, sandbox_id: str, layers: list[tuple[str, int]], disk_mb: int = 0) -> Composed:
+    async def compose(self, sandbox_id: str, layers: list[tuple[str, int]], disk_mb: int = 0,
+                      config: ImageConfig | None = None) -> Composed:
         """`layers` is (digest, size) bottom first; composing the same sandbox again with the same
         layers returns the root it has (a retried request), with others it is a conflict.
         `disk_mb` > 0 puts the upper dir on a tmpfs of that size: a write beyond it is ENOSPC in
@@ -118,7 +128,7 @@ class RootfsComposer:
                     await self.images.acquire(digest, size)
                     undo.callback(self.images.unpin, digest)
                 lowers = [str(await self._mount_layer(d, fresh)) for d in digests]
-                composed = Composed(sandbox_id, digests, self.layout.sandbox(sandbox_id), time.time())
+                composed = Composed(sandbox_id, digests, self.layout.sandbox(sandbox_id), time.time(), config)
                 composed.dir.mkdir(parents=True, exist_ok=False)
                 undo.callback(remove_tree, composed.dir)
                 if disk_mb:
@@ -126,6 +136,8 @@ class RootfsComposer:
                     undo.callback(mounts.umount, str(composed.dir))
                 for path in (composed.upper, composed.work, composed.rootfs):
                     path.mkdir()
+                if config is not None:
+                    composed.config_file.write_bytes(msgspec.json.encode(config))
                 _copy_root_attributes(Path(lowers[0]), composed.upper)
                 mounts.mount_overlay(list(reversed(lowers)), composed.upper, composed.work, composed.rootfs)
                 undo.callback(mounts.umount, str(composed.rootfs))
@@ -251,7 +263,7 @@ class RootfsComposer:
             self.mounts.adopt(digest)
         for sandbox_id, digests in found.rootfs.items():
             composed = Composed(sandbox_id, tuple(digests), self.layout.sandbox(sandbox_id),
-                                self.layout.sandbox(sandbox_id).stat().st_mtime)
+                                self.layout.sandbox(sandbox_id).stat().st_mtime, _read_config(self.layout.sandbox(sandbox_id)))
             self._add(composed)
             for digest in digests:
                 self.images.pin(digest)
@@ -271,6 +283,16 @@ class RootfsComposer:
                     self.mounts.unmount(digest)
                 except OSError as exc:
                     log.warning("could not unmount %s: %s", digest, exc)
+
+
+def _read_config(sandbox_dir: Path) -> ImageConfig | None:
+    try:
+        return msgspec.json.decode((sandbox_dir / CONFIG_FILE).read_bytes(), type=ImageConfig)
+    except FileNotFoundError:
+        return None
+    except (OSError, msgspec.DecodeError) as exc:  # the root is still worth re-adopting without it
+        log.warning("unreadable image config in %s: %s", sandbox_dir, exc)
+        return None
 
 
 def _copy_root_attributes(base_layer: Path, upper: Path) -> None:

@@ -25,6 +25,7 @@ from schemas.layers import (
     Layer,
     LayerList,
     ListRequest,
+    MAX_STACK,
     ReleaseRootfsReply,
     ReleaseRootfsRequest,
     RemoveReply,
@@ -94,8 +95,13 @@ async def remove(deps: Deps, req: RemoveRequest) -> RemoveReply:
 
 
 async def compose(deps: Deps, req: ComposeRequest) -> Rootfs:
-    layers = await asyncio.gather(*(deps.store.resolve(ref) for ref in req.layers))
-    return (await deps.composer.compose(req.sandbox_id, list(layers), req.disk_mb)).wire()
+    """An image name stands for its whole stack; the root takes the config of the last image."""
+    stacks = await asyncio.gather(*(deps.store.stack(ref) for ref in req.layers))
+    layers = [part for parts, _ in stacks for part in parts]
+    if len(layers) > MAX_STACK:
+        raise ServiceError(ErrorCode.INVALID_REQUEST, f"{len(layers)} layers in all; a root takes {MAX_STACK} at most")
+    config = next((config for _, config in reversed(stacks) if config is not None), None)
+    return (await deps.composer.compose(req.sandbox_id, layers, req.disk_mb, config)).wire()
 
 
 async def release(deps: Deps, req: ReleaseRootfsRequest) -> ReleaseRootfsReply:

@@ -25,7 +25,17 @@ from nats.js.object_store import ObjectStore
 from sandfleet.bus import decode, encode, kv_values
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
-from schemas.layers import CHUNK_BYTES, KV_BUCKET, OBJECT_BUCKET, UPLOAD_BUCKET, UPLOAD_TTL_S, Layer
+from schemas.layers import (
+    CHUNK_BYTES,
+    DIFF_BUCKET,
+    KV_BUCKET,
+    OBJECT_BUCKET,
+    UPLOAD_BUCKET,
+    UPLOAD_TTL_S,
+    ImageConfig,
+    Layer,
+    StackLayer,
+)
 
 log = logging.getLogger("sandfleet.layer_cache")
 
@@ -103,11 +113,17 @@ async def _bucket(js: JetStreamContext, name: str, config: ObjectStoreConfig) ->
         return await js.object_store(name)
 
 
+def images_of(layer: Layer) -> list[str]:
+    """The digests a catalogue entry keeps in the store: its own, and its stack's."""
+    return [part.digest for part in layer.stack] or [layer.digest]
+
+
 class LayerStore:
-    def __init__(self, kv: KeyValue, images: ObjectStore, uploads: ObjectStore) -> None:
+    def __init__(self, kv: KeyValue, images: ObjectStore, uploads: ObjectStore, diffs: KeyValue | None = None) -> None:
         self.kv = kv
         self.images = images
         self.uploads = uploads
+        self.diffs = diffs  # OCI diff id → StackLayer; None: no image has been imported through this store
 
     @classmethod
     async def open(cls, js: JetStreamContext) -> LayerStore:
@@ -121,7 +137,33 @@ class LayerStore:
         uploads = await _bucket(
             js, UPLOAD_BUCKET, ObjectStoreConfig(storage=StorageType.FILE, ttl=UPLOAD_TTL_S, description="build sources")
         )
-        return cls(kv, images, uploads)
+        try:
+            diffs = await js.create_key_value(
+                KeyValueConfig(bucket=DIFF_BUCKET, history=1, storage=StorageType.FILE,
+                               description="OCI layer diff ids and their EROFS images")
+            )
+        except nats.js.errors.BadRequestError:
+            diffs = await js.key_value(DIFF_BUCKET)
+        return cls(kv, images, uploads, diffs)
+
+    # -- OCI layers by diff id --------------------------------------------------------
+
+    async def by_diff_id(self, diff_id: str) -> StackLayer | None:
+        """The image built from this OCI layer, if the store still holds it."""
+        if self.diffs is None:
+            return None
+        try:
+            entry = await self.diffs.get(diff_id.removeprefix(DIGEST_PREFIX))
+        except nats.js.errors.NotFoundError:
+            return None
+        if entry is None or not entry.value:
+            return None
+        part = decode(entry.value, StackLayer)
+        return part if await self.image_size(part.digest) == part.size else None
+
+    async def record_diff_id(self, part: StackLayer) -> None:
+        if self.diffs is not None and part.diff_id:
+            await self.diffs.put(part.diff_id.removeprefix(DIGEST_PREFIX), encode(part))
 
     # -- images -----------------------------------------------------------------------
 
@@ -208,6 +250,15 @@ class LayerStore:
         layer = await self.get(parsed)
         return layer.digest, layer.size
 
+    async def stack(self, ref: str) -> tuple[list[tuple[str, int]], ImageConfig | None]:
+        """(digest, size) of every image a reference stands for, bottom first (an image name: all
+        its layers), and its image config."""
+        parsed = Ref.parse(ref)
+        if parsed.digest:
+            return [await self.resolve(ref)], None
+        layer = await self.get(parsed)
+        return [(p.digest, p.size) for p in layer.stack] or [(layer.digest, layer.size)], layer.config
+
     async def record(self, layer: Layer) -> None:
         """Point `<name>` and each `<name>.<tag>` at this build."""
         value = encode(layer)
@@ -236,8 +287,8 @@ class LayerStore:
             raise ServiceError(ErrorCode.NOT_FOUND, f"no layer {ref}")
         for key in doomed:
             await self.kv.purge(key)
-        still = {layer.digest for key, layer in refs.items() if key not in doomed}
-        orphaned = sorted({refs[k].digest for k in doomed} - still)
+        still = {d for key, layer in refs.items() if key not in doomed for d in images_of(layer)}
+        orphaned = sorted({d for k in doomed for d in images_of(refs[k])} - still)
         for digest in orphaned:
             await self.delete_image(digest)
         return [str(Ref.from_key(k)) for k in sorted(doomed)], orphaned

@@ -85,7 +85,7 @@ async def pull(store: LayerStore, workdir: Path, req: TransferRequest) -> Transf
 
 
 async def chain(store: LayerStore, layer: Layer) -> list[Layer]:
-    """`layer` and the recorded layers it was built on, bottom first."""
+    """`layer` and the recorded layers it was built on, bottom first (an image's: its whole stack)."""
     known = {entry.digest: entry for entry in (await store.all()).values()}
     found = [layer]
     while len(found) < MAX_LAYERS and found[0].parent_digest:
@@ -94,7 +94,12 @@ async def chain(store: LayerStore, layer: Layer) -> list[Layer]:
             digest, size = await store.resolve(found[0].parent_digest)
             parent = Layer(name="", digest=digest, size=size, built_from="", created_at=0.0)
         found.insert(0, parent)
-    return found
+    expanded: list[Layer] = []  # an image among them travels with every layer of its stack
+    for entry in found:
+        expanded += [Layer(name="", digest=p.digest, size=p.size, built_from="", created_at=0.0)
+                     for p in entry.stack[:-1]]
+        expanded.append(entry)
+    return expanded
 
 
 async def copy(src: LayerStore, dst: LayerStore, ref: str, workdir: Path) -> TransferReply:

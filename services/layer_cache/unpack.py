@@ -1,13 +1,16 @@
 """Unpack a build source into a directory, as its own process chrooted into that directory.
 
-`python -m services.layer_cache.unpack --dest DIR --mode dir|image [--keep-whiteouts] TAR`
+`python -m services.layer_cache.unpack --dest DIR --mode dir|image|layer [--keep-whiteouts] [--max-bytes N] TAR`
 
 `dir`: a tar of a directory, taken literally. `image`: a `docker save` archive (manifest.json),
 an OCI image layout (index.json), or a plain root tar; image layers are applied bottom
 first with the OCI whiteout rules (`.wh.NAME` deletes NAME from the layers below, `.wh..wh..opq`
 empties its directory of them). With `--keep-whiteouts` (a layer built on another layer)
 they also become overlayfs whiteouts (a 0:0 character device, a `trusted.overlay.opaque`
-directory), so they hide files of the layers under it when composed.
+directory), so they hide files of the layers under it when composed. `layer`: one OCI layer's
+tar into an empty directory, to become an EROFS layer of its own: its whiteouts become overlay
+whiteouts and nothing is deleted (an opaque marker hides the layers below, never its siblings).
+`--max-bytes` refuses a tar whose members hold more content than that (sparse files included).
 
 An archive is the tenant's input. A member that names a place out of the tree (an absolute or
 `../` name, a hard link to one, a relative symlink that climbs above the root) or a device node
@@ -146,15 +149,21 @@ def _empty_dir(path: str) -> None:
         _remove(os.path.join(path, name))
 
 
-def apply_layer(layer: tarfile.TarFile, whiteouts: bool, keep_whiteouts: bool) -> None:
+def apply_layer(layer: tarfile.TarFile, whiteouts: bool, keep_whiteouts: bool, own_layer: bool = False,
+                max_bytes: int = 0) -> None:
     entries: list[tarfile.TarInfo] = []
     members = layer.getmembers()
     for member in members:  # all checked before anything is written
         check_member(member)
+    if max_bytes and (content := sum(m.size for m in members if m.isreg())) > max_bytes:
+        raise UnpackError(f"the layer holds {content} bytes of files, past the limit of {max_bytes}")
     for member in members:
         kind, path = classify(member.name) if whiteouts else ("entry", normalise(member.name))
         target = "/" + path
-        if kind == "opaque":
+        if kind == "opaque" and own_layer:
+            os.makedirs(target, exist_ok=True)
+            os.setxattr(target, OPAQUE_XATTR, b"y")
+        elif kind == "opaque":
             _empty_dir(target)
             if keep_whiteouts:
                 os.setxattr(target, OPAQUE_XATTR, b"y")
@@ -187,12 +196,25 @@ def _replacing(entries: list[tarfile.TarInfo]) -> Iterator[tarfile.TarInfo]:
         yield member
 
 
-def unpack(tar_path: str, dest: str, mode: str, keep_whiteouts: bool) -> dict:
+def _no_time_after(newest: float) -> None:
+    """What this unpacker made itself (the root, whiteout markers, parents the tar does not
+    list) gets the layer's newest time instead of now: the same layer must give the same image."""
+    for dirpath, dirnames, filenames in os.walk("/"):
+        for path in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
+            if os.lstat(path).st_mtime > newest:
+                os.utime(path, (newest, newest), follow_symlinks=False)
+
+
+def unpack(tar_path: str, dest: str, mode: str, keep_whiteouts: bool, max_bytes: int = 0) -> dict:
     outer = tarfile.open(tar_path, "r:*")
-    fmt, layer_names = ("dir", []) if mode == "dir" else image_layers(outer)
+    fmt, layer_names = ("dir", []) if mode == "dir" else ("layer", []) if mode == "layer" else image_layers(outer)
     os.makedirs(dest, exist_ok=True)
     os.chroot(dest)
     os.chdir("/")
+    if mode == "layer":
+        apply_layer(outer, whiteouts=True, keep_whiteouts=True, own_layer=True, max_bytes=max_bytes)
+        _no_time_after(max((m.mtime for m in outer.getmembers()), default=0))
+        return {"format": fmt, "layers": 1}
     if not layer_names:
         apply_layer(outer, whiteouts=mode == "image", keep_whiteouts=keep_whiteouts)
         return {"format": fmt, "layers": 1}
@@ -208,12 +230,13 @@ def unpack(tar_path: str, dest: str, mode: str, keep_whiteouts: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="unpack")
     p.add_argument("--dest", required=True)
-    p.add_argument("--mode", choices=["dir", "image"], required=True)
+    p.add_argument("--mode", choices=["dir", "image", "layer"], required=True)
     p.add_argument("--keep-whiteouts", action="store_true")
+    p.add_argument("--max-bytes", type=int, default=0)
     p.add_argument("tar")
     args = p.parse_args(argv)
     try:
-        summary = unpack(args.tar, args.dest, args.mode, args.keep_whiteouts)
+        summary = unpack(args.tar, args.dest, args.mode, args.keep_whiteouts, args.max_bytes)
     except (UnpackError, tarfile.TarError, KeyError, ValueError, OSError) as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         traceback.print_exc(limit=3, file=sys.stderr)
