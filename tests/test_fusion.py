@@ -32,6 +32,8 @@ from tests.kernel import require
 LAYER = "fz-langs"
 PACKAGES = ["python3", "g++", "nodejs", "golang-go", "default-jdk-headless"]
 LANGUAGES = ["python", "bash", "cpp", "nodejs", "go", "java"]
+# The first test's setup builds the layer: more than the suite's 300 s per test on a loaded machine.
+pytestmark = pytest.mark.timeout(900)
 COMPILE_S = 60.0  # generous: what is judged here is the outcome, not how fast a loaded machine compiles
 
 

@@ -27,9 +27,13 @@ def _json(body: object, status: int = 200) -> Response:
 
 def build_app(deps: judge.Deps) -> Starlette:
     async def run_code(request: Request) -> Response:
-        body = await request.body()
-        if len(body) > MAX_BODY:
-            return _json({"detail": f"request body over {MAX_BODY} bytes"}, 413)
+        chunks, size = [], 0
+        async for chunk in request.stream():  # read no further than the limit
+            size += len(chunk)
+            if size > MAX_BODY:
+                return _json({"detail": f"request body over {MAX_BODY} bytes"}, 413)
+            chunks.append(chunk)
+        body = b"".join(chunks)
         try:
             req = decode_request(body)
         except BadRequest as exc:
