@@ -64,14 +64,15 @@ async def _judge(req: RunCodeRequest, plan: languages.Plan, deps: Deps) -> RunCo
     except errors.SandfleetError as exc:
         return _sandbox_error(f"could not create a sandbox: {type(exc).__name__}: {exc.message}")
     # The sandbox goes whatever becomes of this call (a client that hangs up cancels it).
-    destroyed = asyncio.ensure_future(_steps(sb, req, plan))
+    steps = asyncio.ensure_future(_steps(sb, req, plan))
     try:
-        return await asyncio.shield(destroyed)
+        return await asyncio.shield(steps)
     finally:
-        await asyncio.shield(_destroy(sb, destroyed))
+        await asyncio.shield(_destroy(sb, steps))
 
 
 async def _destroy(sb, steps: asyncio.Future) -> None:
+    """Once its steps are over (each is bounded by its timeout), the sandbox goes."""
     if not steps.done():
         await asyncio.wait([steps])
     try:
