@@ -26,7 +26,7 @@ from sandbox_fusion import RunCodeRequest, RunStatus, SummaryMapping, summary_ru
 
 from sandfleet.layers_client import Layers
 from sandfleet.supervisor import free_port
-from tests.conftest import ROOT
+from tests.conftest import NODE_ID, ROOT, assert_nothing_left, start_platform, stop_platform
 from tests.kernel import require
 
 LAYER = "fz-langs"
@@ -53,7 +53,7 @@ async def endpoint(fleet, platform, tmp_path_factory):
                             stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
-        await asyncio.to_thread(_wait_for, url, proc)
+        await asyncio.to_thread(_wait_for, url, lambda: proc.poll() is None)
         sandbox_fusion.set_endpoint(url)  # the client's own setting, as a user points it elsewhere
         yield url
     finally:
@@ -62,10 +62,10 @@ async def endpoint(fleet, platform, tmp_path_factory):
         log.close()
 
 
-def _wait_for(url: str, proc: subprocess.Popen) -> None:
+def _wait_for(url: str, alive) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        assert proc.poll() is None, "the endpoint exited"
+        assert alive(), "the endpoint exited"
         try:
             with urllib.request.urlopen(f"{url}/v1/ping", timeout=1):
                 return
@@ -265,6 +265,23 @@ async def test_every_call_left_no_sandbox_behind(endpoint, fleet):
     await _run(code="print(1)", language="python")
     left = [r for r in await fleet.list() if r.spec.labels.get("client") == "sandbox-fusion"]
     assert left == []
+
+
+def test_sandfleet_up_starts_the_endpoint_when_asked_and_down_stops_it(leak_check, tmp_path_factory):
+    port = free_port()
+    p = start_platform(tmp_path_factory.mktemp("fusion-up"), f"{NODE_ID}-fz", env={"SANDFLEET_FUSION_PORT": str(port)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        pid = p.service_pid("fusion")
+        _wait_for(url, lambda: os.path.exists(f"/proc/{pid}"))
+        # This platform has no language layers: the endpoint says which to build.
+        body = requests.post(f"{url}/run_code", json={"code": "print(1)", "language": "python"}, timeout=60).json()
+        assert body["status"] == "SandboxError" and "lang-python" in body["message"], body
+    finally:
+        stop_platform(p)
+    assert_nothing_left(leak_check, p.data_dir, [p.node_id])
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{url}/v1/ping", timeout=5)
 
 
 # -- without a platform: the wire shapes, the plans, the layer recipes -------------------------
