@@ -4,7 +4,7 @@ session's platform: real sandboxes from a real Debian layer with every language'
 
 The layer is built once for this module (one Debian root with python3, g++, nodejs, golang-go and
 default-jdk-headless: the heavy languages share one build, and one base system): 640 MiB, in
-368 and 464 s on this 2-core machine while other test suites loaded it (printed with `-s`). The endpoint runs as its own process
+368, 408 and 464 s on this 2-core machine while other test suites loaded it (printed with `-s`). The endpoint runs as its own process
 (`python -m services.fusion`), as `sandfleet up` would start it."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ PACKAGES = ["python3", "g++", "nodejs", "golang-go", "default-jdk-headless"]
 LANGUAGES = ["python", "bash", "cpp", "nodejs", "go", "java"]
 # The first test's setup builds the layer: more than the suite's 300 s per test on a loaded machine.
 pytestmark = pytest.mark.timeout(900)
-COMPILE_S = 60.0  # generous: what is judged here is the outcome, not how fast a loaded machine compiles
+COMPILE_S = 120.0  # generous: what is judged here is the outcome, not how fast a loaded machine compiles
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +77,7 @@ def _wait_for(url: str, alive) -> None:
 async def _run(**fields) -> sandbox_fusion.RunCodeResponse:
     """The real client's call (sync, on a thread), with no retries so a failure shows at once."""
     fields.setdefault("compile_timeout", COMPILE_S)
+    fields.setdefault("run_timeout", COMPILE_S)  # a JVM's start on a loaded machine, not the default 10 s
     return await asyncio.to_thread(sandbox_fusion.run_code, RunCodeRequest(**fields), max_attempts=1)
 
 
