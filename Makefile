@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 APT_PACKAGES := catatonit strace libseccomp2 iproute2 util-linux python3-venv nodejs npm erofs-utils busybox-static debootstrap crun libfuse3-dev pkg-config fuse3 python3-bpfcc linux-headers-$(shell dpkg --print-architecture) nftables apparmor gcc libc6-dev
 NODE_STAMP := tests/node/node_modules/.installed
 
-.PHONY: install demo test schemas clean-venv bench
+.PHONY: install demo test schemas clean-venv bench fusion-layers
 
 install: $(STAMP) $(NODE_STAMP)
 
@@ -32,3 +32,8 @@ schemas: install
 
 bench: install
 	$(PY) -m loadtest.create_rate
+
+# The SandboxFusion endpoint's language layers (python bash cpp nodejs go java), one Debian root
+# each, built by the running platform at $$SANDFLEET_NATS_URL (`sandfleet up` first).
+fusion-layers: install
+	$(PY) -m sandfleet.cli fusion layers

@@ -52,6 +52,9 @@ SERVICES: list[tuple[str, str]] = [
 
 # Run once per platform; every other service in SERVICES runs once per node.
 CLUSTER_SERVICES = frozenset({"placement", "security-monitor"})
+# Run once per platform, and only when their setting (the port they listen on) is given: front
+# doors for other platforms' clients, started after the rest and so stopped first.
+OPTIONAL_SERVICES: list[tuple[str, str, str]] = [("fusion", "services.fusion", "SANDFLEET_FUSION_PORT")]
 CLUSTER_NAME = "sandfleet"
 
 
@@ -217,6 +220,9 @@ class Supervisor:
         if self.gateway and not self.join:  # a bus client like any other: last up, first down
             self.children.append(Child("gateway", [sys.executable, "-m", "services.gateway"], logs / "gateway.log",
                                        group="gateway", env={"SANDFLEET_GATEWAY_LISTEN": self.gateway}))
+        for name, module, setting in OPTIONAL_SERVICES:
+            if env.get(setting) and not self.join:
+                self.children.append(Child(name, [sys.executable, "-m", module], logs / f"{name}.log", group=name))
         self._state = self.data_dir / "supervisor.json"
         try:
             for child in self.children[: len(self.servers)]:
