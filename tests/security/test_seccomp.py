@@ -16,6 +16,7 @@ import struct
 import pytest
 
 from linuxnode import seccomp
+from linuxnode.seccomp_allowlist import ALLOWED
 from tests.kernel import require
 from tests.test_containers import BASE, base  # noqa: F401  (fixture)
 from tests.test_kernel_runtime import layout, sandbox, sandboxes  # noqa: F401  (fixtures)
@@ -84,7 +85,19 @@ CALLS = {
     "clone_newuser": (56, [NEWUSER_SIGCHLD, 0, 0, 0, 0]),
     "clone_newnet": (56, [0x40000000 | 17, 0, 0, 0, 0]),
     "clone3": (435, [0, 0]),
+    "io_uring_setup": (425, [0, 0]),
+    "io_uring_enter": (426, [0, 0, 0, 0, 0, 0]),
+    "io_uring_register": (427, [0, 0, 0, 0]),
 }
+# What the denylist refused, and still refused: the allowlist has none of them.
+REFUSED = (
+    "ptrace", "process_vm_readv", "process_vm_writev",
+    "mount", "umount2", "move_mount", "open_tree", "fsopen", "fsmount", "fsconfig", "fspick", "pivot_root",
+    "mount_setattr", "unshare", "setns", "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
+    "reboot", "swapon", "swapoff", "acct", "quotactl", "open_by_handle_at", "name_to_handle_at", "lookup_dcookie",
+    "iopl", "ioperm", "clock_settime", "settimeofday", "adjtimex", "clock_adjtime", "syslog", *seccomp.IO_URING,
+)
 
 
 def test_the_filter_is_classic_bpf_and_the_oci_section_has_the_same_rules():
@@ -94,24 +107,36 @@ def test_the_filter_is_classic_bpf_and_the_oci_section_has_the_same_rules():
     code, _, _, k = struct.unpack("=HBBI", program[-8:])
     assert code == 0x06  # ends in a return
     oci = seccomp.oci_seccomp()
-    assert oci["defaultAction"] == "SCMP_ACT_ALLOW"
+    assert (oci["defaultAction"], oci["defaultErrnoRet"]) == ("SCMP_ACT_ERRNO", 1)  # an allowlist
     names = {n for rule in oci["syscalls"] for n in rule["names"]}
-    assert set(seccomp.DENIED) | {"clone", "clone3"} <= names
+    assert set(ALLOWED) | {"clone", "clone3", "ioctl", "personality", "socket"} == names
+    assert not names & set(REFUSED)
 
 
 def test_fs_ioctls_are_refused_by_their_32_bit_command_in_both_forms_of_the_policy():
     oci = seccomp.oci_seccomp()
-    ioctl = {rule["args"][0]["valueTwo"]: (rule["errnoRet"], rule["args"][0]) for rule in oci["syscalls"]
-             if rule["names"] == ["ioctl"]}
-    assert {cmd: e for cmd, (e, _) in ioctl.items()} == (
-        {cmd: 1 for cmd in seccomp.IOCTLS_REFUSED.values()} | {cmd: 95 for cmd in seccomp.IOCTLS_UNSUPPORTED.values()})
-    assert all(arg["op"] == "SCMP_CMP_MASKED_EQ" and arg["value"] == 0xFFFFFFFF for _, arg in ioctl.values())
+    ioctl = [(rule["action"], rule.get("errnoRet"), rule["args"][0]) for rule in oci["syscalls"]
+             if rule["names"] == ["ioctl"]]
+    assert all(arg["op"] == "SCMP_CMP_MASKED_EQ" and arg["index"] == 1 and not arg["value"] >> 32
+               for _, _, arg in ioctl)  # only the 32 bits the kernel reads are compared
+    unsupported = {arg["valueTwo"] for action, e, arg in ioctl if action == "SCMP_ACT_ERRNO"}
+    assert unsupported == set(seccomp.IOCTLS_UNSUPPORTED.values())
+    allows = [(arg["value"], arg["valueTwo"]) for action, _, arg in ioctl if action == "SCMP_ACT_ALLOW"]
+
+    def allowed(cmd: int) -> bool:
+        return any(cmd & mask == value for mask, value in allows)
+
+    special = {*seccomp.IOCTLS_REFUSED.values(), *seccomp.IOCTLS_UNSUPPORTED.values()}
+    assert not any(allowed(cmd) for cmd in special)
+    neighbours = {cmd ^ (1 << bit) for cmd in special for bit in range(32)} - special
+    assert all(allowed(cmd) for cmd in neighbours | {0, 0x5401, 0x5413, 0x541B, 0xFFFFFFFF})
 
 
 def test_the_watched_syscall_numbers_name_every_refused_call():
     require(X86_64, "the expected numbers are x86_64's")
     numbers = seccomp.refused_syscalls()
-    assert set(numbers.values()) == set(seccomp.DENIED) | {"clone", "ioctl", "personality"}
+    assert set(numbers.values()) >= set(REFUSED) | {"clone", "ioctl", "personality"}
+    assert not set(numbers.values()) & (set(ALLOWED) | {"clone3", "socket"})
     assert {name: nr for nr, name in numbers.items() if name in CALLS} == {
         name: nr for name, (nr, _) in CALLS.items() if name in numbers.values()}
 

@@ -354,6 +354,10 @@ async def test_a_broad_userland_workload_runs_under_the_filter(fleet):
                                         "tar": "t.db", "tty": False}
         script = "cd /workspace && git init -q r && cd r && echo a > a && git add a && " \
                  "git -c user.name=t -c user.email=t@t commit -qm a && git log --oneline | wc -l"
+        # a venv is a pip install (of the wheels Python bundles: no network needed)
+        r = await sb.exec(["sh", "-c", "python3 -m venv /workspace/v && /workspace/v/bin/python -m pip list"],
+                          timeout_s=180)
+        assert r.exit_code == 0 and b"pip" in r.stdout, r
         if shutil.which("git"):
             r = await sb.exec(["sh", "-c", script], timeout_s=60)
             assert (r.exit_code, r.stdout.strip()) == (0, b"1"), r
