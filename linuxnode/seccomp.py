@@ -163,16 +163,18 @@ def compile_oci(section: dict) -> bytes:
     """An OCI seccomp section compiled by libseccomp rule by rule, as crun compiles it."""
     import pyseccomp as sc
 
-    def action(rule: dict):
-        if rule["action"] == "SCMP_ACT_ALLOW":
+    def action(name: str, code: int | None):
+        if name == "SCMP_ACT_ALLOW":
             return sc.ALLOW
-        return sc.ERRNO(rule.get("errnoRet", rule.get("defaultErrnoRet", errno.EPERM)))
+        if name == "SCMP_ACT_ERRNO":
+            return sc.ERRNO(errno.EPERM if code is None else code)  # the OCI default errno
+        raise ValueError(f"seccomp action {name} is not one this policy uses")
 
-    f = sc.SyscallFilter(action({"action": section["defaultAction"], "errnoRet": section.get("defaultErrnoRet")}))
+    f = sc.SyscallFilter(action(section["defaultAction"], section.get("defaultErrnoRet")))
     for rule in section["syscalls"]:
         args = [sc.Arg(a["index"], sc.MASKED_EQ, a["value"], a["valueTwo"]) for a in rule.get("args", ())]
         for name in rule["names"]:
-            f.add_rule(action(rule), name, *args)
+            f.add_rule(action(rule["action"], rule.get("errnoRet")), name, *args)
     with tempfile.TemporaryFile() as out:
         f.export_bpf(out)
         out.seek(0)

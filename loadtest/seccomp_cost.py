@@ -3,9 +3,9 @@
     .venv/bin/python -m loadtest.seccomp_cost [--n 200000] [--rounds 5] [--cycles 150]
 
 Two measurements, the filters alternating round by round so both see the same machine noise:
-- syscall loops in one child process per side that installs the filter itself (no_new_privs,
-  then the raw program, as the spawner does) and times loops of cheap calls;
-  `none` is the same child with no filter:
+- syscall loops in C (compiled here with gcc) in one child per side that installs the filter
+  itself (no_new_privs, then the raw program, as the spawner does) and times loops of cheap
+  calls; `none` is the same child with no filter:
     getpid      allowed whatever its arguments: the kernel's action cache skips the filter
     read_64     64-byte reads of /dev/zero: the same
     ioctl       FIONREAD on a pipe: allowed only for some commands, so the program runs
@@ -61,41 +61,66 @@ def denylist_filter() -> bytes:
 
 FILTERS = {"denylist": denylist_filter, "allowlist": seccomp.filter_bytes}
 
-CHILD = r"""
-import array, fcntl, json, os, socket, sys, termios, time
-sys.path.insert(0, sys.argv[3])
-program, n = bytes.fromhex(sys.argv[1]), int(sys.argv[2])
-if program:
-    from linuxnode import syscalls
-    syscalls.prctl(syscalls.PR_SET_NO_NEW_PRIVS, 1)
-    syscalls.install_seccomp(program)
-zero = os.open("/dev/zero", os.O_RDONLY)
-r, w = os.pipe()
-buf = array.array("i", [0])
+LOOPS_C = r"""
+/* argv: filter file (empty: none), n. Installs the filter as the spawner does (no_new_privs,
+   then the raw program), then prints ns per call of each loop as JSON: its own CPU time, so
+   other work on the machine does not count. */
+#include <fcntl.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
-def rate(count, step):
-    t = time.perf_counter()
-    for _ in range(count):
-        step()
-    return count / (time.perf_counter() - t)
+static double now(void) { struct timespec t; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t); return t.tv_sec * 1e9 + t.tv_nsec; }
 
-loops = {
-    "getpid": (n, os.getpid),
-    "read_64": (n, lambda: os.read(zero, 64)),
-    "ioctl": (n, lambda: fcntl.ioctl(r, termios.FIONREAD, buf)),
-    "socket": (n // 8, lambda: socket.socket(socket.AF_UNIX).close()),
+int main(int argc, char **argv) {
+    static char program[65536];
+    long n = atol(argv[2]);
+    if (argv[1][0]) {
+        int fd = open(argv[1], O_RDONLY);
+        ssize_t len = read(fd, program, sizeof program);
+        struct sock_fprog prog = {.len = (unsigned short)(len / 8), .filter = (struct sock_filter *)program};
+        if (len <= 0 || prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) || prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog))
+            return 1;
+    }
+    int zero = open("/dev/zero", O_RDONLY), p[2], avail;
+    char buf[64];
+    if (pipe(p)) return 2;
+    double t = now();
+    for (long i = 0; i < n; i++) syscall(SYS_getpid);
+    double getpid_ns = (now() - t) / n;
+    t = now();
+    for (long i = 0; i < n; i++) if (read(zero, buf, sizeof buf) != sizeof buf) return 3;
+    double read_ns = (now() - t) / n;
+    t = now();
+    for (long i = 0; i < n; i++) if (ioctl(p[0], FIONREAD, &avail)) return 4;
+    double ioctl_ns = (now() - t) / n;
+    t = now();
+    for (long i = 0; i < n / 8; i++) { int s = socket(AF_UNIX, SOCK_STREAM, 0); if (s < 0) return 5; close(s); }
+    double socket_ns = (now() - t) / (n / 8);
+    printf("{\"getpid\": %.1f, \"read_64\": %.1f, \"ioctl\": %.1f, \"socket\": %.1f}\n",
+           getpid_ns, read_ns, ioctl_ns, socket_ns);
+    return 0;
 }
-for count, step in loops.values():
-    rate(count // 20, step)
-print(json.dumps({name: rate(count, step) for name, (count, step) in loops.items()}))
 """
 LOOPS = ("getpid", "read_64", "ioctl", "socket")
 
 
-def syscall_round(program: bytes, n: int) -> dict[str, float]:
-    root = str(Path(__file__).resolve().parent.parent)
-    out = subprocess.run([sys.executable, "-S", "-c", CHILD, program.hex(), str(n), root],
-                         capture_output=True, text=True, check=True)
+def build_loops(tmp: Path) -> Path:
+    (tmp / "loops.c").write_text(LOOPS_C)
+    subprocess.run(["gcc", "-O2", "-o", str(tmp / "loops"), str(tmp / "loops.c")], check=True)
+    return tmp / "loops"
+
+
+def syscall_round(loops: Path, program: Path | None, n: int) -> dict[str, float]:
+    """ns per call of each loop in a fresh child under `program` (None: no filter)."""
+    out = subprocess.run([str(loops), str(program or ""), str(n)], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
 
@@ -112,7 +137,7 @@ def create_round(side: str, cycles: int, concurrency: int, offset: int) -> tuple
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=200_000, help="calls per loop per round (socket does n/8)")
+    ap.add_argument("--n", type=int, default=1_000_000, help="calls per loop per round (socket does n/8)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cycles", type=int, default=150, help="create cycles per round per side")
     ap.add_argument("--concurrency", type=int, default=8)
@@ -123,22 +148,28 @@ def main() -> int:
     loops: dict[str, list[dict[str, float]]] = {side: [] for side in programs}
     rates: dict[str, list[float]] = {side: [] for side in FILTERS}
     lat: dict[str, dict[str, list[float]]] = {s: {"create": [], "exec": [], "destroy": []} for s in FILTERS}
-    for r in range(args.rounds):
-        order = list(programs) if r % 2 == 0 else list(reversed(programs))
-        for side in order:
-            loops[side].append(syscall_round(programs[side], args.n))
-        for i, side in enumerate(order[-2:] if r % 2 == 0 else order[:2]):
-            rate, got = create_round(side, args.cycles, args.concurrency, (2 * r + i) * args.cycles)
-            rates[side].append(rate)
-            for k, v in got.items():
-                lat[side][k].extend(v)
-            print(f"round {r + 1}/{args.rounds} {side:<9} {rate:6.1f} cycles/s", flush=True)
+    with tempfile.TemporaryDirectory(prefix="seccomp-cost-") as tmp:
+        binary = build_loops(Path(tmp))
+        files = {side: None if not p else Path(tmp) / side for side, p in programs.items()}
+        for side, path in files.items():
+            if path is not None:
+                path.write_bytes(programs[side])
+        for r in range(args.rounds):
+            order = list(programs) if r % 2 == 0 else list(reversed(programs))
+            for side in order:
+                loops[side].append(syscall_round(binary, files[side], args.n))
+            for i, side in enumerate(order[-2:] if r % 2 == 0 else order[:2]):
+                rate, got = create_round(side, args.cycles, args.concurrency, (2 * r + i) * args.cycles)
+                rates[side].append(rate)
+                for k, v in got.items():
+                    lat[side][k].extend(v)
+                print(f"round {r + 1}/{args.rounds} {side:<9} {rate:6.1f} cycles/s", flush=True)
 
-    per_s = {side: {loop: statistics.median(s[loop] for s in rows) for loop in LOOPS} for side, rows in loops.items()}
+    ns_per_call = {side: {loop: statistics.median(s[loop] for s in rows) for loop in LOOPS}
+                   for side, rows in loops.items()}
     results = {
         "program_instructions": {side: len(p) // 8 for side, p in programs.items()},
-        "syscalls_per_s": per_s,
-        "ns_per_call": {side: {loop: 1e9 / v for loop, v in row.items()} for side, row in per_s.items()},
+        "ns_per_call": ns_per_call,
         "create": {side: {"cycles_per_s": round(statistics.median(rates[side]), 1),
                           "rounds_cycles_per_s": [round(x, 1) for x in rates[side]],
                           **{k: percentiles(v) for k, v in lat[side].items()}} for side in FILTERS},

@@ -35,10 +35,10 @@ AUDIT_ARCH_X86_64, AUDIT_ARCH_I386 = 0xC000003E, 0x40000003
 RET_ALLOW, RET_ERRNO, RET_ACTION = 0x7FFF0000, 0x00050000, 0xFFFF0000
 SIGSYS = 31
 HIGHEST = 1023
-# The kernel runs these without asking seccomp (uretprobe since 6.11, uprobe since 6.16): the
-# trampoline it maps into a probed process calls them, so no filter may break probes. Made from
-# anywhere else they only fail: uretprobe kills its caller (SIGILL), uprobe gives ENXIO. On an
-# older kernel they do not exist and the filter refuses them like any number it does not allow.
+# Recent kernels run these two without asking seccomp: the trampoline the kernel maps into a
+# probed process calls them, and no filter may break probes. Made from anywhere else they only
+# fail: uretprobe kills its caller (SIGILL), uprobe gives ENXIO. A kernel without them, or one
+# that still filters them, refuses them like any number the filter does not allow.
 SECCOMP_EXEMPT = {335: ("sig4", str(errno.EPERM)), 336: (str(errno.ENXIO), str(errno.EPERM))}
 
 WALKER_C = r"""
@@ -364,74 +364,4 @@ async def test_io_uring_is_refused_and_reported(fleet, x86_64):
             assert v.sandbox_id == sb.id and v.command == "python3" and name in v.attempted, v
     finally:
         seen.close()
-        await sb.destroy()
-
-
-# -- what a normal userland does still works ----------------------------------------------------
-
-WORKLOAD = r"""
-import asyncio, json, multiprocessing as mp, os, socket, sqlite3, subprocess, sys, tarfile, tempfile, threading
-out = {}
-ts = [threading.Thread(target=lambda: sum(range(10000))) for _ in range(16)]
-[t.start() for t in ts]; [t.join() for t in ts]
-out["threads"] = len(ts)
-with socket.socket() as srv:
-    srv.bind(("127.0.0.1", 0)); srv.listen()
-    with socket.create_connection(srv.getsockname()) as c:
-        peer, _ = srv.accept(); c.sendall(b"ping"); out["tcp"] = peer.recv(4).decode(); peer.close()
-a, b = socket.socketpair(); a.send(b"x"); out["unix"] = b.recv(1).decode()
-async def echo():
-    server = await asyncio.start_server(lambda r, w: (w.write(b"hi"), w.close()), "127.0.0.1", 0)
-    reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
-    data = await reader.read(); writer.close(); server.close(); return data.decode()
-out["asyncio"] = asyncio.run(echo())
-for method in ("fork", "spawn", "forkserver"):
-    with mp.get_context(method).Pool(2) as pool:
-        out[method] = pool.map(abs, [-1, -2])
-out["subprocess"] = subprocess.run(["sh", "-c", "echo $((6*7)) | cat"], capture_output=True, check=True).stdout.decode().strip()
-db = sqlite3.connect("/workspace/t.db"); db.execute("create table t(x)"); db.execute("insert into t values (1)")
-db.commit(); out["sqlite"] = db.execute("select count(*) from t").fetchone()[0]
-with tarfile.open("/workspace/t.tgz", "w:gz") as t: t.add("/workspace/t.db", "t.db")
-out["tar"] = subprocess.run(["tar", "tzf", "/workspace/t.tgz"], capture_output=True, check=True).stdout.decode().strip()
-out["tty"] = os.isatty(0)
-print(json.dumps(out))
-"""
-C_PROGRAM = '#include <stdio.h>\n#include <pthread.h>\nvoid *f(void *a) { return a; }\nint main(void) { pthread_t t; ' \
-            'pthread_create(&t, 0, f, 0); pthread_join(t, 0); printf("c ok\\n"); return 0; }\n'
-CXX_PROGRAM = '#include <iostream>\n#include <thread>\nint main() { std::thread t([]{}); t.join(); std::cout << "c++ ok\\n"; }\n'
-
-
-async def test_a_broad_userland_workload_runs_under_the_filter(fleet):
-    sb = await fleet.create(memory_mb=512, host_view=True, timeout_s=300)
-    try:
-        r = await sb.exec(["python3", "-c", WORKLOAD], cwd="/workspace", timeout_s=120)
-        assert r.exit_code == 0, r.stderr
-        assert json.loads(r.stdout) == {"threads": 16, "tcp": "ping", "unix": "x", "asyncio": "hi", "fork": [1, 2],
-                                        "spawn": [1, 2], "forkserver": [1, 2], "subprocess": "42", "sqlite": 1,
-                                        "tar": "t.db", "tty": False}
-        script = "cd /workspace && git init -q r && cd r && echo a > a && git add a && " \
-                 "git -c user.name=t -c user.email=t@t commit -qm a && git log --oneline | wc -l"
-        # a venv is a pip install (of the wheels Python bundles: no network needed)
-        r = await sb.exec(["sh", "-c", "python3 -m venv /workspace/v && /workspace/v/bin/python -m pip list"],
-                          timeout_s=180)
-        assert r.exit_code == 0 and b"pip" in r.stdout, r
-        if shutil.which("git"):
-            r = await sb.exec(["sh", "-c", script], timeout_s=60)
-            assert (r.exit_code, r.stdout.strip()) == (0, b"1"), r
-        if shutil.which("gcc"):
-            await sb.write_file("/workspace/p.c", C_PROGRAM.encode())
-            r = await sb.exec(["sh", "-c", "cd /workspace && gcc -O1 -pthread -o p p.c && ./p"], timeout_s=120)
-            assert (r.exit_code, r.stdout) == (0, b"c ok\n"), r
-        if shutil.which("g++"):
-            await sb.write_file("/workspace/q.cc", CXX_PROGRAM.encode())
-            r = await sb.exec(["sh", "-c", "cd /workspace && g++ -O1 -pthread -o q q.cc && ./q"], timeout_s=120)
-            assert (r.exit_code, r.stdout) == (0, b"c++ ok\n"), r
-        if shutil.which("node"):
-            r = await sb.exec(["node", "-e", "require('fs').writeFileSync('/workspace/n', 'x'); "
-                               "require('child_process').execSync('true'); console.log('node ok')"], timeout_s=60)
-            assert (r.exit_code, r.stdout) == (0, b"node ok\n"), r
-        if shutil.which("java"):
-            r = await sb.exec(["java", "-Xmx64m", "-XX:+UseSerialGC", "-version"], timeout_s=120)
-            assert r.exit_code == 0 and b"version" in r.stderr, r
-    finally:
         await sb.destroy()
