@@ -4,9 +4,10 @@ the kernel has gets EPERM, and the node agent reports it as a `syscall.<name>` v
 (`refused_syscalls()` is the list it watches, so the two never disagree).
 
 One policy, two forms: `oci_seccomp()` is the OCI `linux.seccomp` section crun compiles for a
-container's init, and `filter_bytes()` compiles that same section with libseccomp (PyPI
-`pyseccomp`) the way crun does, as raw classic-BPF bytes the spawner installs in every
-child with `syscalls.install_seccomp` as the last step before exec (the spawner runs without
+container's init, and `filter_bytes()` is that same section compiled with libseccomp (PyPI
+`pyseccomp`) the way crun does, behind a hand-written prefix that decides native calls the
+same way in fewer instructions: raw classic-BPF bytes the spawner installs in every child
+with `syscalls.install_seccomp` as the last step before exec (the spawner runs without
 site-packages, so it never imports libseccomp). Built once per launcher.
 
 - Numbers libseccomp does not know (above the highest it names: calls newer than the
@@ -46,7 +47,7 @@ import os
 import struct
 import tempfile
 
-from linuxnode.seccomp_allowlist import ALLOWED
+from linuxnode.seccomp_allowlist import ALLOWED, ARGUMENT_CHECKED
 
 CLONE_NS_FLAGS = {
     "CLONE_NEWTIME": 0x00000080, "CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000,
@@ -170,8 +171,7 @@ def _answers(highest: int) -> list[int | str]:
     """For each native number up to `highest`: the action the policy gives it whatever its
     arguments (ALLOW, or EPERM for a refused or unnamed number), or the name of a call whose
     arguments decide (clone, clone3, ioctl, personality, socket)."""
-    known, allowed = known_syscalls(), set(ALLOWED)
-    asked = {"clone", "clone3", "ioctl", "personality", "socket"}
+    known, allowed, asked = known_syscalls(), set(ALLOWED), {*ARGUMENT_CHECKED, "clone3"}
     return [_SECCOMP_RET_ALLOW if known.get(nr) in allowed else known[nr] if known.get(nr) in asked
             else _SECCOMP_RET_ERRNO | errno.EPERM for nr in range(highest + 1)]
 
