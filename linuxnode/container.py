@@ -26,8 +26,8 @@ process sandbox's policy (landlock.py) and execs catatonit.
 Commands are not run with `crun exec`: the `process` runtime's spawner joins the container's
 init (its cgroups, every namespace, its root) and gives the command the confinement crun would
 give it from this bundle (no capabilities, no_new_privs, uid/gid 0, umask 022, no rlimits of
-its own, the Landlock policy, and the `process` seccomp filter, which is this bundle's plus
-the personality rule), for less CPU: an exec of `true` costs the launcher ~11 ms with its
+its own, the Landlock policy, and the `process` seccomp filter: this bundle's program behind a
+prefix that decides the native calls faster and gives numbers unknown to libseccomp ENOSYS), for less CPU: an exec of `true` costs the launcher ~11 ms with its
 spawner against ~17 ms with `crun exec` and its prelude.
 """
 

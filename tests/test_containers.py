@@ -180,7 +180,7 @@ async def test_an_exec_has_the_confinement_crun_gave_the_init(fleet, base):
             await asyncio.sleep(0.05)
         programs = seccomp_programs(init)
         # The init has the filter crun compiled from the bundle; a command has the process filter,
-        # which is that same program behind the personality rule (a prefix that only refuses).
+        # which is that same program behind a prefix (linuxnode/seccomp.py: it decides the same).
         assert len(programs) == 1 and filter_bytes().endswith(programs[0]) and filter_bytes() != programs[0]
         assert children and [seccomp_programs(p) for p in children] == [[filter_bytes()]] * len(children)
         busy.cancel()

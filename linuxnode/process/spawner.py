@@ -201,7 +201,7 @@ class Spawner:
         from linuxnode import seccomp
 
         self._stop()
-        filter_hex = seccomp.filter_bytes().hex()  # built once per launcher; ~1.5 kB of argv
+        filter_hex = seccomp.filter_bytes().hex()  # built once per launcher; ~18 kB of argv, once
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # the directory holding linuxnode/: -I leaves it off the helper's path
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
