@@ -40,11 +40,13 @@ BUS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 class Instrument:
     """One metric family: its kind, name, help and label names; a no-op until bound."""
 
-    __slots__ = ("kind", "name", "help", "labels", "buckets", "initial", "_real", "_functions")
+    __slots__ = ("kind", "name", "help", "labels", "buckets", "initial", "owner", "_real", "_functions")
 
     def __init__(self, kind: str, name: str, help: str, labels: tuple[str, ...] = (),
-                 buckets: tuple[float, ...] = (), initial: tuple[dict[str, str], ...] = ()) -> None:
+                 buckets: tuple[float, ...] = (), initial: tuple[dict[str, str], ...] = (),
+                 owner: str | None = None) -> None:
         self.kind, self.name, self.help, self.labels, self.buckets = kind, name, help, labels, buckets
+        self.owner = owner  # the one service that records it (None: every service), the only one exporting it
         self.initial = initial  # label sets exported at 0 from the start, so a rate is defined before the first event
         self._real: Any = None
         self._functions: list[tuple[dict[str, str], Callable[[], float]]] = []
@@ -100,41 +102,49 @@ OUTCOMES = ("ok", "failed")
 CREATES = Instrument(
     "histogram", "sandfleet_create_seconds",
     "Sandbox creations answered by placement, and how long from request to running (its count is the creations)",
-    ("isolation", "outcome"), CREATE_BUCKETS)
+    ("isolation", "outcome"), CREATE_BUCKETS, owner="placement")
 LAUNCHES = Instrument(
     "histogram", "sandfleet_launch_seconds",
     "Sandboxes a node's launcher built, and how long from launch request to running (queue, confine, root, start)",
-    ("isolation", "outcome"), CREATE_BUCKETS)
-RUNNING = Instrument("gauge", "sandfleet_node_running_sandboxes", "Sandboxes live on the node")
-CAPACITY = Instrument("gauge", "sandfleet_node_capacity_sandboxes", "Sandboxes the node takes at most")
+    ("isolation", "outcome"), CREATE_BUCKETS, owner="launcher")
+RUNNING = Instrument("gauge", "sandfleet_node_running_sandboxes", "Sandboxes live on the node", owner="launcher")
+CAPACITY = Instrument("gauge", "sandfleet_node_capacity_sandboxes", "Sandboxes the node takes at most",
+                      owner="launcher")
 LAUNCH_QUEUE = Instrument("gauge", "sandfleet_launch_queue_depth",
-                          "Launches the node accepted and has not begun to build (waiting for a build slot)")
+                          "Launches the node accepted and has not begun to build (waiting for a build slot)",
+                          owner="launcher")
 ERRORS = Instrument("counter", "sandfleet_errors_total", "Requests a service answered with an error, by error code",
                     ("code",))
 VIOLATIONS = Instrument("counter", "sandfleet_violations_total",
-                        "Violations the node agent published, by kind (`<layer>.<what>`)", ("kind",))
+                        "Violations the node agent published, by kind (`<layer>.<what>`)", ("kind",),
+                        owner="agent")
 POLICY_ACTIONS = Instrument("counter", "sandfleet_policy_actions_total",
                             "Actions the security monitor carried out on a sandbox's node, by action and outcome",
                             ("action", "outcome"),
                             initial=tuple({"action": a, "outcome": o} for a in ("kill", "quarantine")
-                                          for o in ("done", "not_done")))
+                                          for o in ("done", "not_done")), owner="security-monitor")
 RECLAIM_ACTIONS = Instrument("counter", "sandfleet_reclaim_actions_total", "Reclaimer actions taken, by action",
-                             ("action",), initial=tuple({"action": a} for a in ("merge", "page_out", "freeze")))
+                             ("action",), initial=tuple({"action": a} for a in ("merge", "page_out", "freeze")),
+                             owner="reclaimer")
 RECLAIMED = Instrument("counter", "sandfleet_reclaimed_bytes_total", "Bytes the reclaimer's actions took back",
-                       ("action",), initial=tuple({"action": a} for a in ("merge", "page_out", "freeze")))
+                       ("action",), initial=tuple({"action": a} for a in ("merge", "page_out", "freeze")),
+                       owner="reclaimer")
 SANDBOX_MEMORY = Instrument("gauge", "sandfleet_node_sandbox_memory_bytes",
-                            "Memory charged to the node's sandboxes' cgroups, at the reclaimer's last pass")
-MERGED = Instrument("gauge", "sandfleet_node_merged_bytes", "Sandbox memory KSM shares, at the reclaimer's last pass")
+                            "Memory charged to the node's sandboxes' cgroups, at the reclaimer's last pass",
+                            owner="reclaimer")
+MERGED = Instrument("gauge", "sandfleet_node_merged_bytes", "Sandbox memory KSM shares, at the reclaimer's last pass",
+                    owner="reclaimer")
 SWAPPED = Instrument("gauge", "sandfleet_node_swapped_bytes",
-                     "Sandbox memory paged out to the node's zram, uncompressed")
+                     "Sandbox memory paged out to the node's zram, uncompressed", owner="reclaimer")
 LAYER_LOOKUPS = Instrument("counter", "sandfleet_layer_cache_lookups_total",
                            "Images a compose needed, found on the node (hit) or fetched from the store (miss)",
-                           ("result",), initial=({"result": "hit"}, {"result": "miss"}))
+                           ("result",), initial=({"result": "hit"}, {"result": "miss"}), owner="layer-cache")
 LAYER_FETCHED = Instrument("counter", "sandfleet_layer_fetched_bytes_total",
-                           "Image bytes fetched from the store whole (full mode) ", initial=())
+                           "Image bytes fetched from the store as whole images (fetch mode `full`)",
+                           owner="layer-cache")
 LAYER_CACHE_BYTES = Instrument("gauge", "sandfleet_layer_cache_bytes",
                                "The node's image cache: bytes fetched from the store so far (lazy images count "
-                               "their chunks read), and bytes on disk", ("kind",))
+                               "their chunks read), and bytes on disk", ("kind",), owner="layer-cache")
 BUS_REQUESTS = Instrument("histogram", "sandfleet_bus_request_seconds",
                           "Bus requests, by subject family (a node's id is `*`) and side: `client` is the round "
                           "trip a caller waited, `server` the handling", ("family", "side"), BUS_BUCKETS)
@@ -159,6 +169,7 @@ def setup(service_name: str) -> bool:
         return _server is not None
     import prometheus_client as prom
 
+    prom.disable_created_metrics()  # a `_created` series beside every counter: twice the series, no use here
     registry = prom.CollectorRegistry(auto_describe=True)
     try:
         _server, _ = prom.start_http_server(int(port), addr="127.0.0.1", registry=registry)
@@ -166,7 +177,8 @@ def setup(service_name: str) -> bool:
         log.warning("metrics of %s not served on port %s: %s", service_name, port, exc)
         return False
     for instrument in INSTRUMENTS:
-        instrument.bind(registry)
+        if instrument.owner in (None, service_name):
+            instrument.bind(registry)
     return True
 
 
@@ -205,13 +217,16 @@ def span_recorder() -> Any:
 
 
 def subject_family(subject: str) -> str:
-    """A subject without its ids: `node.v1.<node>.<verb>[.<more>]` → `node.v1.*.<verb>`; others
-    keep their first four tokens (`sandbox.v1.create`, `sandbox.v1.quota.set`)."""
+    """A subject without its ids: `node.v1.<node>.<verb>` → `node.v1.*.<verb>` (a verb has up to
+    three tokens: `layers.cache.drop`; a tunnel's id after `tunnel` goes too); others keep their
+    first four tokens (`sandbox.v1.create`, `sandbox.v1.quota.set`)."""
     from schemas import node as node_schema
+    from schemas.ports import TUNNEL
 
     tokens = subject.split(".")
     shape = node_schema.subject("\0", "\1").split(".")
     at = shape.index("\0")
     if tokens[:at] == shape[:at] and len(tokens) > at + 1:
-        return ".".join([*tokens[:at], "*", tokens[at + 1]])
+        verb = tokens[at + 1:at + 2] if tokens[at + 1] == TUNNEL else tokens[at + 1:at + 4]
+        return ".".join([*tokens[:at], "*", *verb])
     return ".".join(tokens[:4])

@@ -20,7 +20,7 @@ from typing import Protocol
 from sandfleet import metrics
 from sandfleet.config import node_id
 
-ENV = "SANDFLEET_PROMETHEUS"  # "on" (port 9090, or a free one if taken) or a port number
+ENV = "SANDFLEET_PROMETHEUS"  # "on" (port 9090, or a free one if taken), or a port number (0: a free one)
 SCRAPE_ENV = "SANDFLEET_PROMETHEUS_SCRAPE_S"
 DEFAULT_PORT = 9090
 DEFAULT_SCRAPE_S = 5.0
@@ -34,7 +34,8 @@ class Target:
     port: int
 
     def entry(self) -> dict:
-        return {"targets": [f"127.0.0.1:{self.port}"], "labels": {"service": self.service, "node": self.node}}
+        labels = {"service": self.service, **({"node": self.node} if self.node else {})}
+        return {"targets": [f"127.0.0.1:{self.port}"], "labels": labels}
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def config(targets_file: Path, scrape_s: float) -> str:
 def wanted(env: dict[str, str]) -> int | None:
     """The port to run Prometheus on (0: any free one), or None when none is to run."""
     value = env.get(ENV, "").strip().lower()
-    if value in ("", "off", "0", "no", "false"):
+    if value in ("", "off", "no", "false"):
         return None
     if value.isdigit():
         return int(value)
@@ -105,14 +106,16 @@ class Service(Protocol):
     env: dict[str, str]  # its own environment (a node service's names its node)
 
 
-def attach(data_dir: Path, services: list[Service], env: dict[str, str]) -> Server | None:
+def attach(data_dir: Path, services: list[Service], cluster: frozenset[str], env: dict[str, str]) -> Server | None:
     """Give each of the supervisor's `services` a metrics port (into its env), write the targets
-    file, and plan the Prometheus `env` asks for, if any. No ports when metrics are off."""
+    file, and plan the Prometheus `env` asks for, if any. No ports when metrics are off.
+    `cluster`: the services that run once per platform (their series carry no node)."""
     ports = _free_ports(len(services)) if metrics.enabled() else []
     targets = []
     for service, port in zip(services, ports):
         service.env[metrics.PORT_ENV] = str(port)
-        targets.append(Target(service.group, service.env.get("SANDFLEET_NODE_ID") or node_id(), port))
+        node = "" if service.group in cluster else service.env.get("SANDFLEET_NODE_ID") or node_id()
+        targets.append(Target(service.group, node, port))
     targets_file = write_targets(data_dir, targets)
     port = wanted(env)
     return None if port is None else server(data_dir, targets_file, port, env)

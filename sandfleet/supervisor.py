@@ -216,7 +216,8 @@ class Supervisor:
                 self.children.append(Child(label, [sys.executable, "-m", module], logs / f"{label}.log",
                                            group=name, env=node.env()))
         # Metrics ports for the services, and the Prometheus scraping them (SANDFLEET_PROMETHEUS), stopped first.
-        self.prometheus_server = prometheus.attach(self.data_dir, self.children[len(self.servers):], {**env, **self.env})
+        self.prometheus_server = prometheus.attach(self.data_dir, self.children[len(self.servers):],
+                                                   CLUSTER_SERVICES, {**env, **self.env})
         if self.prometheus_server is not None:
             self.children.append(Child("prometheus", self.prometheus_server.argv, logs / "prometheus.log",
                                        group="prometheus"))
