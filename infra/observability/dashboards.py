@@ -18,8 +18,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from grafana_foundation_sdk.builders import common as common_builders
 from grafana_foundation_sdk.builders import dashboard, prometheus, stat, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
 
 HERE = Path(__file__).resolve().parent
@@ -60,7 +62,11 @@ def _traces_link() -> dashboard.DashboardLink:
 
 def series(title: str, unit: str, *queries: Query, latency: bool = False, width: int = 12,
            description: str = "") -> timeseries.Panel:
-    panel = timeseries.Panel().title(title).unit(unit).datasource(PROMETHEUS).span(width).height(8)
+    legend = (common_builders.VizLegendOptions().display_mode(common.LegendDisplayMode.LIST)
+              .placement(common.LegendPlacement.BOTTOM).show_legend(True))
+    tooltip = common_builders.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI).sort(common.SortOrder.DESCENDING)
+    panel = (timeseries.Panel().title(title).unit(unit).datasource(PROMETHEUS).span(width).height(8)
+             .legend(legend).tooltip(tooltip).line_width(1).fill_opacity(10).show_points(common.VisibilityMode.NEVER))
     if description:
         panel = panel.description(description)
     for i, query in enumerate(queries):
@@ -71,7 +77,9 @@ def series(title: str, unit: str, *queries: Query, latency: bool = False, width:
 
 
 def single(title: str, unit: str, query: Query, width: int = 6) -> stat.Panel:
+    last = common_builders.ReduceDataOptions().calcs(["lastNotNull"]).values(False)
     return (stat.Panel().title(title).unit(unit).datasource(PROMETHEUS).span(width).height(4)
+            .graph_mode(common.BigValueGraphMode.AREA).reduce_options(last)
             .with_target(_target(query, "A", exemplar=False)))
 
 
