@@ -13,6 +13,7 @@ itself is not installable on this machine, so no Grafana renders them here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import importlib.util
 import json
@@ -236,7 +237,8 @@ async def workload(pm_platform, tmp_path_factory):
             await fleet.get("sb-000000000000")
         await fleet.set_policy(task="pm-cheat", action="kill", thresholds={"network": 1})
         cheat = await fleet.create(memory_mb=64, labels={"task": "pm-cheat"}, host_view=True)
-        await cheat.exec(["python3", "-c", CONNECT], timeout_s=10)
+        with contextlib.suppress(errors.SandboxEnded):  # the policy may kill it while the command runs
+            await cheat.exec(["python3", "-c", CONNECT], timeout_s=10)
         deadline = time.monotonic() + EVENT_DEADLINE_S
         while (await fleet.security_record(cheat.id)).action_state != "done" and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
