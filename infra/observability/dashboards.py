@@ -24,6 +24,10 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
 
+from sandfleet import metrics
+from schemas import layers as layers_schema
+from schemas import node as node_schema
+
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "grafana" / "dashboards"
 PROMETHEUS = DataSourceRef(type_val="prometheus", uid="prometheus")  # as provisioned (datasources/)
@@ -31,12 +35,15 @@ TEMPO_UID = "tempo"
 NODE = 'node=~"$node"'
 RATE = "$__rate_interval"
 
-# Subject families as sandfleet.metrics.subject_family names them (node ids are `*`).
-CREATE_FAMILY = "sandbox.v1.create"
-LAUNCH_FAMILY = "node.v1.*.launch"
-CONFINE_FAMILY = "node.v1.*.confine"
-COMPOSE_FAMILY = "node.v1.*.rootfs.compose"
-EXEC_FAMILY = "node.v1.*.exec"
+
+
+def _family(verb: str) -> str:
+    """A node subject's family as sandfleet.metrics names it on the series (`node.v1.*.<verb>`)."""
+    return metrics.subject_family(node_schema.subject("*", verb))
+
+
+CONFINE_FAMILY = _family(node_schema.CONFINE)
+COMPOSE_FAMILY = _family(layers_schema.ROOTFS_COMPOSE)
 
 
 @dataclass(frozen=True)
