@@ -1,0 +1,107 @@
+"""What metrics cost: create → exec `true` → destroy cycles on a platform with metrics on (every
+service exporting, its own Prometheus scraping them) beside one with SANDFLEET_METRICS=off.
+
+    .venv/bin/python -m loadtest.metrics_cost [--n 200] [--concurrency 8] [--rounds 3] [--scrape-s 5]
+
+Both platforms run at once on this machine (each its own node id, data dir and share of the
+egress subnet), so both see the same load; rounds alternate between them and cycles/s is the
+median over rounds. With metrics on, each bus hop is also recorded as a span (not exported:
+no collector) for the bus latency histogram, so the `on` side pays for that too. The run ends
+by asking the `on` side's Prometheus how many creations it counted, so a run whose metrics
+were silently off does not pass for a cheap one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from loadtest.create_rate import platform_round
+from loadtest.platform import running_platform
+from loadtest.report import percentiles, print_table, write_json
+from sandfleet import metrics, prometheus
+
+SIDES = ("on", "off")
+
+
+def _counted_creations(prometheus_url: str, expected: int, deadline_s: float = 30.0) -> float:
+    """Creations the `on` side's Prometheus has, once it has `expected` (or at the deadline)."""
+    query = urllib.parse.urlencode({"query": 'sum(sandfleet_create_seconds_count{outcome="ok"})'})
+    deadline = time.monotonic() + deadline_s
+    counted = 0.0
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+            with urllib.request.urlopen(f"{prometheus_url}/api/v1/query?{query}", timeout=5) as resp:
+                counted = float(json.loads(resp.read())["data"]["result"][0]["value"][1])
+        if counted >= expected:
+            break
+        time.sleep(1)
+    return counted
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--n", type=int, default=200, help="cycles per round per side")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--scrape-s", type=float, default=prometheus.DEFAULT_SCRAPE_S,
+                    help="the `on` side's Prometheus scrape interval")
+    ap.add_argument("--node-id", default="bench-metrics")
+    ap.add_argument("--out", type=Path, default=Path("results/metrics_cost.json"))
+    args = ap.parse_args()
+
+    envs = {
+        "on": {metrics.SWITCH_ENV: "on", prometheus.ENV: "0", prometheus.SCRAPE_ENV: str(args.scrape_s),
+               "SANDFLEET_EGRESS_SUBNET": "10.218.0.0/17"},
+        "off": {metrics.SWITCH_ENV: "off", "SANDFLEET_EGRESS_SUBNET": "10.218.128.0/17"},
+    }
+    rates: dict[str, list[float]] = {s: [] for s in SIDES}
+    lat: dict[str, dict[str, list[float]]] = {s: {"create": [], "exec": [], "destroy": []} for s in SIDES}
+    with running_platform(f"{args.node_id}-on", envs["on"]) as (url_on, data_on), \
+            running_platform(f"{args.node_id}-off", envs["off"]) as (url_off, _):
+        urls = {"on": url_on, "off": url_off}
+        for side in SIDES:  # warm-up, not counted
+            asyncio.run(platform_round(urls[side], min(20, args.n), args.concurrency))
+        for r in range(args.rounds):
+            for side in SIDES if r % 2 == 0 else reversed(SIDES):
+                rate, got = asyncio.run(platform_round(urls[side], args.n, args.concurrency))
+                rates[side].append(rate)
+                for k, v in got.items():
+                    lat[side][k].extend(v)
+                print(f"round {r + 1}/{args.rounds} metrics {side:<3} {rate:7.1f} cycles/s", flush=True)
+        state = json.loads((data_on / "supervisor.json").read_text())
+        expected = args.rounds * args.n + min(20, args.n)  # and the warm-up
+        counted = _counted_creations(state["prometheus"], expected, deadline_s=3 * args.scrape_s + 5)
+
+    results: dict = {
+        side: {
+            "cycles_per_s": round(statistics.median(rates[side]), 1),
+            "rounds_cycles_per_s": [round(x, 1) for x in rates[side]],
+            **{k: percentiles(v) for k, v in lat[side].items()},
+        }
+        for side in SIDES
+    }
+    results["ratio_on_over_off"] = round(results["on"]["cycles_per_s"] / results["off"]["cycles_per_s"], 3)
+    results["creations_counted_by_prometheus"] = counted
+    rows = [[f"metrics {side}", results[side]["cycles_per_s"],
+             *(results[side][k][p] for k in ("create", "exec", "destroy") for p in ("p50", "p99"))] for side in SIDES]
+    print_table(
+        f"create → exec true → destroy, n={args.n} x {args.rounds} rounds, concurrency {args.concurrency} (ms)",
+        ["side", "cycles/s", "create p50", "create p99", "exec p50", "exec p99", "destroy p50", "destroy p99"], rows)
+    print(f"ratio on/off: {results['ratio_on_over_off']} (target >= 0.97); "
+          f"Prometheus counted {counted:.0f} creations on the `on` side")
+    out = write_json(args.out, "metrics_cost", vars(args) | {"out": str(args.out)}, results)
+    print(f"wrote {out}")
+    return 0 if counted >= expected else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
