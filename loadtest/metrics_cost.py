@@ -5,7 +5,9 @@ service exporting, its own Prometheus scraping them) beside one with SANDFLEET_M
 
 Both platforms run at once on this machine (each its own node id, data dir and share of the
 egress subnet), so both see the same load; rounds alternate between them and cycles/s is the
-median over rounds. With metrics on, each bus hop is also recorded as a span (not exported:
+median over rounds. CPU per cycle (every process of the platform, sandboxes included, and
+the client) is reported beside the rate: on a busy shared machine it holds up far better than
+the rate, which other people's work moves by tens of percent. With metrics on, each bus hop is also recorded as a span (not exported:
 no collector) for the bus latency histogram, so the `on` side pays for that too. The run ends
 by asking the `on` side's Prometheus how many creations it counted, so a run whose metrics
 were silently off does not pass for a cheap one.
@@ -24,6 +26,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from loadtest.container_rate import TICK, platform_ticks
 from loadtest.create_rate import platform_round
 from loadtest.platform import running_platform
 from loadtest.report import percentiles, print_table, write_json
@@ -58,25 +61,36 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("results/metrics_cost.json"))
     args = ap.parse_args()
 
+    # Pressure admission off: on a loaded machine it would refuse creates, and this measures the create path.
+    common = {"SANDFLEET_CPU_PSI_LIMIT": "0", "SANDFLEET_MEMORY_PSI_LIMIT": "0"}
     envs = {
-        "on": {metrics.SWITCH_ENV: "on", prometheus.ENV: "0", prometheus.SCRAPE_ENV: str(args.scrape_s),
+        "on": {**common, metrics.SWITCH_ENV: "on", prometheus.ENV: "0", prometheus.SCRAPE_ENV: str(args.scrape_s),
                "SANDFLEET_EGRESS_SUBNET": "10.218.0.0/17"},
-        "off": {metrics.SWITCH_ENV: "off", "SANDFLEET_EGRESS_SUBNET": "10.218.128.0/17"},
+        "off": {**common, metrics.SWITCH_ENV: "off", "SANDFLEET_EGRESS_SUBNET": "10.218.128.0/17"},
     }
+    cpu_ms: dict[str, list[float]] = {s: [] for s in SIDES}
+    by_process: dict[str, list[dict[str, float]]] = {s: [] for s in SIDES}  # ms per cycle, each round
     rates: dict[str, list[float]] = {s: [] for s in SIDES}
     lat: dict[str, dict[str, list[float]]] = {s: {"create": [], "exec": [], "destroy": []} for s in SIDES}
     with running_platform(f"{args.node_id}-on", envs["on"]) as (url_on, data_on), \
-            running_platform(f"{args.node_id}-off", envs["off"]) as (url_off, _):
-        urls = {"on": url_on, "off": url_off}
+            running_platform(f"{args.node_id}-off", envs["off"]) as (url_off, data_off):
+        urls, data = {"on": url_on, "off": url_off}, {"on": data_on, "off": data_off}
         for side in SIDES:  # warm-up, not counted
             asyncio.run(platform_round(urls[side], min(20, args.n), args.concurrency))
         for r in range(args.rounds):
             for side in SIDES if r % 2 == 0 else reversed(SIDES):
+                before = platform_ticks(data[side])
                 rate, got = asyncio.run(platform_round(urls[side], args.n, args.concurrency))
+                after = platform_ticks(data[side])
+                used = {k: (after[k] - before.get(k, 0)) * 1000 / TICK / args.n for k in after}
+                by_process[side].append(used)
+                cpu = sum(used.values())
+                cpu_ms[side].append(cpu)
                 rates[side].append(rate)
                 for k, v in got.items():
                     lat[side][k].extend(v)
-                print(f"round {r + 1}/{args.rounds} metrics {side:<3} {rate:7.1f} cycles/s", flush=True)
+                print(f"round {r + 1}/{args.rounds} metrics {side:<3} {rate:7.1f} cycles/s {cpu:6.1f} ms CPU/cycle",
+                      flush=True)
         state = json.loads((data_on / "supervisor.json").read_text())
         expected = args.rounds * args.n + min(20, args.n)  # and the warm-up
         counted = _counted_creations(state["prometheus"], expected, deadline_s=3 * args.scrape_s + 5)
@@ -85,19 +99,31 @@ def main() -> int:
         side: {
             "cycles_per_s": round(statistics.median(rates[side]), 1),
             "rounds_cycles_per_s": [round(x, 1) for x in rates[side]],
+            "cpu_ms_per_cycle": round(statistics.median(cpu_ms[side]), 2),
+            "rounds_cpu_ms_per_cycle": [round(x, 2) for x in cpu_ms[side]],
             **{k: percentiles(v) for k, v in lat[side].items()},
         }
         for side in SIDES
     }
+    for side in SIDES:
+        names = sorted({k for r in by_process[side] for k in r})
+        results[side]["cpu_ms_per_cycle_by_process"] = {
+            k: round(statistics.median(r.get(k, 0.0) for r in by_process[side]), 2) for k in names}
     results["ratio_on_over_off"] = round(results["on"]["cycles_per_s"] / results["off"]["cycles_per_s"], 3)
+    results["ratio_cpu_off_over_on"] = round(results["off"]["cpu_ms_per_cycle"] / results["on"]["cpu_ms_per_cycle"], 3)
     results["creations_counted_by_prometheus"] = counted
-    rows = [[f"metrics {side}", results[side]["cycles_per_s"],
+    rows = [[f"metrics {side}", results[side]["cycles_per_s"], results[side]["cpu_ms_per_cycle"],
              *(results[side][k][p] for k in ("create", "exec", "destroy") for p in ("p50", "p99"))] for side in SIDES]
     print_table(
         f"create → exec true → destroy, n={args.n} x {args.rounds} rounds, concurrency {args.concurrency} (ms)",
-        ["side", "cycles/s", "create p50", "create p99", "exec p50", "exec p99", "destroy p50", "destroy p99"], rows)
-    print(f"ratio on/off: {results['ratio_on_over_off']} (target >= 0.97); "
+        ["side", "cycles/s", "CPU ms/cycle", "create p50", "create p99", "exec p50", "exec p99", "destroy p50", "destroy p99"], rows)
+    print(f"ratio on/off: {results['ratio_on_over_off']} (target >= 0.97), CPU per cycle off/on: "
+          f"{results['ratio_cpu_off_over_on']}; "
           f"Prometheus counted {counted:.0f} creations on the `on` side")
+    names = sorted(set(results["on"]["cpu_ms_per_cycle_by_process"]) | set(results["off"]["cpu_ms_per_cycle_by_process"]))
+    print_table("CPU ms per cycle by process (median over rounds)", ["process", "metrics on", "metrics off"],
+                [[k, results["on"]["cpu_ms_per_cycle_by_process"].get(k, 0.0),
+                  results["off"]["cpu_ms_per_cycle_by_process"].get(k, 0.0)] for k in names])
     out = write_json(args.out, "metrics_cost", vars(args) | {"out": str(args.out)}, results)
     print(f"wrote {out}")
     return 0 if counted >= expected else 1

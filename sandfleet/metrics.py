@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,10 @@ class Instrument:
             self._real.labels(**labels)
         for labels, function in self._functions:
             _bind_function(self._real, labels, function)
+
+    def unbind(self) -> None:
+        """Back to a no-op (a test that bound it to a registry of its own)."""
+        self._real = None
 
 
 def _bind_function(real: Any, labels: dict[str, str], function: Callable[[], float]) -> None:
@@ -192,7 +197,9 @@ def shutdown() -> None:
 def span_recorder() -> Any:
     """A span processor that times every bus hop the bus adapter already spans (`send <subject>`
     on the caller's side, `<subject>` on the handler's) into BUS_REQUESTS and counts the error
-    replies into ERRORS: the adapter needs no second set of timers."""
+    replies into ERRORS: the adapter needs no second set of timers. For a process whose spans
+    are exported anyway (the SDK is there); without a collector, `time_bus_hops` does the same
+    for a fraction of the cost."""
     from opentelemetry.sdk.trace import SpanProcessor
     from opentelemetry.trace import SpanKind, StatusCode
 
@@ -230,3 +237,67 @@ def subject_family(subject: str) -> str:
         verb = tokens[at + 1:at + 2] if tokens[at + 1] == TUNNEL else tokens[at + 1:at + 4]
         return ".".join([*tokens[:at], "*", *verb])
     return ".".join(tokens[:4])
+
+
+class BusHopSpan(trace.NonRecordingSpan):
+    """A bus hop timed into BUS_REQUESTS (and its error reply counted), and nothing more: it
+    carries its parent's span context, so trace context passes through as with no tracer at all,
+    and keeps only the subject, the error code and whether it failed."""
+
+    def __init__(self, parent: trace.SpanContext, side: str, subject: object) -> None:
+        super().__init__(parent)
+        self._side, self._subject = side, subject
+        self._code: object = None
+        self._failed = False
+        self._started = time.perf_counter()
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        from sandfleet import telemetry
+
+        if key == telemetry.SUBJECT:
+            self._subject = value
+        elif key == telemetry.ERROR_CODE:
+            self._code = value
+
+    def set_status(self, status: Any, description: str | None = None) -> None:
+        code = getattr(status, "status_code", status)
+        self._failed = self._failed or code is trace.StatusCode.ERROR
+
+    def end(self, end_time: int | None = None) -> None:
+        if not isinstance(self._subject, str):
+            return
+        BUS_REQUESTS.observe(time.perf_counter() - self._started, family=subject_family(self._subject), side=self._side)
+        if self._side == "server" and self._failed:
+            ERRORS.inc(code=str(self._code or "internal"))
+
+
+class BusHopTracer(trace.NoOpTracer):
+    """The tracer of a service whose spans go nowhere: the bus adapter's client and server spans
+    become `BusHopSpan`s; every other span (a phase) is the API's no-op, passing context through."""
+
+    def start_span(self, name: str, context: Any = None, kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+                   attributes: Any = None, *args: Any, **kwargs: Any) -> trace.Span:
+        from sandfleet import telemetry
+
+        side = _SIDES.get(kind)
+        parent = trace.get_current_span(context).get_span_context()
+        if side is None:
+            return trace.NonRecordingSpan(parent)
+        return BusHopSpan(parent, side, (attributes or {}).get(telemetry.SUBJECT))
+
+
+class BusHopTracers(trace.TracerProvider):
+    def __init__(self) -> None:
+        self._tracer = BusHopTracer()
+
+    def get_tracer(self, *args: Any, **kwargs: Any) -> trace.Tracer:
+        return self._tracer
+
+
+_SIDES = {trace.SpanKind.CLIENT: "client", trace.SpanKind.SERVER: "server"}
+
+
+def time_bus_hops() -> None:
+    """Install `BusHopTracers` as the process's tracer provider: the bus hops are timed without
+    the tracing SDK (a real span costs several times more, and no span leaves this process)."""
+    trace.set_tracer_provider(BusHopTracers())

@@ -62,9 +62,13 @@ def run(name: str, main: Callable[[ServiceConfig, asyncio.Event], Awaitable[None
     `node_scoped`: one of a node's own services (its log lines carry the node's id)."""
     config = ServiceConfig.from_env()
     setup_logging(name, config.node_id if node_scoped else None)
-    # Bus hops are timed from the spans the bus adapter makes: with metrics on, spans are recorded
-    # (not necessarily exported) for that.
-    telemetry.setup(name, extra_processor=metrics.span_recorder() if metrics.setup(name) else None)
+    # Bus hops are timed from the spans the bus adapter makes: by the SDK's spans when they are
+    # exported anyway, else by a tracer that does nothing but time them.
+    recording = metrics.setup(name)
+    exported = telemetry.setup(name, extra_processor=metrics.span_recorder() if recording and telemetry.exporting()
+                               else None)
+    if recording and exported is None:
+        metrics.time_bus_hops()
 
     async def _main() -> None:
         stop = asyncio.Event()

@@ -32,6 +32,7 @@ LAYERS = "sandfleet.layers"
 ERROR_CODE = "sandfleet.error.code"  # a handler's error reply: the code its caller gets
 
 _provider: TracerProvider | None = None
+_phases = trace.get_tracer("sandfleet")  # a proxy: the provider `setup` installs, once it does
 
 
 def exporting() -> bool:
@@ -68,7 +69,7 @@ def tracer(name: str = "sandfleet") -> trace.Tracer:
 def phase(name: str, attributes: dict[str, Any] | None = None) -> Any:
     """A span for one phase inside a hop (`placement.decide`, `layer.fetch`, `launcher.spawn`),
     a child of the current span: `with telemetry.phase("layer.fetch", {...}):`."""
-    return trace.get_tracer("sandfleet").start_as_current_span(name, attributes=attributes)
+    return _phases.start_as_current_span(name, attributes=attributes)
 
 
 def current_attributes(attributes: dict[str, Any]) -> None:

@@ -175,6 +175,37 @@ def _metric_names(expr: str) -> set[str]:
     return {m for m in re.findall(r"\b(sandfleet_[a-z_]+|up)\b", expr)}
 
 
+def test_without_a_collector_the_bus_hops_are_timed_and_trace_context_still_passes_through():
+    """A service whose spans go nowhere times its bus hops with `BusHopTracer` (no tracing SDK):
+    the same series as the SDK path, and the caller's traceparent reaches the next hop unchanged."""
+    import prometheus_client
+    from opentelemetry.trace import SpanKind, Status, StatusCode
+
+    from sandfleet import telemetry
+
+    registry = prometheus_client.CollectorRegistry()
+    for instrument in (metrics.BUS_REQUESTS, metrics.ERRORS):
+        instrument.bind(registry)
+    try:
+        tracer = metrics.BusHopTracer()
+        incoming = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        with tracer.start_as_current_span("node.v1.n1.exec", context=telemetry.extract({"traceparent": incoming}),
+                                          kind=SpanKind.SERVER, attributes={telemetry.SUBJECT: "node.v1.n1.exec"}) as hop:
+            with tracer.start_as_current_span("launcher.spawn"):  # a phase: nothing recorded, context passes
+                with tracer.start_as_current_span("send node.v1.n1.confine", kind=SpanKind.CLIENT) as call:
+                    call.set_attribute(telemetry.SUBJECT, "node.v1.n1.confine")
+                    assert telemetry.inject()["traceparent"] == incoming
+            hop.set_status(Status(StatusCode.ERROR, "no such sandbox"))
+            hop.set_attribute(telemetry.ERROR_CODE, "not_found")
+        value = registry.get_sample_value
+        assert value("sandfleet_bus_request_seconds_count", {"family": "node.v1.*.exec", "side": "server"}) == 1
+        assert value("sandfleet_bus_request_seconds_count", {"family": "node.v1.*.confine", "side": "client"}) == 1
+        assert value("sandfleet_errors_total", {"code": "not_found"}) == 1
+    finally:
+        for instrument in (metrics.BUS_REQUESTS, metrics.ERRORS):
+            instrument.unbind()
+
+
 # -- against a real Prometheus scraping a real platform -----------------------------------
 
 
