@@ -17,6 +17,7 @@ current trace as an exemplar, so a latency panel links to the traces behind a bu
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -24,6 +25,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
+
+from sandfleet import telemetry
+from schemas import node as node_schema
+from schemas.ports import TUNNEL
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan
@@ -203,8 +208,6 @@ def span_recorder() -> Any:
     from opentelemetry.sdk.trace import SpanProcessor
     from opentelemetry.trace import SpanKind, StatusCode
 
-    from sandfleet import telemetry
-
     class BusHops(SpanProcessor):
         def on_end(self, span: ReadableSpan) -> None:
             side = {SpanKind.CLIENT: "client", SpanKind.SERVER: "server"}.get(span.kind)
@@ -223,13 +226,11 @@ def span_recorder() -> Any:
     return BusHops()
 
 
+@functools.lru_cache(maxsize=4096)  # per bus hop; subjects repeat (a tunnel's id makes new ones: bounded)
 def subject_family(subject: str) -> str:
     """A subject without its ids: `node.v1.<node>.<verb>` → `node.v1.*.<verb>` (a verb has up to
     three tokens: `layers.cache.drop`; a tunnel's id after `tunnel` goes too); others keep their
     first four tokens (`sandbox.v1.create`, `sandbox.v1.quota.set`)."""
-    from schemas import node as node_schema
-    from schemas.ports import TUNNEL
-
     tokens = subject.split(".")
     shape = node_schema.subject("\0", "\1").split(".")
     at = shape.index("\0")
@@ -252,8 +253,6 @@ class BusHopSpan(trace.NonRecordingSpan):
         self._started = time.perf_counter()
 
     def set_attribute(self, key: str, value: Any) -> None:
-        from sandfleet import telemetry
-
         if key == telemetry.SUBJECT:
             self._subject = value
         elif key == telemetry.ERROR_CODE:
@@ -277,8 +276,6 @@ class BusHopTracer(trace.NoOpTracer):
 
     def start_span(self, name: str, context: Any = None, kind: trace.SpanKind = trace.SpanKind.INTERNAL,
                    attributes: Any = None, *args: Any, **kwargs: Any) -> trace.Span:
-        from sandfleet import telemetry
-
         side = _SIDES.get(kind)
         parent = trace.get_current_span(context).get_span_context()
         if side is None:
