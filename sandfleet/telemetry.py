@@ -4,7 +4,10 @@ Only the OpenTelemetry API is imported here, so a client installs no SDK: with n
 `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_TRACES_EXPORTER=none`) tracing is the API's no-op,
 and an incoming `traceparent` still passes through to the next hop. Spans leave the process
 only after `setup` (every service calls it, through `runner`), which then brings in the SDK
-(`telemetry_export`, the `tracing` extra) and exports over OTLP/HTTP in batches.
+(`telemetry_export`, the `tracing` extra) and exports over OTLP/HTTP in batches. Inside a hop,
+`phase` spans its steps and `state_changed` marks a sandbox's transitions as span events; with
+no tracer both cost a context switch and nothing more (a service with metrics on and no
+collector has `metrics.BusHopTracer`, which only times the bus hops).
 """
 
 from __future__ import annotations
