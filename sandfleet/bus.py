@@ -316,6 +316,7 @@ class Bus:
                 await req.respond(encode(result))
             except errors.ServiceError as exc:
                 span.set_status(Status(StatusCode.ERROR, exc.message))
+                span.set_attribute(telemetry.ERROR_CODE, exc.code.value)  # what metrics count errors by
                 await _respond_error(req, exc)
             except asyncio.CancelledError:
                 await _respond_error(req, errors.ServiceError(ErrorCode.INTERNAL, "service is shutting down"))

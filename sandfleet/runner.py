@@ -1,4 +1,4 @@
-"""What every service's `__main__` shares: logging, telemetry, the bus, and a clean stop on SIGTERM.
+"""What every service's `__main__` shares: logging, telemetry and metrics, the bus, and a clean stop on SIGTERM.
 
 Service side (it needs the `node` extra: uvloop, and the SDK once spans are exported): no client or
 CLI path imports it."""
@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import uvloop
 
-from sandfleet import telemetry
+from sandfleet import metrics, telemetry
 from sandfleet.bus import Bus
 from sandfleet.config import ServiceConfig
 from sandfleet.store import ensure_state
@@ -62,7 +62,13 @@ def run(name: str, main: Callable[[ServiceConfig, asyncio.Event], Awaitable[None
     `node_scoped`: one of a node's own services (its log lines carry the node's id)."""
     config = ServiceConfig.from_env()
     setup_logging(name, config.node_id if node_scoped else None)
-    telemetry.setup(name)
+    # Bus hops are timed from the spans the bus adapter makes: by the SDK's spans when they are
+    # exported anyway, else by a tracer that does nothing but time them.
+    recording = metrics.setup(name)
+    exported = telemetry.setup(name, extra_processor=metrics.span_recorder() if recording and telemetry.exporting()
+                               else None)
+    if recording and exported is None:
+        metrics.time_bus_hops()
 
     async def _main() -> None:
         stop = asyncio.Event()
@@ -75,6 +81,7 @@ def run(name: str, main: Callable[[ServiceConfig, asyncio.Event], Awaitable[None
         run_loop(_main())
     finally:
         telemetry.shutdown()
+        metrics.shutdown()
 
 
 def run_loop(main: Awaitable[None]) -> None:

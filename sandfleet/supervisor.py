@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sandfleet import prometheus
 from sandfleet.config import DEFAULT_EGRESS_SUBNET, node_id
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -183,6 +184,7 @@ class Supervisor:
     servers: list[NatsServer] = field(default_factory=list)
     plan: list[NodePlan] = field(default_factory=list)
     stopping: bool = False
+    prometheus_server: prometheus.Server | None = None  # the Prometheus this supervisor runs, if asked to
 
     @property
     def url(self) -> str:
@@ -223,6 +225,12 @@ class Supervisor:
         for name, module, setting in OPTIONAL_SERVICES:
             if env.get(setting) and not self.join:
                 self.children.append(Child(name, [sys.executable, "-m", module], logs / f"{name}.log", group=name))
+        # Metrics ports for the services, and the Prometheus scraping them (SANDFLEET_PROMETHEUS), stopped first.
+        self.prometheus_server = prometheus.attach(self.data_dir, self.children[len(self.servers):],
+                                                   CLUSTER_SERVICES, {**env, **self.env})
+        if self.prometheus_server is not None:
+            self.children.append(Child("prometheus", self.prometheus_server.argv, logs / "prometheus.log",
+                                       group="prometheus"))
         self._state = self.data_dir / "supervisor.json"
         try:
             for child in self.children[: len(self.servers)]:
@@ -262,6 +270,7 @@ class Supervisor:
             "services": {c.name: c.pid for c in self.children},
             "nats": [{"name": s.name, "url": s.url, "http_port": s.http_port} for s in self.servers],
             "nodes": {n.id or "": str(n.data_dir) for n in self.plan},
+            "prometheus": self.prometheus_server.url if self.prometheus_server else None,
         }
         tmp = self._state.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))

@@ -20,6 +20,18 @@ class ReceivedSpan:
     span_id: str
     parent_id: str
     attributes: dict
+    events: tuple = ()  # (name, attributes) of each span event, in order
+
+
+def _attributes(pairs) -> dict:  # type: ignore[no-untyped-def]
+    """OTLP key-values as Python: strings, ints, and arrays of strings (a span's layers)."""
+    found: dict = {}
+    for a in pairs:
+        if a.value.HasField("array_value"):
+            found[a.key] = [v.string_value for v in a.value.array_value.values]
+        else:
+            found[a.key] = a.value.string_value or a.value.int_value
+    return found
 
 
 class OtlpReceiver:
@@ -65,10 +77,9 @@ class OtlpReceiver:
             service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
             for ss in rs.scope_spans:
                 for s in ss.spans:
-                    attrs = {a.key: a.value.string_value or a.value.int_value for a in s.attributes}
-                    found.append(
-                        ReceivedSpan(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), attrs)
-                    )
+                    events = tuple((e.name, _attributes(e.attributes)) for e in s.events)
+                    found.append(ReceivedSpan(service, s.name, s.trace_id.hex(), s.span_id.hex(),
+                                              s.parent_span_id.hex(), _attributes(s.attributes), events))
         with self._lock:
             self.spans.extend(found)
 

@@ -12,7 +12,7 @@ from agents.node.egress import Egress
 from agents.node.limits_watch import ViolationWatch
 from agents.node.network import EgressNetwork, NetworkConfig
 from agents.node.violations import ViolationPublisher
-from sandfleet import runner
+from sandfleet import runner, telemetry
 from sandfleet.bus import Endpoint
 from sandfleet.config import ServiceConfig
 from linuxnode import cgroups, lsm
@@ -52,6 +52,8 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
         lsm_denials.start()
 
         async def confine(req: ConfineRequest) -> Confinement:
+            telemetry.current_attributes({telemetry.NODE_ID: config.node_id, telemetry.ISOLATION: req.isolation,
+                                          telemetry.TENANT: req.labels.get("tenant", "")})
             if req.allow and network is not None:
                 node.check_egress(req)  # a bad rule is the caller's error before anything is made
                 await network.ensure_started()  # the first sandbox with egress brings it up

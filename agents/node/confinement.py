@@ -21,6 +21,7 @@ from agents.node.network import EgressNetwork
 from sandfleet.errors import ServiceError
 from linuxnode import cgroups, netns
 from sandfleet.store import SandboxStore
+from sandfleet import telemetry
 from sandfleet.telemetry import SANDBOX_ID
 from schemas.errors import ErrorCode
 from schemas.node import Confinement, ConfineRequest
@@ -55,11 +56,14 @@ class NodeConfinement:
     def confine(self, req: ConfineRequest) -> Confinement:
         rules = self.check_egress(req)
         group = cgroups.SandboxCgroups(self.layout, self.node_id, req.sandbox_id)
-        group.create(cpu=req.cpu, memory_mb=req.memory_mb, pids=req.pids)
+        with telemetry.phase("agent.cgroups"):
+            group.create(cpu=req.cpu, memory_mb=req.memory_mb, pids=req.pids)
         address = ""
         try:
-            cg = self.egress.attach(group.v2_dir)  # before any sandbox process exists
-            ns = netns.create(self.node_id, req.sandbox_id)
+            with telemetry.phase("agent.bpf_attach"):
+                cg = self.egress.attach(group.v2_dir)  # before any sandbox process exists
+            with telemetry.phase("agent.netns"):
+                ns = netns.create(self.node_id, req.sandbox_id)
             if rules.domains or rules.networks:
                 assert self.network is not None and cg is not None
                 address = str(self.network.setup(req.sandbox_id, ns, cg, rules).address.ip)

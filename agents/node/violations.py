@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sandfleet import metrics
 from sandfleet.bus import Bus
 from sandfleet.store import SandboxStore
 from sandfleet.telemetry import SANDBOX_ID
@@ -108,4 +109,5 @@ class ViolationPublisher:
             log.warning("violation of %s not published: %s", sandbox_id, exc, extra={SANDBOX_ID: sandbox_id})
             return False
         self.published += 1
+        metrics.VIOLATIONS.inc(kind=kind)
         return True

@@ -8,7 +8,7 @@ import ctypes
 import functools
 import logging
 
-from sandfleet import runner
+from sandfleet import metrics, runner
 from sandfleet.bus import Endpoint
 from sandfleet.config import ServiceConfig
 from sandfleet.store import SandboxStore
@@ -89,6 +89,9 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
                                 agent=NodeAgent(bus, config.node_id), layers=LayerCache(bus, config.node_id),
                                 settings=settings, default_layers=config.default_layers)
             await recovery.recover(launcher)
+            metrics.RUNNING.set_function(lambda: len(launcher.live))
+            metrics.CAPACITY.set_function(lambda: config.capacity)
+            metrics.LAUNCH_QUEUE.set_function(lambda: len(launcher.launching) - launcher.building)
             procs = processes.ProcessTable(launcher)
             forwarding = tunnels.Tunnels(bus, launcher)
             await forwarding.listen()

@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from sandfleet import errors
+from sandfleet import errors, metrics, telemetry
 from sandfleet.errors import ServiceError
 from sandfleet.store import SandboxStore
 from schemas.errors import ErrorCode
@@ -70,6 +70,15 @@ class Launcher:
     # -- launch ------------------------------------------------------------------------
 
     async def launch(self, item: LaunchItem, marks: StartingMarks) -> LaunchResult:
+        """Build one sandbox of a launch request (`_launch`), in a span of its own and timed."""
+        started = time.monotonic()
+        with telemetry.phase("launcher.launch", telemetry.sandbox_attributes(item.id, self.node_id, item.spec)):
+            result = await self._launch(item, marks)
+        metrics.LAUNCHES.observe(time.monotonic() - started, isolation=item.spec.isolation,
+                                 outcome="ok" if result.ok else "failed")
+        return result
+
+    async def _launch(self, item: LaunchItem, marks: StartingMarks) -> LaunchResult:
         """Build one sandbox of a launch request. `marks` writes `starting` for those still queued
         or building after the grace (so placement never fails them as unlaunched); they are
         built a few at a time: a batch of thousands at once would send the agent and the
@@ -121,7 +130,8 @@ class Launcher:
                     raise result
             confinement: Confinement = confined  # type: ignore[assignment]
             rootfs = composed  # type: ignore[assignment]
-            instance = await driver.start(item.id, spec, confinement, rootfs)
+            with telemetry.phase("launcher.spawn", telemetry.sandbox_attributes(item.id, self.node_id)):
+                instance = await driver.start(item.id, spec, confinement, rootfs)
         except Exception as exc:  # whatever failed, nothing of the sandbox may stay behind
             detail = str(exc) or type(exc).__name__
             if isinstance(exc, _EXPECTED):

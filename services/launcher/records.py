@@ -10,6 +10,7 @@ import time
 
 import msgspec
 
+from sandfleet import telemetry
 from sandfleet.errors import ServiceError
 from sandfleet.store import SandboxStore
 from schemas.sandbox import Reason, SandboxRecord, State
@@ -36,7 +37,9 @@ async def running(store: SandboxStore, sandbox_id: str, anchor: Anchor, started_
         return msgspec.structs.replace(r, init_pid=anchor.pid, init_start_time=anchor.start_time,
                                        started_at=started_at, deadline=deadline)
 
-    return await store.transition(sandbox_id, State.RUNNING, change=change, known=known)
+    record = await store.transition(sandbox_id, State.RUNNING, change=change, known=known)
+    telemetry.state_changed(State.RUNNING.value)
+    return record
 
 
 def anchor_of(record: SandboxRecord) -> Anchor | None:
@@ -47,6 +50,7 @@ def anchor_of(record: SandboxRecord) -> Anchor | None:
 async def stopping(store: SandboxStore, sandbox_id: str, reason: Reason, detail: str) -> None:
     try:
         await store.transition(sandbox_id, State.STOPPING, reason, detail)
+        telemetry.state_changed(State.STOPPING.value, reason=reason.value)
     except ServiceError:
         pass  # already stopping (a retry after a crash); finish the job
 
@@ -55,6 +59,7 @@ async def ended(store: SandboxStore, sandbox_id: str, state: State, reason: Reas
     """`stopped` (then forgotten: its events stay in the stream) or `failed` (kept to be read)."""
     try:
         record = await store.transition(sandbox_id, state, reason, detail)
+        telemetry.state_changed(state.value, reason=reason.value)
     except ServiceError as exc:  # someone else ended it first (placement gave up on the launch)
         log.info("sandbox %s: %s", sandbox_id, exc.message, extra=about(sandbox_id))
         record, _ = await store.get(sandbox_id)

@@ -17,7 +17,7 @@ import functools
 import logging
 import os
 
-from sandfleet import runner
+from sandfleet import metrics, runner
 from sandfleet.bus import Endpoint
 from sandfleet.config import ServiceConfig
 from schemas import layers
@@ -49,6 +49,9 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
                             lazy=lazy, fetch_mode=config.layer_fetch)
         composer = RootfsComposer(layout, images, LayerMounts(layout.mnt))
         images.scan()
+        metrics.LAYER_CACHE_BYTES.set_function(lambda: sum(i.fetched_bytes for i in list(images.images.values())),
+                                               kind="fetched")
+        metrics.LAYER_CACHE_BYTES.set_function(lambda: images.used, kind="disk")
         composer.recover()
         deps = handlers.Deps(
             node_id=config.node_id, store=store, images=images, composer=composer,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from sandfleet import metrics, telemetry
 from services.layer_cache.lazy import INDEX, LazyFiles, leftovers
 from services.layer_cache.store import HASH_BYTES
 
@@ -169,6 +170,7 @@ class ImageCache:
     async def acquire(self, digest: str, size_hint: int = 0) -> CachedImage:
         """The image on this node, fetched if missing, pinned for the caller (one fetch per
         digest however many callers wait for it)."""
+        metrics.LAYER_LOOKUPS.inc(result="hit" if digest in self.images else "miss")
         while (image := self.images.get(digest)) is None:  # evicted again before we woke: fetch again
             pending = self._fetching.get(digest)
             if pending is None:
@@ -186,6 +188,11 @@ class ImageCache:
         return image
 
     async def _fetch_into_cache(self, digest: str, size_hint: int) -> CachedImage:
+        attributes = {"sandfleet.layer.digest": digest, "sandfleet.layer.fetch": self.fetch_mode}
+        with telemetry.phase("layer.fetch", attributes):
+            return await self._fetch_now(digest, size_hint)
+
+    async def _fetch_now(self, digest: str, size_hint: int) -> CachedImage:
         if self.fetch_mode == "lazy" and self.lazy is not None:
             return await self._prepare_lazy(digest)
         self.evict(incoming=size_hint)
@@ -198,6 +205,7 @@ class ImageCache:
             partial.unlink(missing_ok=True)
         image = self.add(digest, final)
         image.fetched_bytes = image.written_bytes = image.size
+        metrics.LAYER_FETCHED.inc(image.size)
         return image
 
     async def _prepare_lazy(self, digest: str) -> CachedImage:

@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 
 from sandfleet.errors import ServiceError
+from sandfleet import telemetry
 from sandfleet.telemetry import SANDBOX_ID
 from schemas.errors import ErrorCode
 from schemas.layers import ImageConfig, Rootfs
@@ -127,7 +128,8 @@ class RootfsComposer:
                 for digest, size in layers:
                     await self.images.acquire(digest, size)
                     undo.callback(self.images.unpin, digest)
-                lowers = [str(await self._mount_layer(d, fresh)) for d in digests]
+                with telemetry.phase("layer.mount", {SANDBOX_ID: sandbox_id, telemetry.LAYERS: list(digests)}):
+                    lowers = [str(await self._mount_layer(d, fresh)) for d in digests]
                 composed = Composed(sandbox_id, digests, self.layout.sandbox(sandbox_id), time.time(), config)
                 composed.dir.mkdir(parents=True, exist_ok=False)
                 undo.callback(remove_tree, composed.dir)
@@ -139,7 +141,8 @@ class RootfsComposer:
                 if config is not None:
                     composed.config_file.write_bytes(msgspec.json.encode(config))
                 _copy_root_attributes(Path(lowers[0]), composed.upper)
-                mounts.mount_overlay(list(reversed(lowers)), composed.upper, composed.work, composed.rootfs)
+                with telemetry.phase("layer.compose_root", {SANDBOX_ID: sandbox_id}):
+                    mounts.mount_overlay(list(reversed(lowers)), composed.upper, composed.work, composed.rootfs)
                 undo.callback(mounts.umount, str(composed.rootfs))
                 self._add(composed)
                 undo.pop_all()

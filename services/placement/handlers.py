@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import msgspec
 import nats.errors
 
-from sandfleet import errors
+from sandfleet import errors, metrics, telemetry
 from sandfleet.allow_rules import parse_allow
 from sandfleet.bus import Bus
 from sandfleet.errors import ServiceError
@@ -104,7 +104,8 @@ async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = N
     now = time.time()
     quota_keys = await deps.quotas.admit(spec, count, now) if deps.quotas else []
     try:
-        plan = await _book(deps, spec, count, node)
+        with telemetry.phase("placement.decide", {telemetry.ISOLATION: spec.isolation, "sandfleet.count": count}):
+            plan = await _book(deps, spec, count, node)
     except ServiceError:
         if deps.quotas:
             await deps.quotas.give_back(quota_keys, count)
@@ -151,17 +152,26 @@ async def _unplace(deps: Deps, spec, plan, records, quota_keys, exc) -> None:  #
 
 
 async def create(deps: Deps, req: CreateRequest) -> CreateReply:
-    spec = _spec_of(req)
-    placed = await _place(deps, spec, 1, req.node)
-    ((node_id, records),) = placed.items()
-    created = await _launch_on(deps, node_id, records)
-    result = created[0]
-    if not result.ok:
-        raise ServiceError(result.code, f"launch failed on {node_id}: {result.error}")
-    return CreateReply(id=result.id, node=node_id)
+    started, outcome = time.monotonic(), "failed"
+    try:
+        spec = _spec_of(req)
+        placed = await _place(deps, spec, 1, req.node)
+        ((node_id, records),) = placed.items()
+        record = records[0][0]
+        telemetry.current_attributes(telemetry.sandbox_attributes(record.id, node_id, spec))
+        telemetry.state_changed(State.SCHEDULED.value)
+        created = await _launch_on(deps, node_id, records)
+        result = created[0]
+        if not result.ok:
+            raise ServiceError(result.code, f"launch failed on {node_id}: {result.error}")
+        outcome = "ok"
+        return CreateReply(id=result.id, node=node_id)
+    finally:
+        metrics.CREATES.observe(time.monotonic() - started, isolation=req.isolation, outcome=outcome)
 
 
 async def create_many(deps: Deps, req: CreateManyRequest) -> CreateManyReply:
+    started = time.monotonic()
     placed = await _place(deps, req.spec, req.count)
     launches = [
         (node_id, _launch_on(deps, node_id, records[start : start + LAUNCH_CHUNK], waited=req.wait))
@@ -174,6 +184,10 @@ async def create_many(deps: Deps, req: CreateManyRequest) -> CreateManyReply:
         task.add_done_callback(deps.launches.discard)
         return CreateManyReply(placements=[NodePlacement(node=n, ids=[r.id for r, _ in rs]) for n, rs in placed.items()])
     done = await asyncio.gather(*(coro for _, coro in launches))
+    seconds = time.monotonic() - started  # each waited for the whole batch
+    for results in done:
+        for result in results:
+            metrics.CREATES.observe(seconds, isolation=req.spec.isolation, outcome="ok" if result.ok else "failed")
     sandboxes, failures = [], []
     for (node_id, _), results in zip(launches, done):
         for result in results:

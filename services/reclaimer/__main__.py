@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 
-from sandfleet import runner
+from sandfleet import metrics, runner
 from sandfleet.bus import Endpoint
 from sandfleet.config import ServiceConfig
 from linuxnode.cgroups import CgroupLayout
@@ -73,6 +73,9 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
                           functools.partial(NodeReclaimer.savings, node))],
                 queue_group=f"{reclaim.SERVICE}-{config.node_id}",
             )
+            metrics.SANDBOX_MEMORY.set_function(lambda: sum(s.memory_bytes for s in node.last))
+            metrics.MERGED.set_function(lambda: sum(s.merged_bytes for s in node.last))
+            metrics.SWAPPED.set_function(lambda: zram.stats().orig_bytes)
             looping = asyncio.create_task(node.run())
             log.info("reclaimer %s on node %s", "acting" if enabled else "watching only", config.node_id)
             await stop.wait()

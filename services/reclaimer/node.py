@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from sandfleet import errors
+from sandfleet import errors, metrics
 from sandfleet.bus import Bus
 from sandfleet.telemetry import SANDBOX_ID
 from linuxnode import procfs
@@ -110,6 +110,8 @@ class NodeReclaimer:
             return
         self.actions[action.kind] += 1
         self.reclaimed[action.kind] += reclaimed
+        metrics.RECLAIM_ACTIONS.inc(action=action.kind)
+        metrics.RECLAIMED.inc(reclaimed, action=action.kind)
         self._seq += 1
         event = ReclaimAction(node=self.node_id, sandbox_id=sid, action=action.kind, bytes_reclaimed=reclaimed,  # type: ignore[arg-type]
                               memory_bytes=after.memory_bytes, outcome=outcome, at=time.time())

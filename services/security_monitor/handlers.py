@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from sandfleet import errors
+from sandfleet import errors, metrics
 from sandfleet.bus import Bus
 from sandfleet.telemetry import SANDBOX_ID
 from schemas import node as node_schema
@@ -80,6 +80,7 @@ async def on_violation(deps: Deps, violation: Violation, seq: int) -> SandboxSec
 
 async def _act(deps: Deps, record: SandboxSecurity, policy: Policy) -> SandboxSecurity:
     outcome = await _on_node(deps.bus, record)
+    metrics.POLICY_ACTIONS.inc(action=record.action, outcome="done" if outcome == "done" else "not_done")
     event = rules.action_event(record, policy, outcome, time.time())
     await deps.bus.publish_durable(
         security.action_subject(record.sandbox_id, record.action), event, msg_id=f"{record.sandbox_id}:{record.action}"
