@@ -65,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="N clustered nats-servers on loopback (3: JetStream keeps everything on all three)")
     up.add_argument("--egress-subnet", default=None, help="sandbox egress subnet (split between the nodes)")
     up.add_argument("--gateway", default=None, metavar="HOST:PORT", help="also serve the E2B API there (see README)")
+    up.add_argument("--fusion", default=None, metavar="PORT",
+                    help="also serve SandboxFusion's run_code on 127.0.0.1:PORT (see README)")
+    up.add_argument("--prometheus", default=None, metavar="PORT",
+                    help="also run Prometheus scraping every service on 127.0.0.1:PORT (0: a free port)")
 
     node = cmd("node", _node, "run one node's services (agent, layer-cache, launcher, ...) against a running bus")
     node.add_argument("--data-dir", type=Path, default=None)
@@ -175,11 +179,13 @@ def _running(data_dir: Path) -> bool:
 
 def _node_env(args: argparse.Namespace) -> dict[str, str]:
     names = {"node_id": "SANDFLEET_NODE_ID", "fetch": "SANDFLEET_LAYER_FETCH",
-             "default_layers": "SANDFLEET_DEFAULT_LAYERS", "egress_subnet": "SANDFLEET_EGRESS_SUBNET"}
+             "default_layers": "SANDFLEET_DEFAULT_LAYERS", "egress_subnet": "SANDFLEET_EGRESS_SUBNET",
+             "fusion": "SANDFLEET_FUSION_PORT", "prometheus": "SANDFLEET_PROMETHEUS"}
     return {env: getattr(args, opt) for opt, env in names.items() if getattr(args, opt, None)}
 
 
-_FORWARDED = ("port", "node_id", "fetch", "default_layers", "nodes", "nats_cluster", "egress_subnet", "nats", "gateway")
+_FORWARDED = ("port", "node_id", "fetch", "default_layers", "nodes", "nats_cluster", "egress_subnet", "nats", "gateway",
+              "fusion", "prometheus")
 
 
 def _detached(args: argparse.Namespace, data_dir: Path) -> int:
