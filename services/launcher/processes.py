@@ -23,7 +23,9 @@ import contextlib
 import itertools
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
@@ -152,6 +154,18 @@ class ProcessTable:
 
 
 async def spawn(table: ProcessTable, req: SpawnRequest) -> ProcessInfo:
+    return await start(table, req, lambda live, command, on_output, on_exit: live.driver.spawn(
+        live.instance, command, on_output, on_exit), keep_stdin=req.stdin)
+
+
+# How a request's command is started: (live sandbox, command, on_output, on_exit) -> RunningCommand.
+Launch = Callable[[Any, Command, Callable[[int, bytes], None], Callable[[int], None]], Awaitable[RunningCommand]]
+
+
+async def start(table: ProcessTable, req: Any, launch: Launch, keep_stdin: bool = True) -> ProcessInfo:
+    """Start the command of `req` (a SpawnRequest or one with its fields: a terminal's) with
+    `launch` and keep it in the table: the limits, the buffer, the timeout and every refusal
+    as for any background process."""
     tag(table.launcher.node_id, req.sandbox_id)
     live = table.launcher.get_live(req.sandbox_id)
     if live.quarantined or live.paused:
@@ -166,8 +180,7 @@ async def spawn(table: ProcessTable, req: SpawnRequest) -> ProcessInfo:
     command = Command(argv=list(req.argv), env=dict(req.env), cwd=req.cwd, stdin=b"", timeout_s=req.timeout_s or 0,
                       max_output=size)
     try:
-        running = await live.driver.spawn(live.instance, command, process.buffer.append,
-                                          lambda status: table.exited(process, status))
+        running = await launch(live, command, process.buffer.append, lambda status: table.exited(process, status))
     except ExecFailed as exc:
         raise ServiceError(ErrorCode.CONFLICT, f"cannot run in sandbox {req.sandbox_id}: {exc}") from None
     except (SandboxGone, ProcessLookupError):
@@ -179,7 +192,7 @@ async def spawn(table: ProcessTable, req: SpawnRequest) -> ProcessInfo:
     except ValueError as exc:
         raise ServiceError(ErrorCode.INVALID_REQUEST, str(exc)) from None
     process.running = running
-    if not req.stdin:
+    if not keep_stdin:
         running.close_stdin()
     if process.exit is not None and process.exit.sandbox_ended:
         running.close()
