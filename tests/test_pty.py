@@ -105,6 +105,22 @@ async def test_a_terminal_is_the_controlling_tty_of_its_shell(sb):
     assert exit.exit_code == 7 and not exit.sandbox_ended
 
 
+async def test_a_process_sandbox_on_layers_has_terminals_too(fleet, tmp_path_factory):
+    box = await fleet.create(memory_mb=128, layers=[await _busybox_base(fleet, tmp_path_factory)])
+    try:
+        term = await box.pty(["sh", "-c", "tty; stty size"], cols=90, rows=20)
+        assert (await term.wait()).exit_code == 0
+        assert re.fullmatch(rb"/dev/pts/\d+\r\n20 90\r\n", b"".join([c async for c in term.output(0)]))
+    finally:
+        await box.destroy()
+
+
+async def test_a_background_job_left_on_the_terminal_does_not_keep_it_open(sb):
+    term = await sb.pty(["sh", "-c", "sleep 1000 & echo bye$((1+1))"])
+    assert (await term.wait()).exit_code == 0
+    assert b"bye2" in b"".join([c async for c in term.output(0)])  # the output ends, too
+
+
 async def test_a_resize_reaches_the_program_on_the_terminal(sb):
     term = await sb.pty(["sh"], cols=80, rows=24)
     screen = Screen(term)
