@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from linuxnode.process import protocol
+from linuxnode.process.protocol import SpawnCommand, TerminalCommand
+from linuxnode.process.terminal import check_size
 from sandfleet import errors
 from sandfleet.layers_client import Layers
 from tests.kernel import require
@@ -60,6 +63,22 @@ async def sb(request, fleet, tmp_path_factory):
         await box.destroy()
     except (errors.NotFound, errors.Conflict):  # it ended in the test
         pass
+
+
+def test_a_terminal_request_to_the_spawner_survives_its_wire_form_with_its_fds_in_order():
+    request = TerminalCommand(cgroup_procs=("/sys/fs/cgroup/x/cgroup.procs",), cwd="/workspace", argv=("sh",),
+                              env={"TERM": "xterm"}, report=10, pidfd=11, root=12, stdin=13, stdout=14, stderr=15,
+                              control=16)
+    data, fds = protocol.encode(request)
+    assert protocol.decode(data, fds) == request and fds == [10, 11, 12, 13, 14, 15, 16]
+    assert TerminalCommand.TYPE == "terminal" and TerminalCommand.FDS == SpawnCommand.FDS
+
+
+def test_terminal_sizes_outside_1_to_1000_are_refused_by_the_node_library():
+    check_size(1, 1), check_size(1000, 1000)
+    for cols, rows in ((0, 24), (80, 0), (1001, 24), (80, 10**6), (True, 24), (80.0, 24)):
+        with pytest.raises(ValueError):
+            check_size(cols, rows)
 
 
 class Screen:
