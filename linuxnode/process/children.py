@@ -168,10 +168,16 @@ def _spawn_on_terminal(path: str, argv: tuple[str, ...], env: dict[str, str], st
     """Fork the command as the leader of a new session whose controlling terminal is the pty
     slave `stdio` holds, then exec it: posix_spawn can setsid but has no TIOCSCTTY step. The
     slave came from the launcher (TIOCGPTPEER on the master it opened), so it is never looked
-    up by a path the sandbox could change. An exec that fails says so on the terminal and
-    exits 127 or 126, as a command spawned the other way would."""
+    up by a path the sandbox could change. Returns once the child has exec'd or died (as
+    posix_spawn does), so its session exists for every signal sent after. An exec that fails
+    says so on the terminal and exits 127 or 126, as a command spawned the other way would.
+    Every fd past stdio is close-on-exec already (_drop_privileges)."""
+    execd_r, execd_w = os.pipe2(os.O_CLOEXEC)  # EOF once the child exec'd or ended
     command = os.fork()
     if command:
+        os.close(execd_w)
+        os.read(execd_r, 1)
+        os.close(execd_r)
         return command
     try:
         os.setsid()
@@ -181,7 +187,6 @@ def _spawn_on_terminal(path: str, argv: tuple[str, ...], env: dict[str, str], st
                 signal.signal(number, signal.SIG_DFL)
         for target, fd in enumerate(stdio):
             os.dup2(fd, target)
-        os.closerange(3, 1 << 30)
         os.execve(path, argv, env)
     except OSError as exc:
         code = 127 if exc.errno in (errno.ENOENT, errno.ENOTDIR) else 126
