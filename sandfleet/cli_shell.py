@@ -6,6 +6,7 @@ the way out whatever happens: every key, Ctrl-C included, is one byte sent to th
 window change here (SIGWINCH) resizes the remote terminal; the CLI exits with the remote
 command's code. With no terminal here (stdin piped), it runs plainly: stdin is typed into the
 remote terminal as it comes, its end as Ctrl-D, and the screen's bytes go to stdout as they are.
+A CLI that goes first (its output closed, `| head`) hangs the remote terminal up (SIGHUP).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ async def _session(args: argparse.Namespace, argv: list[str], interactive: bool)
                             env={"TERM": os.environ.get("TERM") or "xterm-256color"})
         stdin = sys.stdin.fileno()
         saved = termios.tcgetattr(stdin) if interactive else None
-        keys: asyncio.Queue[bytes] = asyncio.Queue()
+        keys: asyncio.Queue[bytes | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         sender = asyncio.create_task(_send_keys(term, keys))
         try:
@@ -78,9 +79,13 @@ async def _session(args: argparse.Namespace, argv: list[str], interactive: bool)
                 loop.remove_reader(stdin)
                 loop.remove_signal_handler(signal.SIGWINCH)
                 termios.tcsetattr(stdin, termios.TCSADRAIN, saved)
+            keys.put_nowait(None)
             sender.cancel()
             with contextlib.suppress(asyncio.CancelledError, errors.SandfleetError):
                 await sender
+            if term.exit is None:  # we are going away first (our reader did, or an error): hang up, as a modem would
+                with contextlib.suppress(errors.SandfleetError):
+                    await term.signal(signal.SIGHUP)
         return exit.exit_code if 0 <= exit.exit_code < 256 else 1
 
 
@@ -114,14 +119,17 @@ def _pipe_keys(fd: int, keys: asyncio.Queue[bytes], loop: asyncio.AbstractEventL
         loop.call_soon_threadsafe(keys.put_nowait, EOF_KEY)
 
 
-async def _send_keys(term: Terminal, keys: asyncio.Queue[bytes]) -> None:
-    """Keystrokes in the order typed, whatever arrived meanwhile sent in one write."""
+async def _send_keys(term: Terminal, keys: asyncio.Queue[bytes | None]) -> None:
+    """Keystrokes in the order typed, whatever arrived meanwhile sent in one write, until None:
+    the NATS client swallows a cancel that lands mid-publish, so a cancel alone may not end it."""
     while True:
-        data = await keys.get()
+        typed = [await keys.get()]
         while not keys.empty():
-            data += keys.get_nowait()
+            typed.append(keys.get_nowait())
+        if None in typed:
+            return  # the session is over: keys not sent yet have nobody to go to
         try:
-            await term.write(data)
+            await term.write(b"".join(typed))
         except errors.Conflict:  # it ended: nothing more to type into
             return
 

@@ -327,15 +327,34 @@ async def test_sandfleet_shell_in_tmux_types_resizes_interrupts_and_exits_with_t
         subprocess.run(["tmux", "-S", sock, "kill-server"], capture_output=True)
 
 
-async def test_sandfleet_shell_without_a_terminal_types_its_stdin_and_exits_with_the_code(sb, platform):
-    run = await asyncio.create_subprocess_exec(
-        *CLI, "shell", sb.id, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env=_cli_env(platform), cwd=ROOT)
-    out, err = await run.communicate(b"echo $((6*7))\nexit 3\n")
-    assert run.returncode == 3, err
-    assert re.search(rb"\b42\r\n", out), out
-    run = await asyncio.create_subprocess_exec(
-        *CLI, "shell", sb.id, "--", "sh", "-c", "tty; exit 4", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        env=_cli_env(platform), cwd=ROOT)
-    out, _ = await run.communicate()
-    assert run.returncode == 4 and re.match(rb"/dev/pts/\d+\r\n", out), out
+async def _cli(platform, tmp_path, command: str, stdin: bytes = b"") -> tuple[int, bytes, bytes]:
+    """Run a shell command line holding the CLI (stdin from a file, not a terminal); its code,
+    stdout and stderr. A CLI that never ends fails with what it had printed."""
+    (tmp_path / "in").write_bytes(stdin)
+    with open(tmp_path / "out", "wb") as out, open(tmp_path / "err", "wb") as err, open(tmp_path / "in", "rb") as inp:
+        run = await asyncio.create_subprocess_shell(command, stdin=inp, stdout=out, stderr=err, env=_cli_env(platform),
+                                                    cwd=ROOT)
+        try:
+            async with asyncio.timeout(SCREEN_WAIT_S):
+                await run.wait()
+        except TimeoutError:
+            run.kill()
+            await run.wait()
+            raise AssertionError(f"{command!r} never ended: it printed {(tmp_path / 'out').read_bytes()[-2000:]!r}, "
+                                 f"{(tmp_path / 'err').read_bytes()[-2000:]!r}") from None
+    return run.returncode, (tmp_path / "out").read_bytes(), (tmp_path / "err").read_bytes()
+
+
+async def test_sandfleet_shell_without_a_terminal_types_its_stdin_and_exits_with_the_code(sb, platform, tmp_path):
+    cli = " ".join(shlex.quote(a) for a in CLI)
+    code, out, err = await _cli(platform, tmp_path, f"{cli} shell {sb.id}", b"echo $((6*7))\nexit 3\n")
+    assert code == 3 and re.search(rb"\b42\r\n", out), (code, out, err)
+    code, out, err = await _cli(platform, tmp_path, f"{cli} shell {sb.id} -- sh -c 'tty; exit 4'")
+    assert code == 4 and re.match(rb"/dev/pts/\d+\r\n", out), (code, out, err)
+    # A closed pipe ends the CLI quietly, and it hangs the remote terminal up on its way out.
+    code, out, err = await _cli(platform, tmp_path, f"{cli} shell {sb.id} -- sh -c 'while :; do echo yes; done' "
+                                "| head -n 1")
+    assert code == 0 and out == b"yes\r\n" and b"Traceback" not in err, (code, out, err)
+    looping = [p for p in await sb.processes() if p.argv[-1] == "while :; do echo yes; done"]
+    assert len(looping) == 1
+    assert (await sb.terminal(looping[0].pid).wait()).signal == 1  # SIGHUP
