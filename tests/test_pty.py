@@ -324,7 +324,37 @@ async def test_sandfleet_shell_in_tmux_types_resizes_interrupts_and_exits_with_t
         assert done.read_text() == "5\n"
         assert (tmp_path / "before").read_text() == (tmp_path / "after").read_text()  # raw mode undone
     finally:
+        tree = _descendants(int(_tmux(sock, "display-message", "-p", "#{pid}")))
         subprocess.run(["tmux", "-S", sock, "kill-server"], capture_output=True)
+        await _reap(tree)
+
+
+def _descendants(pid: int) -> set[int]:
+    """`pid` and every process under it."""
+    found, todo = set(), [pid]
+    while todo:
+        found.add(current := todo.pop())
+        try:
+            with open(f"/proc/{current}/task/{current}/children") as f:
+                todo += [int(child) for child in f.read().split()]
+        except OSError:
+            continue
+    return found
+
+
+async def _reap(pids: set[int]) -> None:
+    """Until each of `pids` is gone, reaping those that fall to us: the session is a subreaper
+    (tests/conftest.py), and tmux's server and its panes are orphans once it is killed."""
+    async with asyncio.timeout(SCREEN_WAIT_S):
+        while pids:
+            for pid in list(pids):
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                        pids.discard(pid)
+                except ChildProcessError:  # not ours (yet): gone, or its own parent reaps it
+                    if not os.path.exists(f"/proc/{pid}"):
+                        pids.discard(pid)
+            await asyncio.sleep(0.05)
 
 
 async def _cli(platform, tmp_path, command: str, stdin: bytes = b"") -> tuple[int, bytes, bytes]:
