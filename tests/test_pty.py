@@ -286,15 +286,38 @@ def _cli_env(platform) -> dict:
     return {**os.environ, "SANDFLEET_NATS_URL": platform.url, "PYTHONPATH": str(ROOT)}
 
 
-async def test_sandfleet_shell_in_tmux_types_resizes_interrupts_and_exits_with_the_code(sb, platform, tmp_path):
+def _start_tmux_shell(sock: str, tmp_path: Path, sb, platform) -> Path:
+    """A detached tmux session `pty` (100x30) whose pane runs `sandfleet shell` in `sb`; the pane's
+    own shell notes the local terminal's mode before and after, and the CLI's exit code in the
+    file returned."""
     require(shutil.which("tmux") is not None, "tmux is installed (make install)")
-    sock, done = str(tmp_path / "tmux.sock"), tmp_path / "done"
+    done = tmp_path / "done"
     cli = " ".join(shlex.quote(a) for a in CLI)
-    # The pane's own shell notes the local terminal's mode before and after, and the CLI's code.
     script = (f"stty -g > {tmp_path}/before; {cli} shell {sb.id}; code=$?; stty -g > {tmp_path}/after; "
               f"echo $code > {done}; sleep 1000")
     _tmux(sock, "-f", "/dev/null", "new-session", "-d", "-s", "pty", "-x", "100", "-y", "30", "-c", str(ROOT),
           "-e", f"SANDFLEET_NATS_URL={platform.url}", "-e", f"PYTHONPATH={ROOT}", "sh", "-c", script)
+    return done
+
+
+async def _cli_ended(tmp_path: Path, done: Path) -> str:
+    """The CLI's exit code, once it ended; the local terminal's mode must be as it found it."""
+    async with asyncio.timeout(SCREEN_WAIT_S):
+        while not done.exists() or not done.read_text():
+            await asyncio.sleep(0.05)
+    assert (tmp_path / "before").read_text() == (tmp_path / "after").read_text()  # raw mode undone
+    return done.read_text().strip()
+
+
+async def _stop_tmux(sock: str) -> None:
+    tree = _descendants(int(_tmux(sock, "display-message", "-p", "#{pid}")))
+    subprocess.run(["tmux", "-S", sock, "kill-server"], capture_output=True)
+    await _reap(tree)
+
+
+async def test_sandfleet_shell_in_tmux_types_resizes_interrupts_and_exits_with_the_code(sb, platform, tmp_path):
+    sock = str(tmp_path / "tmux.sock")
+    done = _start_tmux_shell(sock, tmp_path, sb, platform)
     try:
         await _pane_shows(sock, r"#$")  # the sandbox's shell prompts (tmux drops the trailing space)
         _tmux(sock, "send-keys", "-t", "pty", "echo $((6*7))", "Enter")
@@ -318,15 +341,21 @@ async def test_sandfleet_shell_in_tmux_types_resizes_interrupts_and_exits_with_t
         assert not done.exists()
 
         _tmux(sock, "send-keys", "-t", "pty", "exit 5", "Enter")
-        async with asyncio.timeout(SCREEN_WAIT_S):
-            while not done.exists() or not done.read_text():
-                await asyncio.sleep(0.05)
-        assert done.read_text() == "5\n"
-        assert (tmp_path / "before").read_text() == (tmp_path / "after").read_text()  # raw mode undone
+        assert await _cli_ended(tmp_path, done) == "5"
     finally:
-        tree = _descendants(int(_tmux(sock, "display-message", "-p", "#{pid}")))
-        subprocess.run(["tmux", "-S", sock, "kill-server"], capture_output=True)
-        await _reap(tree)
+        await _stop_tmux(sock)
+
+
+async def test_sandfleet_shell_restores_the_local_terminal_when_the_sandbox_ends_under_it(sb, platform, tmp_path):
+    sock = str(tmp_path / "tmux.sock")
+    done = _start_tmux_shell(sock, tmp_path, sb, platform)
+    try:
+        await _pane_shows(sock, r"#$")
+        await sb.destroy()
+        assert await _cli_ended(tmp_path, done) == "1"
+        await _pane_shows(sock, r"sandfleet shell: sandbox \S+ ended \(requested\)")
+    finally:
+        await _stop_tmux(sock)
 
 
 def _descendants(pid: int) -> set[int]:
