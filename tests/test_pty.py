@@ -15,6 +15,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -392,12 +393,12 @@ async def _cli(platform, tmp_path, command: str, stdin: bytes = b"") -> tuple[in
     (tmp_path / "in").write_bytes(stdin)
     with open(tmp_path / "out", "wb") as out, open(tmp_path / "err", "wb") as err, open(tmp_path / "in", "rb") as inp:
         run = await asyncio.create_subprocess_shell(command, stdin=inp, stdout=out, stderr=err, env=_cli_env(platform),
-                                                    cwd=ROOT)
+                                                    cwd=ROOT, start_new_session=True)
         try:
             async with asyncio.timeout(SCREEN_WAIT_S):
                 await run.wait()
         except TimeoutError:
-            run.kill()
+            os.killpg(run.pid, signal.SIGKILL)  # the CLI too, not only the shell holding it
             await run.wait()
             raise AssertionError(f"{command!r} never ended: it printed {(tmp_path / 'out').read_bytes()[-2000:]!r}, "
                                  f"{(tmp_path / 'err').read_bytes()[-2000:]!r}") from None
