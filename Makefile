@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-APT_PACKAGES := catatonit strace libseccomp2 iproute2 util-linux python3-venv nodejs npm erofs-utils busybox-static debootstrap crun libfuse3-dev pkg-config fuse3 python3-bpfcc linux-headers-$(shell dpkg --print-architecture) nftables apparmor gcc libc6-dev prometheus
+APT_PACKAGES := catatonit strace libseccomp2 iproute2 util-linux python3-venv nodejs npm erofs-utils busybox-static debootstrap crun libfuse3-dev pkg-config fuse3 python3-bpfcc linux-headers-$(shell dpkg --print-architecture) nftables apparmor gcc libc6-dev prometheus tmux
 NODE_STAMP := tests/node/node_modules/.installed
 
 .PHONY: install demo test schemas clean-venv bench fusion-layers

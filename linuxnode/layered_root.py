@@ -26,7 +26,7 @@ from linuxnode import syscalls as linux
 INIT_BINARY = "/usr/bin/catatonit"  # where the process runtime's init execs it from, inside the root
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 _DEV_LINKS = (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-              ("stderr", "/proc/self/fd/2"))
+              ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx"))
 # As rootfs.py (host view) and crun's maskedPaths: kpage*: uid 0 may read them without any
 # capability, and a scan of kpagecgroup crashed a host.
 _RO = linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
@@ -168,6 +168,9 @@ def plan(rootfs_dir: str, tmp_size_mb: int, hostname: str, stage: str) -> tuple[
         "size=64k,mode=0755")
     add("make /dev nodes", _make_in, stage, "dev", "device", devices)
     add("make /dev links", _make_in, stage, "dev", "symlink", _DEV_LINKS)
+    # Its own devpts (as a container's): the node opens the sandbox's terminals on its ptmx.
+    add("mount /dev/pts", _mount_in, stage, "dev/pts", "devpts", "devpts", linux.MS_NOSUID | linux.MS_NOEXEC,
+        "newinstance,ptmxmode=0666,mode=0620")
     add("mount /dev/shm", _mount_in, stage, "dev/shm", "shm", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
         f"size={max(1, tmp_size_mb // 4)}m,mode=1777")
     add("make /dev read-only", _remount_in, stage, "dev", linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NOEXEC)

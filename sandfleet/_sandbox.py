@@ -6,7 +6,7 @@ from __future__ import annotations
 import secrets
 from typing import TYPE_CHECKING
 
-from sandfleet import _files, _health, _processes, errors
+from sandfleet import _files, _health, _processes, _pty, errors
 from sandfleet._ports import Forward
 from sandfleet._processes import OutputCallback, Process
 from sandfleet._requests import _convert
@@ -165,3 +165,19 @@ class Sandbox:
                        progress: _files.Progress | None = None) -> TransferDone:
         """Copy a file or directory of the sandbox to the local `dst` (replaced), checked the same way."""
         return await _files.download(self, path, dst, progress=progress)
+
+    # -- terminals: a command on a pty the node holds (sandfleet/_pty.py) --------------------
+
+    async def pty(self, argv: list[str] | None = None, *, cols: int = 80, rows: int = 24,
+                  env: dict[str, str] | None = None, cwd: str = "/workspace", timeout_s: float | None = None,
+                  buffer_bytes: int = 0) -> _pty.Terminal:
+        """Start argv (default `sh`) on a new terminal of `cols` x `rows` (1..1000): it leads a
+        session with the terminal as its controlling tty, so job control, Ctrl-C (b"\x03") and
+        resizes work as on a login; TERM is xterm-256color unless `env` names one. It runs until
+        it ends or is killed, whatever the client does; any client re-attaches with `terminal(pid)`."""
+        return await _pty.open_terminal(self, argv or ["sh"], cols=cols, rows=rows, env=env, cwd=cwd,
+                                        timeout_s=timeout_s, buffer_bytes=buffer_bytes)
+
+    def terminal(self, pid: int) -> _pty.Terminal:
+        """A handle on terminal `pid` (from this client or any other); `process(pid)` works too."""
+        return _pty.Terminal(self, pid)

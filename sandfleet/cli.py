@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 
 from sandfleet import cli_files, cli_fusion, cli_gateway, cli_health, cli_layers, cli_ports, cli_processes, cli_rollout, client, errors
+from sandfleet import cli_shell
 from sandfleet.config import DEFAULT_PORT, default_data_dir, nats_url, node_id
 from sandfleet.extras import MissingExtra, require
 from sandfleet.supervisor import Supervisor, free_port, plan_nodes, read_state, stop_unsupervised
@@ -125,6 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     cli_files.register(sub)
     cli_gateway.register(sub)
     cli_fusion.register(sub)
+    cli_shell.register(sub)
     return p
 
 

@@ -11,6 +11,7 @@ import msgspec
 from schemas import errors, events, files, health, layers, node, reclaim, sandbox, security, violations
 from schemas import ports
 from schemas import process as proc
+from schemas import pty
 
 MESSAGES: dict[str, object] = {
     "sandbox.CreateRequest": sandbox.CreateRequest,
@@ -129,6 +130,8 @@ MESSAGES: dict[str, object] = {
     "reclaim.ReclaimAction": reclaim.ReclaimAction,
     "reclaim.SavingsRequest": reclaim.SavingsRequest,
     "reclaim.NodeSavings": reclaim.NodeSavings,
+    "pty.PtySpawnRequest": pty.PtySpawnRequest,
+    "pty.ResizeRequest": pty.ResizeRequest,
 }
 
 

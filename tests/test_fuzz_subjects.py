@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sandfleet.bus import decode
-from schemas import files, health, layers, node, ports, reclaim, sandbox, security
+from schemas import files, health, layers, node, ports, pty, reclaim, sandbox, security
 from schemas import process as proc_schema
 from schemas.errors import ErrorBody, ErrorCode
 
@@ -110,6 +110,9 @@ SUBJECTS = [
     Subject("launcher", files.WATCH, files.WatchRequest, NOWHERE | {"path": "/x"}),
     Subject("launcher", files.WATCH_NEXT, files.WatchNextRequest, NOWHERE | {"watch_id": "ab", "wait_s": 0}),
     Subject("launcher", files.WATCH_CLOSE, files.WatchCloseRequest, NOWHERE | {"watch_id": "ab"}),
+    # launcher: terminals (schemas/pty.py)
+    Subject("launcher", pty.PTY_SPAWN, pty.PtySpawnRequest, NOWHERE | {"argv": ["sh"]}),
+    Subject("launcher", pty.PTY_RESIZE, pty.ResizeRequest, NOWHERE | {"pid": 1, "cols": 80, "rows": 24}),
     # node agent
     Subject("agent", node.CONFINE, node.ConfineRequest, {}),
     Subject("agent", node.RELEASE, node.ReleaseRequest, NOWHERE),

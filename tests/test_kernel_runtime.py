@@ -286,8 +286,8 @@ async def test_host_directories_and_files_are_absent(sandbox):
     assert {"bin", "dev", "etc", "proc", "tmp", "usr", "workspace"} <= words
     assert not words & {"work", "home", "root", "var", "srv", "shadow", os.path.basename(marker)}
     mounted = {line.split()[1] for line in out.splitlines() if line.count(" ") == 5}
-    allowed = {"/", "/usr", "/etc/ssl/certs", "/etc/alternatives", "/etc/ld.so.cache", "/dev", "/dev/shm", "/proc",
-               "/tmp", "/workspace"}
+    allowed = {"/", "/usr", "/etc/ssl/certs", "/etc/alternatives", "/etc/ld.so.cache", "/dev", "/dev/pts", "/dev/shm",
+               "/proc", "/tmp", "/workspace"}
     assert mounted - allowed <= {f"/proc/{name}" for name in os.listdir("/proc")}, mounted
 
 

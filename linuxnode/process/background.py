@@ -55,7 +55,7 @@ class BackgroundCommand:
         self.status: int | None = None
         self.started = loop.create_future()  # the command runs (or could not): its first report
         self.drained = loop.create_future()  # every output pipe closed after the exit
-        self.outputs = {fds["stdout"]: 1, fds["stderr"]: 2}
+        self.outputs = {fds["stdout"]: 1, **({fds["stderr"]: 2} if "stderr" in fds else {})}  # a terminal has one
         self._writing: asyncio.Future | None = None
         for fd in (self.report_r, *self.outputs):
             os.set_blocking(fd, False)
@@ -201,6 +201,11 @@ async def spawn(init: InitProcess, argv: list[str], *, cgroup_procs: list[str], 
     os.set_blocking(control_w, False)
     command = BackgroundCommand(loop, {"report": report_r, "control": control_w, "stdin": in_w, "stdout": out_r,
                                        "stderr": err_r}, on_output, on_exit)
+    return await running(command)
+
+
+async def running(command: BackgroundCommand) -> BackgroundCommand:
+    """`command` once it runs (or exited at once); why it could not start, raised, else."""
     try:
         report = await command.started
     except BaseException:

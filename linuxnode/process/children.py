@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import signal
 
 from linuxnode import landlock
 from linuxnode import syscalls as linux
 from linuxnode.process.model import CATATONIT, DEFAULT_ENV
-from linuxnode.process.protocol import ExecCommand, SpawnCommand, StartInit
+from linuxnode.process.protocol import ExecCommand, SpawnCommand, StartInit, TerminalCommand
 from linuxnode.process.reports import READY, command_record, report_failure, status_record
 
 _LANDLOCK_ABI = landlock.abi()  # asked once, in the spawner: 0 where the kernel has none
@@ -130,10 +131,13 @@ def exec_child(request: ExecCommand, last_cap: int, seccomp: bytes) -> None:
             os._exit(1)
         if path is not None:
             try:
-                command = os.posix_spawn(
-                    path, argv, env, setsid=True, setsigdef=_SPAWN_DEFAULT_SIGNALS, setsigmask=(),
-                    file_actions=[(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(stdio)],
-                )
+                if isinstance(request, TerminalCommand):
+                    command = _spawn_on_terminal(path, argv, env, stdio)
+                else:
+                    command = os.posix_spawn(
+                        path, argv, env, setsid=True, setsigdef=_SPAWN_DEFAULT_SIGNALS, setsigmask=(),
+                        file_actions=[(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(stdio)],
+                    )
                 if killed:  # SIGTERM arrived while spawning
                     kill_command()
                 elif control >= 0:
@@ -155,6 +159,43 @@ def exec_child(request: ExecCommand, last_cap: int, seccomp: bytes) -> None:
         report_failure(report, step, exc)
         os._exit(1)
     os._exit(0)
+
+
+TIOCSCTTY = 0x540E  # the same number on every Linux architecture we run (asm-generic)
+
+
+def _spawn_on_terminal(path: str, argv: tuple[str, ...], env: dict[str, str], stdio: tuple[int, int, int]) -> int:
+    """Fork the command as the leader of a new session whose controlling terminal is the pty
+    slave `stdio` holds, then exec it: posix_spawn can setsid but has no TIOCSCTTY step. The
+    slave came from the launcher (TIOCGPTPEER on the master it opened), so it is never looked
+    up by a path the sandbox could change. Returns once the child has exec'd or died (as
+    posix_spawn does), so its session exists for every signal sent after. An exec that fails
+    says so on the terminal and exits 127 or 126, as a command spawned the other way would.
+    Every fd past stdio is close-on-exec already (_drop_privileges)."""
+    execd_r, execd_w = os.pipe2(os.O_CLOEXEC)  # EOF once the child exec'd or ended
+    command = os.fork()
+    if command:
+        os.close(execd_w)
+        os.read(execd_r, 1)
+        os.close(execd_r)
+        return command
+    try:
+        os.setsid()
+        fcntl.ioctl(stdio[0], TIOCSCTTY, 0)
+        for number in _SPAWN_DEFAULT_SIGNALS:  # SIG_IGN would survive exec (the spawner ignores SIGINT)
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(number, signal.SIG_DFL)
+        for target, fd in enumerate(stdio):
+            os.dup2(fd, target)
+        os.execve(path, argv, env)
+    except OSError as exc:
+        code = 127 if exc.errno in (errno.ENOENT, errno.ENOTDIR) else 126
+        with contextlib.suppress(OSError):
+            os.write(2, f"sandbox: {argv[0]}: {exc.strerror}\r\n".encode(errors="replace"))
+        os._exit(code)
+    except BaseException:
+        os._exit(126)
+    os._exit(126)  # not reached: execve returned
 
 
 def _forward_signals(command: int, control: int) -> None:

@@ -146,7 +146,15 @@ class SpawnCommand(ExecCommand):
     control: int = _fd()  # read end of the signal pipe
 
 
-Request = Ping | Signal | StartInit | ExecCommand | SpawnCommand
+@_request("terminal")
+@dataclass(frozen=True, kw_only=True)
+class TerminalCommand(SpawnCommand):
+    """A spawn whose stdin, stdout and stderr are three fds of one pty's slave (its master stays
+    with the launcher): the command leads a new session with that terminal as its controlling
+    tty (setsid, then TIOCSCTTY), so job control, Ctrl-C as a byte and window changes work."""
+
+
+Request = Ping | Signal | StartInit | ExecCommand | SpawnCommand | TerminalCommand
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), check_circular=False)  # json.dumps makes one a call

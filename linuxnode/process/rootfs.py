@@ -1,7 +1,7 @@
 """The sandbox root: a plan of steps computed once per (sizes, hostname) from what the host
 has, and replayed by each init child (B) in its private mount namespace. It builds a tmpfs
 root on STAGE with the host's /usr, /bin and /lib* bound read-only, a few /etc entries,
-fresh /dev, /proc, /tmp and /workspace, pivots into it and makes it read-only."""
+fresh /dev (with a devpts of its own), /proc, /tmp and /workspace, pivots into it and makes it read-only."""
 
 from __future__ import annotations
 
@@ -121,6 +121,12 @@ def plan(tmp_size_mb: int, workspace_size_mb: int, hostname: str) -> tuple[Step,
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2")):
         add(f"symlink /dev/{name}", os.symlink, target, f"{r}/dev/{name}")
+    # A devpts of its own, as a container has: the node opens terminals for it here (its ptmx),
+    # so `tty` inside names /dev/pts/N, and the sandbox may make ptys of its own (tmux, script).
+    add("mkdir /dev/pts", os.mkdir, f"{r}/dev/pts", 0o755)
+    mount("mount /dev/pts", "devpts", f"{r}/dev/pts", "devpts", linux.MS_NOSUID | linux.MS_NOEXEC,
+          "newinstance,ptmxmode=0666,mode=0620")
+    add("symlink /dev/ptmx", os.symlink, "pts/ptmx", f"{r}/dev/ptmx")
     add("mkdir /dev/shm", os.mkdir, f"{r}/dev/shm", 0o755)
     mount("mount /dev/shm", "shm", f"{r}/dev/shm", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
           f"size={max(1, tmp_size_mb // 4)}m,mode=1777")

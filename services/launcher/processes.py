@@ -23,7 +23,9 @@ import contextlib
 import itertools
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
@@ -160,6 +162,18 @@ class ProcessTable:
 
 
 async def spawn(table: ProcessTable, req: SpawnRequest) -> ProcessInfo:
+    return await start(table, req, lambda live, command, on_output, on_exit: live.driver.spawn(
+        live.instance, command, on_output, on_exit), keep_stdin=req.stdin)
+
+
+# How a request's command is started: (live sandbox, command, on_output, on_exit) -> RunningCommand.
+Launch = Callable[[Any, Command, Callable[[int, bytes], None], Callable[[int], None]], Awaitable[RunningCommand]]
+
+
+async def start(table: ProcessTable, req: Any, launch: Launch, keep_stdin: bool = True) -> ProcessInfo:
+    """Start the command of `req` (a SpawnRequest or one with its fields: a terminal's) with
+    `launch` and keep it in the table: the limits, the buffer, the timeout and every refusal
+    as for any background process."""
     tag(table.launcher.node_id, req.sandbox_id)
     live = table.launcher.get_live(req.sandbox_id)
     if live.quarantined or live.paused:
@@ -173,12 +187,11 @@ async def spawn(table: ProcessTable, req: SpawnRequest) -> ProcessInfo:
     process = Process(pid=next(table._pids), sandbox_id=req.sandbox_id, argv=argv, buffer=OutputBuffer(size))
     command = Command(argv=argv, env=env, cwd=cwd, stdin=b"", timeout_s=req.timeout_s or 0, max_output=size)
     try:
-        running = await live.driver.spawn(live.instance, command, process.buffer.append,
-                                          lambda status: table.exited(process, status))
+        running = await launch(live, command, process.buffer.append, lambda status: table.exited(process, status))
     except DRIVER_ERRORS as exc:
         raise service_error(exc, cwd) from None
     process.running = running
-    if not req.stdin:
+    if not keep_stdin:
         running.close_stdin()
     if process.exit is not None and process.exit.sandbox_ended:
         running.close()

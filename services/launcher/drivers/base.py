@@ -137,6 +137,13 @@ class RunningCommand(Protocol):
         """Stop reading its output; kill it if it still runs."""
 
 
+class RunningTerminal(RunningCommand, Protocol):
+    """A background command on a terminal (see the driver's `spawn_terminal`)."""
+
+    def resize(self, cols: int, rows: int) -> bool:
+        """Its window size (the foreground job gets SIGWINCH); False if it has ended."""
+
+
 class StdinClosed(Exception):
     """A background command's stdin is closed (by the caller, or the command ended)."""
 
@@ -232,6 +239,16 @@ class Driver(Protocol):
 
     def open_watch(self, instance: Instance, path: str, recursive: bool, max_dirs: int) -> DirectoryWatch:
         """An inotify watch of the directory `path` resolved in the sandbox's root."""
+
+    # -- PTY: a background command on a terminal the node holds -----------------------------
+
+    async def spawn_terminal(self, instance: Instance, command: Command, cols: int, rows: int,
+                             on_output: Callable[[int, bytes], None],
+                             on_exit: Callable[[int], None]) -> RunningTerminal:
+        """`spawn`, but its stdin, stdout and stderr are one terminal of `cols` x `rows` (1..1000)
+        whose master the node holds, the command leading a session with it as controlling tty;
+        its output comes as stream 1. ValueError for a bad size; ExecFailed if the sandbox has no
+        terminals (no devpts of its own)."""
 
 
 class DirectoryWatch(Protocol):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from linuxnode import cgroups, netns, procfs
 from linuxnode import process as process_runtime
-from linuxnode.process import InitProcess, ProcessSpec, background, fileops, transfer
+from linuxnode.process import InitProcess, ProcessSpec, background, fileops, terminal, transfer
 from linuxnode.process.watch import DirWatch
 from schemas.layers import Rootfs
 from schemas.node import Confinement
@@ -38,6 +38,7 @@ from services.launcher.drivers.base import (
     NoWritableLayer,
     SandboxGone,
     RunningCommand,
+    RunningTerminal,
     StartFailed,
     StdinClosed,
     Unsupported,
@@ -274,6 +275,21 @@ class ProcessDriver:
         except ProcessLookupError:
             raise SandboxGone("the sandbox's init is gone") from None
 
+    # -- PTY: a background command on a terminal the node holds -----------------------------
+
+    async def spawn_terminal(self, instance: Instance, command: Command, cols: int, rows: int,
+                             on_output: Callable[[int, bytes], None],
+                             on_exit: Callable[[int], None]) -> RunningTerminal:
+        sandbox = _own(instance)
+        try:
+            running = await terminal.spawn(sandbox.init, list(command.argv),
+                                           cgroup_procs=sandbox.confinement.cgroup_procs, env=command.env,
+                                           cwd=command.cwd, cols=cols, rows=rows, on_output=on_output,
+                                           on_exit=on_exit)
+        except process_runtime.ExecError as exc:
+            raise ExecFailed(str(exc)) from None
+        return _Terminal(running)
+
 
 def _usage(sandbox: NamespaceSandbox) -> Usage:
     """Its cgroup files, its writable layer, and /proc/<init>/net/dev (which shows the host the
@@ -348,6 +364,13 @@ class _Background:
 
     def close(self) -> None:
         self.running.close()
+
+
+class _Terminal(_Background):
+    running: terminal.Terminal
+
+    def resize(self, cols: int, rows: int) -> bool:
+        return self.running.resize(cols, rows)
 
 
 def _own_address(sandbox: NamespaceSandbox, host: str) -> str:
