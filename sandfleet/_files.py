@@ -39,30 +39,31 @@ _TIMEOUT_S = 60.0
 async def upload(sb: Sandbox, src: str | os.PathLike | bytes, path: str, *, mode: int | None = None,
                  progress: Progress | None = None, idle_s: float = 60.0) -> wire.TransferDone:
     bus = sb._fleet.bus
+    digest = hashlib.sha256()  # updated by whoever makes the chunks, off the loop
     if isinstance(src, (bytes, bytearray, memoryview)):
-        kind, total, chunks = "file", len(src), _bytes_chunks(bytes(src))
+        kind, total, chunks = "file", len(src), _bytes_chunks(bytes(src), digest)
         file_mode = 0o644 if mode is None else mode
     else:
         local = Path(src)
         st = local.stat()
         if stat.S_ISDIR(st.st_mode):
-            kind, total, chunks, file_mode = "dir", -1, _tar_chunks(local), 0
+            kind, total, chunks, file_mode = "dir", -1, _tar_chunks(local, digest), 0
         else:
-            kind, total, chunks = "file", st.st_size, _file_chunks(local)
+            kind, total, chunks = "file", st.st_size, _file_chunks(local, digest)
             file_mode = stat.S_IMODE(st.st_mode) if mode is None else mode
     begin = wire.UploadRequest(sandbox_id=sb.id, path=path, kind=kind, mode=file_mode, idle_s=idle_s)
     transfer = await bus.request(sb._subject(wire.UPLOAD), begin, wire.Transfer, timeout=_TIMEOUT_S)
-    digest, size, seq = hashlib.sha256(), 0, 0
+    size, seq = 0, 0
     inflight: set[asyncio.Task] = set()
+    subject = sb._subject(wire.UPLOAD_CHUNK)
     try:
         async for data in chunks:
-            digest.update(data)
             while len(inflight) >= wire.WINDOW:
                 done, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
                 _raise_first(done)
-            chunk = wire.UploadChunk(sandbox_id=sb.id, transfer_id=transfer.transfer_id, seq=seq, data=data)
+            chunk = wire.UploadChunk(sandbox_id=sb.id, transfer_id=transfer.transfer_id, seq=seq)
             inflight.add(asyncio.ensure_future(
-                bus.request(sb._subject(wire.UPLOAD_CHUNK), chunk, wire.ChunkAck, timeout=_TIMEOUT_S)))
+                bus.request_raw(subject, chunk, wire.ChunkAck, data=data, timeout=_TIMEOUT_S)))
             seq += 1
             size += len(data)
             if progress is not None:
@@ -99,22 +100,32 @@ async def _close_quietly(sb: Sandbox, transfer_id: str) -> None:
         await asyncio.shield(sb._fleet.bus.request(sb._subject(wire.CLOSE), req, wire.Closed, timeout=10))
 
 
-async def _bytes_chunks(data: bytes) -> AsyncIterator[bytes]:
+async def _bytes_chunks(data: bytes, digest) -> AsyncIterator[memoryview]:
+    view = memoryview(data)
     for i in range(0, len(data), wire.CHUNK_BYTES):
-        yield data[i:i + wire.CHUNK_BYTES]
+        chunk = view[i:i + wire.CHUNK_BYTES]
+        await asyncio.to_thread(digest.update, chunk)
+        yield chunk
 
 
-async def _file_chunks(local: Path) -> AsyncIterator[bytes]:
-    with open(local, "rb") as f:
-        while data := await asyncio.to_thread(f.read, wire.CHUNK_BYTES):
+def _read_hashed(f, digest) -> bytes:
+    """The next chunk of `f`, hashed here (a thread: hashlib and read release the GIL)."""
+    data = f.read(wire.CHUNK_BYTES)
+    digest.update(data)
+    return data
+
+
+async def _file_chunks(local: Path, digest) -> AsyncIterator[bytes]:
+    with open(local, "rb", buffering=0) as f:
+        while data := await asyncio.to_thread(_read_hashed, f, digest):
             yield data
 
 
 class _ToLoop(io.RawIOBase):
     """What a tar thread writes, handed to the event loop in chunks through a bounded queue."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue) -> None:
-        self._loop, self._out, self._held = loop, out, bytearray()
+    def __init__(self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue, digest) -> None:
+        self._loop, self._out, self._held, self._digest = loop, out, bytearray(), digest
         self.abandoned = threading.Event()  # the upload failed: the tar thread stops at its next write
 
     def writable(self) -> bool:
@@ -128,6 +139,8 @@ class _ToLoop(io.RawIOBase):
         return len(data)
 
     def _hand(self, data: bytes | BaseException | None) -> None:
+        if isinstance(data, bytes):
+            self._digest.update(data)
         handed = asyncio.run_coroutine_threadsafe(self._out.put(data), self._loop)
         while True:
             try:
@@ -143,9 +156,9 @@ class _ToLoop(io.RawIOBase):
         self._hand(error)
 
 
-async def _tar_chunks(local: Path) -> AsyncIterator[bytes]:
+async def _tar_chunks(local: Path, digest) -> AsyncIterator[bytes]:
     out: asyncio.Queue = asyncio.Queue(wire.WINDOW)
-    writer = _ToLoop(asyncio.get_running_loop(), out)
+    writer = _ToLoop(asyncio.get_running_loop(), out, digest)
 
     def pack() -> None:
         error = None
@@ -181,15 +194,14 @@ async def download(sb: Sandbox, path: str, dst: str | os.PathLike, *, progress: 
     digest, size = hashlib.sha256(), 0
     chunks = _chunks(sb, transfer.transfer_id)
     try:
-        async for chunk in chunks:
+        async for chunk, data in chunks:
             if chunk.eof:
                 if chunk.sha256 != digest.hexdigest() or chunk.size != size:
                     raise ValueError(f"download of {path}: sha256 {chunk.sha256} ({chunk.size} bytes) on the node, "
                                      f"{digest.hexdigest()} ({size} bytes) received")
                 break
-            digest.update(chunk.data)
-            size += len(chunk.data)
-            await asyncio.to_thread(sink.write, chunk.data)
+            size += len(data)
+            await asyncio.to_thread(_write_hashed, sink, digest, data)
             if progress is not None:
                 progress(size, transfer.size)
         await asyncio.to_thread(sink.commit, dst)
@@ -202,21 +214,27 @@ async def download(sb: Sandbox, path: str, dst: str | os.PathLike, *, progress: 
     return wire.TransferDone(size=size, sha256=digest.hexdigest())
 
 
-async def _chunks(sb: Sandbox, transfer_id: str) -> AsyncIterator[wire.DownloadChunk]:
-    """The stream's chunks in order, WINDOW requests ahead; the last one has `eof`."""
+def _write_hashed(sink: _FileSink | _TreeSink, digest, data: bytes) -> None:
+    digest.update(data)
+    sink.write(data)
+
+
+async def _chunks(sb: Sandbox, transfer_id: str) -> AsyncIterator[tuple[wire.DownloadChunk, bytes]]:
+    """The stream's chunks (each its header and bytes) in order, WINDOW requests ahead; the last
+    one has `eof`."""
     bus = sb._fleet.bus
+    subject = sb._subject(wire.DOWNLOAD_CHUNK)
 
     def ask(seq: int) -> asyncio.Future:
         req = wire.DownloadChunkRequest(sandbox_id=sb.id, transfer_id=transfer_id, seq=seq)
-        return asyncio.ensure_future(
-            bus.request(sb._subject(wire.DOWNLOAD_CHUNK), req, wire.DownloadChunk, timeout=_TIMEOUT_S))
+        return asyncio.ensure_future(bus.request_raw(subject, req, wire.DownloadChunk, timeout=_TIMEOUT_S))
 
     ahead = [ask(seq) for seq in range(wire.WINDOW)]
     asked = wire.WINDOW
     try:
         while True:
-            chunk = await ahead.pop(0)
-            yield chunk
+            chunk, data = await ahead.pop(0)
+            yield chunk, data
             if chunk.eof:
                 return
             ahead.append(ask(asked))

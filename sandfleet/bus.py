@@ -1,7 +1,10 @@
 """The one bus adapter: typed request/reply, publish, JetStream publish, and service endpoints.
 
-Every message is JSON from a msgspec Struct. Outgoing messages carry W3C trace context in
-headers; every handled request runs inside a span whose parent is the caller's. Handler
+Every message is JSON from a msgspec Struct, except bulk bytes (file chunks, process output):
+a `Raw` message carries its Struct as JSON in the `Sandfleet-Meta` header and its bytes as the
+body as they are, so a chunk costs no base64 and no JSON around its data (`request_raw`, and
+`Endpoint(raw=True)` or a handler returning `Raw` on the service side). Outgoing messages carry
+W3C trace context in headers; every handled request runs inside a span whose parent is the caller's. Handler
 errors become NATS micro error headers plus an `ErrorBody`, and transport failures become
 the `sandfleet.errors` tree, so neither side ever sees a foreign exception or a traceback.
 """
@@ -50,6 +53,8 @@ FAILOVER_S = 30.0  # a 3-server loopback cluster elects a new leader within ~8 s
 DRAIN_TIMEOUT_S = 5
 _WRITE_CHUNK = 1 << 20  # publish_many hands the connection frames in pieces of about this size
 
+META = "Sandfleet-Meta"  # the header holding a raw message's Struct (JSON, one line)
+
 _encoder = msgspec.json.Encoder()
 _decoders: dict[Any, msgspec.json.Decoder] = {}
 _error_decoder = msgspec.json.Decoder(ErrorBody)
@@ -67,15 +72,28 @@ def decode(data: bytes, kind: type[T]) -> T:
 
 
 @dataclass(frozen=True)
+class Raw:
+    """A message of bulk bytes: `meta` travels in the META header, `data` is the body unchanged."""
+
+    meta: Any
+    data: bytes | bytearray | memoryview = b""
+
+
+@dataclass(frozen=True)
 class Endpoint:
-    """One subject a service answers: requests are decoded into `request`, then `handler` runs."""
+    """One subject a service answers: requests are decoded into `request`, then `handler` runs.
+
+    With `raw`, the request is a `Raw`: `request` is decoded from its META header and the
+    handler is called as `handler(meta, body)`; `max_bytes` bounds the body. Any handler may
+    answer with a `Raw` instead of a Struct."""
 
     name: str
     subject: str
     request: type
-    handler: Callable[[Any], Awaitable[msgspec.Struct]]
+    handler: Callable[..., Awaitable[Any]]
     max_bytes: int = 64 * 1024
     queue_group: str | None = None
+    raw: bool = False
 
 
 async def through_failover(op: Callable[[], Awaitable[T]], what: str, within_s: float = FAILOVER_S) -> T:
@@ -208,6 +226,38 @@ class Bus:
             except msgspec.MsgspecError as exc:
                 raise errors.InternalError(f"undecodable reply on {subject}: {exc}", subject=subject) from None
 
+    async def request_raw(self, subject: str, msg: Any, reply: type[T], *, data: bytes | memoryview | None = None,
+                          timeout: float = 5.0) -> tuple[T, bytes]:
+        """A request/reply where either side may be raw: with `data`, `msg` goes in the META
+        header and `data` is the body; a reply with a META header is decoded from it and its
+        body returned as it came, any other reply is decoded from its body (then b"")."""
+        try:
+            headers = telemetry.inject()
+            if data is not None:
+                headers[META] = encode(msg).decode()
+                payload = data
+            else:
+                payload = encode(msg)
+            resp = await self.nc.request(subject, payload, timeout=timeout, headers=headers)  # type: ignore[arg-type]
+        except nats.errors.NoRespondersError:
+            raise errors.NoResponders(f"no service answers {subject}", subject=subject) from None
+        except nats.errors.TimeoutError:
+            raise errors.Timeout(f"no reply on {subject} within {timeout:g}s", subject=subject) from None
+        except nats.errors.MaxPayloadError:
+            raise errors.InvalidRequest(
+                f"request of {len(payload)} bytes exceeds the bus's maximum payload", subject=subject
+            ) from None
+        failure = reply_error(resp, subject)
+        if failure is not None:
+            raise failure
+        meta = (resp.headers or {}).get(META)
+        try:
+            if meta is not None:
+                return decode(meta.encode(), reply), resp.data
+            return decode(resp.data, reply), b""
+        except msgspec.MsgspecError as exc:
+            raise errors.InternalError(f"undecodable reply on {subject}: {exc}", subject=subject) from None
+
     async def publish(self, subject: str, msg: Any) -> None:
         await self.nc.publish(subject, encode(msg), headers=telemetry.inject())
 
@@ -303,8 +353,15 @@ class Bus:
                     raise errors.ServiceError(
                         ErrorCode.INVALID_REQUEST, f"payload of {len(req.data)} bytes exceeds {ep.max_bytes}"
                     )
+                if ep.raw:
+                    meta = (req.headers or {}).get(META)
+                    if meta is None:
+                        raise errors.ServiceError(ErrorCode.INVALID_REQUEST, f"a raw request needs its {META} header")
+                    text = meta.encode()
+                else:
+                    text = req.data
                 try:
-                    msg = decode(req.data, ep.request)
+                    msg = decode(text, ep.request)
                 except msgspec.ValidationError as exc:
                     raise errors.ServiceError(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}") from None
                 except msgspec.DecodeError as exc:
@@ -312,8 +369,11 @@ class Bus:
                 sandbox_id = getattr(msg, "sandbox_id", None)  # most node requests concern one sandbox
                 if isinstance(sandbox_id, str):
                     span.set_attribute(telemetry.SANDBOX_ID, sandbox_id)
-                result = await ep.handler(msg)
-                await req.respond(encode(result))
+                result = await (ep.handler(msg, req.data) if ep.raw else ep.handler(msg))
+                if isinstance(result, Raw):
+                    await req.respond(result.data, headers={META: encode(result.meta).decode()})  # type: ignore[arg-type]
+                else:
+                    await req.respond(encode(result))
             except errors.ServiceError as exc:
                 span.set_status(Status(StatusCode.ERROR, exc.message))
                 await _respond_error(req, exc)
