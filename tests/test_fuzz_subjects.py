@@ -258,9 +258,10 @@ async def test_a_raw_reply_with_a_garbled_header_is_a_typed_error_in_the_sdk(pla
 
     async def answer(msg):
         value = next(headers)
-        await msg.respond(b"\xff\x00body", headers={META: value} if value else {META: " "})
+        await responder.publish(msg.reply, b"\xff\x00body", headers={META: value or " "})
 
     sub = await responder.subscribe(subject, cb=answer)
+    await responder.flush()  # the server has the subscription before the first request
     try:
         for _ in range(5):
             req = files.DownloadChunkRequest(sandbox_id="sb-fuzz-none", transfer_id="ab", seq=0)
