@@ -156,6 +156,38 @@ class _ToLoop(io.RawIOBase):
         self._hand(error)
 
 
+def _pack_tree(tar: tarfile.TarFile, top: Path) -> None:
+    """The tree under `top` into `tar`, as `tar.add` would but without its user and group name
+    look-ups per member, and with whole-second mtimes (a float one costs each member a pax
+    header of its own): directories, regular files, symlinks and hard links; nothing else."""
+    seen: dict[tuple[int, int], str] = {}  # (device, inode) of a file with several links: its first name
+    stack = [(str(top), ".")]
+    while stack:
+        path, arc = stack.pop()
+        st = os.lstat(path)
+        info = tarfile.TarInfo(arc)
+        info.mode, info.mtime, info.uid, info.gid = stat.S_IMODE(st.st_mode), int(st.st_mtime), st.st_uid, st.st_gid
+        if stat.S_ISDIR(st.st_mode):
+            info.type = tarfile.DIRTYPE
+            tar.addfile(info)
+            with os.scandir(path) as entries:
+                names = sorted(e.name for e in entries)
+            stack.extend((os.path.join(path, n), f"{arc}/{n}") for n in reversed(names))  # in order, depth first
+        elif stat.S_ISLNK(st.st_mode):
+            info.type, info.linkname = tarfile.SYMTYPE, os.readlink(path)
+            tar.addfile(info)
+        elif stat.S_ISREG(st.st_mode):
+            if st.st_nlink > 1 and (st.st_dev, st.st_ino) in seen:
+                info.type, info.linkname = tarfile.LNKTYPE, seen[(st.st_dev, st.st_ino)]
+                tar.addfile(info)
+                continue
+            if st.st_nlink > 1:
+                seen[(st.st_dev, st.st_ino)] = arc
+            with open(path, "rb") as f:
+                info.size = os.fstat(f.fileno()).st_size
+                tar.addfile(info, f)
+
+
 async def _tar_chunks(local: Path, digest) -> AsyncIterator[bytes]:
     out: asyncio.Queue = asyncio.Queue(wire.WINDOW)
     writer = _ToLoop(asyncio.get_running_loop(), out, digest)
@@ -164,7 +196,7 @@ async def _tar_chunks(local: Path, digest) -> AsyncIterator[bytes]:
         error = None
         try:
             with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-                tar.add(local, arcname=".")
+                _pack_tree(tar, local)
         except BaseException as exc:
             error = exc
         with contextlib.suppress(Exception):
