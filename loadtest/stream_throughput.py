@@ -11,7 +11,9 @@ order that alternates, three sides:
            with os.read in pieces of 1 MiB.
 Figures are medians over rounds in MB/s (10^6 bytes of output per second, from the request to
 the last byte); `dropped` counts bytes the node's buffer dropped (0: the reader held the
-command back instead). The issue's target: >= 200 MB/s and >= 0.5 of direct.
+command back instead); CPU seconds per side as in loadtest/file_transfer.py (client, launcher,
+nats-server; the direct side's nsenter and head are its reaped children, under `children`).
+The issue's target: >= 200 MB/s and >= 0.5 of direct.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 
 import sandfleet
+from loadtest.file_transfer import CpuMeter
 from loadtest.platform import running_platform
 from loadtest.report import print_table, write_json
 
@@ -67,7 +70,9 @@ async def via_direct(init_pid: int, argv: list[str]) -> tuple[int, int]:
     return await asyncio.to_thread(_direct, init_pid, argv), 0
 
 
-async def run(url: str, args: argparse.Namespace) -> dict:
+async def run(url: str, args: argparse.Namespace, data_dir: Path) -> dict:
+    cpu = CpuMeter(data_dir)
+    cpus: dict[str, list[dict[str, float]]] = {s: [] for s in SIDES}
     argv = ["head", "-c", f"{args.mb}M", "/dev/zero"]
     want = args.mb << 20
     times: dict[str, list[float]] = {s: [] for s in SIDES}
@@ -78,6 +83,7 @@ async def run(url: str, args: argparse.Namespace) -> dict:
             init_pid = (await sb.info()).init_pid
             for rnd in range(args.rounds):
                 for side in SIDES if rnd % 2 == 0 else tuple(reversed(SIDES)):
+                    c0 = cpu.read()
                     t0 = time.perf_counter()
                     if side == "exec":
                         got, lost = await via_exec(sb, argv)
@@ -86,6 +92,7 @@ async def run(url: str, args: argparse.Namespace) -> dict:
                     else:
                         got, lost = await via_direct(init_pid, argv)
                     times[side].append(time.perf_counter() - t0)
+                    cpus[side].append(CpuMeter.spent(c0, cpu.read()))
                     assert got + lost == want, f"{side}: {got} + {lost} dropped of {want} bytes"
                     dropped[side] += lost
                 print(f"round {rnd + 1}/{args.rounds}", file=sys.stderr)
@@ -95,7 +102,9 @@ async def run(url: str, args: argparse.Namespace) -> dict:
     return {side: {"mb_s": round(want / statistics.median(times[side]) / 1e6, 1),
                    "ratio": round(direct / statistics.median(times[side]), 3),
                    "median_s": round(statistics.median(times[side]), 3),
-                   "rounds_s": [round(t, 3) for t in times[side]], "dropped": dropped[side]} for side in SIDES}
+                   "rounds_s": [round(t, 3) for t in times[side]], "dropped": dropped[side],
+                   "cpu_s": {k: round(statistics.median(c.get(k, 0.0) for c in cpus[side]), 2)
+                             for k in sorted({k for c in cpus[side] for k in c})}} for side in SIDES}
 
 
 def main() -> int:
@@ -108,11 +117,12 @@ def main() -> int:
     if os.geteuid() != 0:
         print("stream_throughput: sandboxes need root", file=sys.stderr)
         return 2
-    with running_platform(args.node_id, ENV) as (url, _):
-        results = asyncio.run(run(url, args))
+    with running_platform(args.node_id, ENV) as (url, data_dir):
+        results = asyncio.run(run(url, args, data_dir))
     print_table(f"stream throughput of head -c {args.mb}M /dev/zero (host-view process, medians of {args.rounds})",
-                ["side", "MB/s", "of direct", "median s", "dropped bytes"],
-                [[side, r["mb_s"], r["ratio"], r["median_s"], r["dropped"]] for side, r in results.items()])
+                ["side", "MB/s", "of direct", "median s", "dropped bytes", "CPU-s"],
+                [[side, r["mb_s"], r["ratio"], r["median_s"], r["dropped"],
+                  " ".join(f"{k} {v}" for k, v in r["cpu_s"].items())] for side, r in results.items()])
     print(f"\nwrote {write_json(args.out, 'stream_throughput', vars(args) | {'out': str(args.out)}, results)}")
     return 0
 

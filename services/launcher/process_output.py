@@ -29,6 +29,7 @@ class OutputBuffer:
         self.reader_seen = float("-inf")  # when a reader last read (monotonic)
         self._changed: asyncio.Future | None = None
         self._room: asyncio.Future | None = None  # what a paused writer waits on
+        self._watch: asyncio.TimerHandle | None = None  # the one timer checking for a reader gone
 
     @property
     def held(self) -> int:
@@ -62,14 +63,20 @@ class OutputBuffer:
             except RuntimeError:  # appended outside a loop (a unit test): nothing can wait
                 return None
             self._room = loop.create_future()
-            loop.call_later(self.grace_s, self._reader_gone)
+            if self._watch is None:
+                self._watch = loop.call_later(self.grace_s, self._reader_gone)
         return self._room
 
     def _reader_gone(self) -> None:
-        if self._room is not None and time.monotonic() - self.reader_seen >= self.grace_s:
+        """While a writer waits: released once its reader has not been seen for grace_s."""
+        self._watch = None
+        if self._room is None:
+            return
+        idle = time.monotonic() - self.reader_seen
+        if idle >= self.grace_s:
             self._release()
-        elif self._room is not None:
-            asyncio.get_running_loop().call_later(self.grace_s, self._reader_gone)
+        else:
+            self._watch = asyncio.get_running_loop().call_later(self.grace_s - idle, self._reader_gone)
 
     def _release(self) -> None:
         room, self._room = self._room, None
@@ -115,6 +122,9 @@ class OutputBuffer:
             pass
 
     def free(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         self.chunks.clear()
         self.start = self.end
         self.reader_seen = float("-inf")
