@@ -1,6 +1,7 @@
 """Uploads and downloads over the bus vs `tar` piped into the sandbox directly on the node.
 
     .venv/bin/python -m loadtest.file_transfer [--mb 1024] [--files 50000] [--rounds 3] [--isolation process]
+                                               [--payloads file tree]
 
 Two payloads: one file of `--mb` MiB (seeded random bytes, incompressible) and one tree of
 `--files` small files (1 KiB each, 100 per directory). Each round, alternating sides:
@@ -136,9 +137,12 @@ def _median_cpu(rounds: list[dict[str, float]]) -> dict[str, float]:
 async def run(url: str, args: argparse.Namespace, work: Path, data_dir: Path) -> dict:
     cpu = CpuMeter(data_dir)
     big, tree = work / "big.bin", work / "tree"
-    make_file(big, args.mb)
-    make_tree(tree, args.files)
+    if "file" in args.payloads:
+        make_file(big, args.mb)
+    if "tree" in args.payloads:
+        make_tree(tree, args.files)
     payloads = {"file": (big, False, args.mb << 20, 1), "tree": (tree, True, args.files * 1024, args.files)}
+    payloads = {name: payloads[name] for name in args.payloads}
     results: dict = {}
     async with sandfleet.connect(url) as fleet:
         disk_mb = args.mb * 2 + 512
@@ -176,6 +180,7 @@ def main() -> int:
     ap.add_argument("--mb", type=int, default=1024)
     ap.add_argument("--files", type=int, default=50_000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--payloads", nargs="+", choices=["file", "tree"], default=["file", "tree"])
     ap.add_argument("--isolation", choices=["process", "container"], default="process")
     ap.add_argument("--layers", nargs="*", default=[], help="for --isolation container: the root's layers")
     ap.add_argument("--out", type=Path, default=Path("results/file_transfer.json"))

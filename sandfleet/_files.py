@@ -1,6 +1,7 @@
 """Uploads and downloads of any size (`Sandbox.upload`, `Sandbox.download`): a file as its bytes,
 a directory as a tar stream, in chunks of schemas.files.CHUNK_BYTES with up to WINDOW of them
-in flight, hashed (sha256) on both sides and compared at the end. Pure Python (stdlib tarfile).
+in flight, hashed (sha256) on both sides and compared at the end. Pure Python (stdlib tarfile:
+a directory's tar stream is _tartree.py).
 
 A download is written beside its destination under a temporary name and renamed into place,
 so a local reader never sees half a file either. A tree from a sandbox is untrusted: its
@@ -13,18 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import io
 import os
-import queue
 import secrets
-import shutil
 import stat
-import tarfile
-import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sandfleet import _tartree
 from schemas import files as wire
 
 if TYPE_CHECKING:
@@ -47,7 +44,7 @@ async def upload(sb: Sandbox, src: str | os.PathLike | bytes, path: str, *, mode
         local = Path(src)
         st = local.stat()
         if stat.S_ISDIR(st.st_mode):
-            kind, total, chunks, file_mode = "dir", -1, _tar_chunks(local, digest), 0
+            kind, total, chunks, file_mode = "dir", -1, _tartree.tar_chunks(local, digest), 0
         else:
             kind, total, chunks = "file", st.st_size, _file_chunks(local, digest)
             file_mode = stat.S_IMODE(st.st_mode) if mode is None else mode
@@ -121,98 +118,6 @@ async def _file_chunks(local: Path, digest) -> AsyncIterator[bytes]:
             yield data
 
 
-class _ToLoop(io.RawIOBase):
-    """What a tar thread writes, handed to the event loop in chunks through a bounded queue."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue, digest) -> None:
-        self._loop, self._out, self._held, self._digest = loop, out, bytearray(), digest
-        self.abandoned = threading.Event()  # the upload failed: the tar thread stops at its next write
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        self._held += data
-        while len(self._held) >= wire.CHUNK_BYTES:
-            self._hand(bytes(self._held[:wire.CHUNK_BYTES]))
-            del self._held[:wire.CHUNK_BYTES]
-        return len(data)
-
-    def _hand(self, data: bytes | BaseException | None) -> None:
-        if isinstance(data, bytes):
-            self._digest.update(data)
-        handed = asyncio.run_coroutine_threadsafe(self._out.put(data), self._loop)
-        while True:
-            try:
-                return handed.result(timeout=0.2)
-            except TimeoutError:
-                if self.abandoned.is_set():
-                    handed.cancel()
-                    raise BrokenPipeError("the upload was abandoned") from None
-
-    def finish(self, error: BaseException | None) -> None:
-        if self._held and error is None:
-            self._hand(bytes(self._held))
-        self._hand(error)
-
-
-def _pack_tree(tar: tarfile.TarFile, top: Path) -> None:
-    """The tree under `top` into `tar`, as `tar.add` would but without its user and group name
-    look-ups per member, and with whole-second mtimes (a float one costs each member a pax
-    header of its own): directories, regular files, symlinks and hard links; nothing else."""
-    seen: dict[tuple[int, int], str] = {}  # (device, inode) of a file with several links: its first name
-    stack = [(str(top), ".")]
-    while stack:
-        path, arc = stack.pop()
-        st = os.lstat(path)
-        info = tarfile.TarInfo(arc)
-        info.mode, info.mtime, info.uid, info.gid = stat.S_IMODE(st.st_mode), int(st.st_mtime), st.st_uid, st.st_gid
-        if stat.S_ISDIR(st.st_mode):
-            info.type = tarfile.DIRTYPE
-            tar.addfile(info)
-            with os.scandir(path) as entries:
-                names = sorted(e.name for e in entries)
-            stack.extend((os.path.join(path, n), f"{arc}/{n}") for n in reversed(names))  # in order, depth first
-        elif stat.S_ISLNK(st.st_mode):
-            info.type, info.linkname = tarfile.SYMTYPE, os.readlink(path)
-            tar.addfile(info)
-        elif stat.S_ISREG(st.st_mode):
-            if st.st_nlink > 1 and (st.st_dev, st.st_ino) in seen:
-                info.type, info.linkname = tarfile.LNKTYPE, seen[(st.st_dev, st.st_ino)]
-                tar.addfile(info)
-                continue
-            if st.st_nlink > 1:
-                seen[(st.st_dev, st.st_ino)] = arc
-            with open(path, "rb") as f:
-                info.size = os.fstat(f.fileno()).st_size
-                tar.addfile(info, f)
-
-
-async def _tar_chunks(local: Path, digest) -> AsyncIterator[bytes]:
-    out: asyncio.Queue = asyncio.Queue(wire.WINDOW)
-    writer = _ToLoop(asyncio.get_running_loop(), out, digest)
-
-    def pack() -> None:
-        error = None
-        try:
-            with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-                _pack_tree(tar, local)
-        except BaseException as exc:
-            error = exc
-        with contextlib.suppress(Exception):
-            writer.finish(error)
-
-    thread = threading.Thread(target=pack, daemon=True)
-    thread.start()
-    try:
-        while (item := await out.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        writer.abandoned.set()
-
-
 # -- download -------------------------------------------------------------------------------
 
 async def download(sb: Sandbox, path: str, dst: str | os.PathLike, *, progress: Progress | None = None,
@@ -222,7 +127,7 @@ async def download(sb: Sandbox, path: str, dst: str | os.PathLike, *, progress: 
     transfer = await bus.request(sb._subject(wire.DOWNLOAD), begin, wire.Transfer, timeout=_TIMEOUT_S)
     dst = Path(dst)
     temp = dst.parent / f".{dst.name}.sandfleet-{secrets.token_hex(6)}.part"
-    sink = _FileSink(temp, transfer.mode) if transfer.kind == "file" else _TreeSink(temp)
+    sink = _FileSink(temp, transfer.mode) if transfer.kind == "file" else _tartree.TreeSink(temp)
     digest, size = hashlib.sha256(), 0
     chunks = _chunks(sb, transfer.transfer_id)
     try:
@@ -246,7 +151,7 @@ async def download(sb: Sandbox, path: str, dst: str | os.PathLike, *, progress: 
     return wire.TransferDone(size=size, sha256=digest.hexdigest())
 
 
-def _write_hashed(sink: _FileSink | _TreeSink, digest, data: bytes) -> None:
+def _write_hashed(sink: _FileSink | _tartree.TreeSink, digest, data: bytes) -> None:
     digest.update(data)
     sink.write(data)
 
@@ -294,103 +199,6 @@ class _FileSink:
         self.f.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.temp)
-
-
-class _Pipe(io.RawIOBase):
-    def __init__(self) -> None:
-        self.chunks: queue.Queue = queue.Queue(wire.WINDOW)
-        self.held = b""
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        while not self.held:
-            item = self.chunks.get()
-            if item is None:
-                return 0
-            self.held = item
-        n = min(len(buffer), len(self.held))
-        buffer[:n] = self.held[:n]
-        self.held = self.held[n:]
-        return n
-
-
-class _TreeSink:
-    """A tar stream unpacked, in a thread, into a fresh directory that becomes the destination."""
-
-    def __init__(self, temp: Path) -> None:
-        self.temp = temp
-        temp.mkdir(mode=0o700)
-        self.pipe = _Pipe()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._unpack, daemon=True)
-        self.thread.start()
-
-    def _unpack(self) -> None:
-        try:
-            dirs: list[tuple[Path, int]] = []
-            with tarfile.open(fileobj=io.BufferedReader(self.pipe, 1 << 20), mode="r|") as tar:
-                for member in tar:
-                    _unpack_member(tar, member, self.temp, dirs)
-            for where, mode in reversed(dirs):  # last: a read-only directory must not stop its children
-                os.chmod(where, mode)
-            while self.pipe.readinto(bytearray(1 << 16)):  # padding after the tar's end
-                pass
-        except BaseException as exc:
-            self.error = exc
-            while self.pipe.chunks.get() is not None:  # let the writer finish
-                pass
-
-    def write(self, data: bytes) -> None:
-        if self.error is not None:
-            raise self.error
-        self.pipe.chunks.put(data)
-
-    def commit(self, dst: Path) -> None:
-        self.pipe.chunks.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        old = None
-        if dst.is_symlink() or dst.exists():
-            old = dst.parent / f".{dst.name}.sandfleet-{secrets.token_hex(6)}.old"
-            os.rename(dst, old)
-        os.rename(self.temp, dst)
-        if old is not None:
-            shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else os.unlink(old)
-
-    def abort(self) -> None:
-        if self.thread.is_alive():
-            self.error = self.error or BrokenPipeError()
-            with contextlib.suppress(queue.Full):
-                self.pipe.chunks.put(None, timeout=1)
-            self.thread.join(timeout=5)
-        shutil.rmtree(self.temp, ignore_errors=True)
-
-
-def _unpack_member(tar: tarfile.TarFile, member: tarfile.TarInfo, top: Path, dirs: list[tuple[Path, int]]) -> None:
-    parts = [p for p in member.name.split("/") if p not in ("", ".")]
-    if ".." in parts:
-        raise ValueError(f"tar member {member.name!r} climbs out of the tree")
-    member.mode &= 0o777 | stat.S_ISVTX
-    if member.isdir():
-        dirs.append((top.joinpath(*parts), member.mode))
-        member.mode |= 0o700
-    if not parts:
-        return
-    where = top
-    for part in parts[:-1]:  # nothing written through a symlink the tree itself planted
-        where = where / part
-        if where.is_symlink() or not where.is_dir():
-            raise ValueError(f"tar member {member.name!r} goes through a symlink or a non-directory")
-    if not (member.isdir() or member.isreg() or member.issym() or member.islnk()):
-        return  # devices, fifos: left out
-    if member.islnk():
-        link = [p for p in member.linkname.split("/") if p not in ("", ".")]
-        if ".." in link or not link:
-            raise ValueError(f"tar member {member.name!r}: a hard link out of the tree")
-    tar.extract(member, top, set_attrs=not member.issym())
 
 
 # -- the tree ---------------------------------------------------------------------------------

@@ -212,36 +212,30 @@ class Bus:
             span.set_attribute(telemetry.SUBJECT, subject)
             payload = msg if isinstance(msg, bytes) else encode(msg)
             try:
-                resp = await self.nc.request(subject, payload, timeout=timeout, headers=telemetry.inject())
-            except nats.errors.NoRespondersError:
-                raise errors.NoResponders(f"no service answers {subject}", subject=subject) from None
-            except nats.errors.TimeoutError:
-                raise errors.Timeout(f"no reply on {subject} within {timeout:g}s", subject=subject) from None
-            except nats.errors.MaxPayloadError:
-                raise errors.InvalidRequest(
-                    f"request of {len(payload)} bytes exceeds the bus's maximum payload", subject=subject
-                ) from None
-            failure = reply_error(resp, subject)
-            if failure is not None:
+                resp = await self._ask(subject, payload, telemetry.inject(), timeout)
+            except errors.ServiceFailure as failure:
                 span.set_status(Status(StatusCode.ERROR, failure.message))
-                raise failure
-            try:
-                return decode(resp.data, reply)
-            except msgspec.MsgspecError as exc:
-                raise errors.InternalError(f"undecodable reply on {subject}: {exc}", subject=subject) from None
+                raise
+            return _decoded(resp.data, reply, subject)
 
     async def request_raw(self, subject: str, msg: Any, reply: type[T], *, data: bytes | memoryview | None = None,
                           timeout: float = 5.0) -> tuple[T, bytes]:
         """A request/reply where either side may be raw: with `data`, `msg` goes in the META
         header and `data` is the body; a reply with a META header is decoded from it and its
-        body returned as it came, any other reply is decoded from its body (then b"")."""
+        body returned as it came, any other reply is decoded from its body (then b"").
+        No span of its own: it carries bulk bytes, many a second, under the caller's span."""
+        headers = telemetry.inject()
+        if data is not None:
+            headers[META] = encode(msg).decode()
+        resp = await self._ask(subject, encode(msg) if data is None else data, headers, timeout)
+        meta = (resp.headers or {}).get(META)
+        if meta is not None:
+            return _decoded(meta.encode(), reply, subject), resp.data
+        return _decoded(resp.data, reply, subject), b""
+
+    async def _ask(self, subject: str, payload: bytes | memoryview, headers: dict[str, str], timeout: float) -> Msg:
+        """One request; transport failures and error replies as the sandfleet.errors tree."""
         try:
-            headers = telemetry.inject()
-            if data is not None:
-                headers[META] = encode(msg).decode()
-                payload = data
-            else:
-                payload = encode(msg)
             resp = await self.nc.request(subject, payload, timeout=timeout, headers=headers)  # type: ignore[arg-type]
         except nats.errors.NoRespondersError:
             raise errors.NoResponders(f"no service answers {subject}", subject=subject) from None
@@ -254,13 +248,7 @@ class Bus:
         failure = reply_error(resp, subject)
         if failure is not None:
             raise failure
-        meta = (resp.headers or {}).get(META)
-        try:
-            if meta is not None:
-                return decode(meta.encode(), reply), resp.data
-            return decode(resp.data, reply), b""
-        except msgspec.MsgspecError as exc:
-            raise errors.InternalError(f"undecodable reply on {subject}: {exc}", subject=subject) from None
+        return resp
 
     async def publish(self, subject: str, msg: Any) -> None:
         await self.nc.publish(subject, encode(msg), headers=telemetry.inject())
@@ -398,6 +386,13 @@ async def _respond_error(req: Request, exc: errors.ServiceError) -> None:
         await req.respond_error(str(exc.status), exc.message, data=encode(exc.body()))
     except nats.errors.Error:
         log.warning("could not send error reply for %s", req.subject)
+
+
+def _decoded(data: bytes, reply: type[T], subject: str) -> T:
+    try:
+        return decode(data, reply)
+    except msgspec.MsgspecError as exc:
+        raise errors.InternalError(f"undecodable reply on {subject}: {exc}", subject=subject) from None
 
 
 def reply_error(resp: Msg, subject: str) -> errors.ServiceFailure | None:
