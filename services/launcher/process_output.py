@@ -6,7 +6,8 @@ bytes they missed; `changed` wakes the readers waiting for more.
 Backpressure: while a reader keeps reading (it read within `grace_s`) and is half a buffer
 behind, `append` returns a future that the pipes' reader waits on before it reads more, so a
 fast command streamed to a live client waits for it (as a pipe would) instead of having most
-of its output dropped; a reader that stopped holds nothing back for longer than `grace_s`.
+of its output dropped; a reader that stopped (or never came, from the process's start) holds
+nothing back for longer than `grace_s`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ class OutputBuffer:
         self.start = 0  # offset of the oldest byte held
         self.end = 0  # bytes written in all
         self.reader_offset = 0  # how far the furthest reader has been handed output
-        self.reader_seen = float("-inf")  # when a reader last read (monotonic)
+        # When a reader last read (monotonic). A process is born with its reader about to come
+        # (a streamed exec reads at once): without this, a fast command's first megabytes would
+        # be dropped before the first read arrived.
+        self.reader_seen = time.monotonic()
         self._changed: asyncio.Future | None = None
         self._room: asyncio.Future | None = None  # what a paused writer waits on
         self._watch: asyncio.TimerHandle | None = None  # the one timer checking for a reader gone
@@ -127,6 +131,6 @@ class OutputBuffer:
             self._watch = None
         self.chunks.clear()
         self.start = self.end
-        self.reader_seen = float("-inf")
+        self.reader_seen = float("-inf")  # nothing to hold back for any more
         self._release()
         self.wake()
