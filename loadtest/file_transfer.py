@@ -1,6 +1,7 @@
 """Uploads and downloads over the bus vs `tar` piped into the sandbox directly on the node.
 
     .venv/bin/python -m loadtest.file_transfer [--mb 1024] [--files 50000] [--rounds 3] [--isolation process]
+                                               [--payloads file tree]
 
 Two payloads: one file of `--mb` MiB (seeded random bytes, incompressible) and one tree of
 `--files` small files (1 KiB each, 100 per directory). Each round, alternating sides:
@@ -10,17 +11,22 @@ Two payloads: one file of `--mb` MiB (seeded random bytes, incompressible) and o
            `tar -x` under /proc/<init>/root (the host entering the sandbox's root), and back.
 Figures are medians over rounds in MB/s (10^6 bytes of payload per second; a tree counts its
 files' bytes) and files/s for the tree; the ratio is sdk / direct (the issue's target: >= 0.5).
+Beside each, the CPU seconds each side used (medians): the client (this process), the launcher
+and nats-server for the sdk; the two tars for direct. On a machine others share, wall time
+follows the load, CPU seconds say what the path itself costs.
 
-Where the time goes (cProfile of an upload, 2 shared cores): per 2 MiB chunk the client spends
-~7 ms base64-encoding it into JSON, ~3.5 ms in nats-py's frame join and ~10 ms in socket sends,
-the launcher about as much decoding; a tree also pays Python's tarfile on both sides. Raw binary
-chunk payloads (metadata in headers, no base64) are the next step.
+Where the time goes (py-spy of a 1 GiB upload, raw chunks): per GiB the client spends ~0.8 CPU-s
+in sha256, ~0.3 reading the file and ~1 in nats-py's frame concatenation and socket sends; the
+launcher ~0.8 in sha256, ~0.5 writing, and ~1.3 receiving (nats-py copies each payload about four
+times: the socket buffer, its reader's bytes, its parser's buffer, the message); nats-server
+~1.5 forwarding. A tree adds Python's tarfile (header checksums, parsing) on both sides.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import shutil
@@ -31,8 +37,40 @@ import time
 from pathlib import Path
 
 import sandfleet
+from linuxnode import procfs
 from loadtest.platform import running_platform
 from loadtest.report import print_table, write_json
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds used by this process, its reaped children (the direct side's tars) and the
+    platform's services (the supervisor's children: launcher, nats-server, ...), by name."""
+
+    def __init__(self, data_dir: Path) -> None:
+        supervisor = json.loads((data_dir / "supervisor.json").read_text())["pid"]
+        self.services: dict[int, str] = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            st = procfs.read_stat(int(pid))
+            if st is not None and st.ppid == supervisor:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+                name = next((a.decode().split(".")[-1] for a in argv if a.startswith(b"services.")), st.comm)
+                self.services[int(pid)] = name
+
+    def read(self) -> dict[str, float]:
+        me = procfs.read_stat(os.getpid())
+        used = {"client": (me.utime + me.stime) / _TICK, "children": me.children_time / _TICK}  # type: ignore[union-attr]
+        for pid, name in self.services.items():
+            st = procfs.read_stat(pid)
+            if st is not None:
+                used[name] = used.get(name, 0.0) + (st.utime + st.stime) / _TICK
+        return used
+
+    @staticmethod
+    def spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+        return {k: round(after[k] - before.get(k, 0.0), 2) for k in after if after[k] - before.get(k, 0.0) >= 0.01}
 
 
 def make_file(path: Path, mb: int) -> None:
@@ -59,15 +97,18 @@ def _tar_pipe(src_dir: str, dst_dir: str, only: str = ".") -> None:
     assert pack.wait() == 0
 
 
-async def one_round(sb, init_pid: int, work: Path, payload: Path, is_tree: bool, side: str) -> tuple[float, float]:
-    """(upload seconds, download seconds) for one side."""
+async def one_round(sb, init_pid: int, work: Path, payload: Path, is_tree: bool, side: str,
+                    cpu: CpuMeter) -> tuple[float, float, dict, dict]:
+    """(upload seconds, download seconds, upload CPU-s, download CPU-s) for one side."""
     remote = f"/workspace/bench-{side}"
     back = work / f"back-{side}"
     shutil.rmtree(back, ignore_errors=True)
+    c0 = cpu.read()
     if side == "sdk":
         t0 = time.perf_counter()
         await sb.upload(payload, remote)
         t1 = time.perf_counter()
+        c1 = cpu.read()
         await sb.download(remote, back)
         t2 = time.perf_counter()
     else:
@@ -78,19 +119,30 @@ async def one_round(sb, init_pid: int, work: Path, payload: Path, is_tree: bool,
         else:
             await asyncio.to_thread(_tar_pipe, str(payload.parent), root + remote, payload.name)
         t1 = time.perf_counter()
+        c1 = cpu.read()
         await asyncio.to_thread(_tar_pipe, root + remote, str(back))
         t2 = time.perf_counter()
+    c2 = cpu.read()
     r = await sb.exec(["rm", "-rf", remote], timeout_s=600)
     assert r.exit_code == 0, r.stderr
     shutil.rmtree(back, ignore_errors=True)
-    return t1 - t0, t2 - t1
+    return t1 - t0, t2 - t1, CpuMeter.spent(c0, c1), CpuMeter.spent(c1, c2)
 
 
-async def run(url: str, args: argparse.Namespace, work: Path) -> dict:
+def _median_cpu(rounds: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for r in rounds for k in r})
+    return {k: round(statistics.median(r.get(k, 0.0) for r in rounds), 2) for k in keys}
+
+
+async def run(url: str, args: argparse.Namespace, work: Path, data_dir: Path) -> dict:
+    cpu = CpuMeter(data_dir)
     big, tree = work / "big.bin", work / "tree"
-    make_file(big, args.mb)
-    make_tree(tree, args.files)
+    if "file" in args.payloads:
+        make_file(big, args.mb)
+    if "tree" in args.payloads:
+        make_tree(tree, args.files)
     payloads = {"file": (big, False, args.mb << 20, 1), "tree": (tree, True, args.files * 1024, args.files)}
+    payloads = {name: payloads[name] for name in args.payloads}
     results: dict = {}
     async with sandfleet.connect(url) as fleet:
         disk_mb = args.mb * 2 + 512
@@ -100,17 +152,23 @@ async def run(url: str, args: argparse.Namespace, work: Path) -> dict:
             init_pid = (await sb.info()).init_pid
             for name, (payload, is_tree, nbytes, nfiles) in payloads.items():
                 times: dict[str, dict[str, list[float]]] = {s: {"up": [], "down": []} for s in ("sdk", "direct")}
+                cpus: dict[str, dict[str, list[dict]]] = {s: {"up": [], "down": []} for s in ("sdk", "direct")}
                 for rnd in range(args.rounds):
                     for side in (("sdk", "direct") if rnd % 2 == 0 else ("direct", "sdk")):
-                        up, down = await one_round(sb, init_pid, work, payload, is_tree, side)
+                        up, down, cpu_up, cpu_down = await one_round(sb, init_pid, work, payload, is_tree, side, cpu)
                         times[side]["up"].append(up)
                         times[side]["down"].append(down)
+                        cpus[side]["up"].append(cpu_up)
+                        cpus[side]["down"].append(cpu_down)
                 row = {}
                 for way in ("up", "down"):
                     sdk, direct = statistics.median(times["sdk"][way]), statistics.median(times["direct"][way])
                     row[way] = {"sdk_mb_s": round(nbytes / sdk / 1e6, 1), "direct_mb_s": round(nbytes / direct / 1e6, 1),
                                 "sdk_files_s": round(nfiles / sdk, 1), "direct_files_s": round(nfiles / direct, 1),
-                                "ratio": round(direct / sdk, 3), "sdk_s": round(sdk, 3), "direct_s": round(direct, 3)}
+                                "ratio": round(direct / sdk, 3), "sdk_s": round(sdk, 3), "direct_s": round(direct, 3),
+                                "sdk_rounds_s": [round(t, 3) for t in times["sdk"][way]],
+                                "direct_rounds_s": [round(t, 3) for t in times["direct"][way]],
+                                "sdk_cpu_s": _median_cpu(cpus["sdk"][way]), "direct_cpu_s": _median_cpu(cpus["direct"][way])}
                 results[name] = row
         finally:
             await sb.destroy()
@@ -122,21 +180,25 @@ def main() -> int:
     ap.add_argument("--mb", type=int, default=1024)
     ap.add_argument("--files", type=int, default=50_000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--payloads", nargs="+", choices=["file", "tree"], default=["file", "tree"])
     ap.add_argument("--isolation", choices=["process", "container"], default="process")
     ap.add_argument("--layers", nargs="*", default=[], help="for --isolation container: the root's layers")
     ap.add_argument("--out", type=Path, default=Path("results/file_transfer.json"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="sandfleet-file-transfer-") as tmp:
-        with running_platform(f"bench-files-{os.getpid()}") as (url, _):
-            results = asyncio.run(run(url, args, Path(tmp)))
+        with running_platform(f"bench-files-{os.getpid()}") as (url, data_dir):
+            results = asyncio.run(run(url, args, Path(tmp), data_dir))
     rows = []
     for name, row in results.items():
         for way in ("up", "down"):
             r = row[way]
+            cpu = " ".join(f"{k} {v}" for k, v in r["sdk_cpu_s"].items())
+            direct_cpu = sum(r["direct_cpu_s"].values())
             rows.append([f"{name} {way}", r["sdk_mb_s"], r["direct_mb_s"], r["sdk_files_s"] if name == "tree" else "",
-                         r["direct_files_s"] if name == "tree" else "", r["ratio"]])
+                         r["direct_files_s"] if name == "tree" else "", r["ratio"], cpu, round(direct_cpu, 2)])
     print_table(f"file transfer ({args.mb} MiB file, {args.files} files, {args.isolation}, medians of {args.rounds})",
-                ["what", "sdk MB/s", "direct MB/s", "sdk files/s", "direct files/s", "sdk/direct"], rows)
+                ["what", "sdk MB/s", "direct MB/s", "sdk files/s", "direct files/s", "sdk/direct", "sdk CPU-s",
+                 "direct CPU-s"], rows)
     print(f"\nwrote {write_json(args.out, 'file_transfer', vars(args) | {'out': str(args.out)}, results)}")
     return 0
 

@@ -1,6 +1,7 @@
 """Uploads and downloads of any size (`Sandbox.upload`, `Sandbox.download`): a file as its bytes,
 a directory as a tar stream, in chunks of schemas.files.CHUNK_BYTES with up to WINDOW of them
-in flight, hashed (sha256) on both sides and compared at the end. Pure Python (stdlib tarfile).
+in flight, hashed (sha256) on both sides and compared at the end. Pure Python (stdlib tarfile:
+a directory's tar stream is _tartree.py).
 
 A download is written beside its destination under a temporary name and renamed into place,
 so a local reader never sees half a file either. A tree from a sandbox is untrusted: its
@@ -13,18 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import io
 import os
-import queue
 import secrets
-import shutil
 import stat
-import tarfile
-import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sandfleet import _tartree
 from schemas import files as wire
 
 if TYPE_CHECKING:
@@ -39,30 +36,31 @@ _TIMEOUT_S = 60.0
 async def upload(sb: Sandbox, src: str | os.PathLike | bytes, path: str, *, mode: int | None = None,
                  progress: Progress | None = None, idle_s: float = 60.0) -> wire.TransferDone:
     bus = sb._fleet.bus
+    digest = hashlib.sha256()  # updated by whoever makes the chunks, off the loop
     if isinstance(src, (bytes, bytearray, memoryview)):
-        kind, total, chunks = "file", len(src), _bytes_chunks(bytes(src))
+        kind, total, chunks = "file", len(src), _bytes_chunks(bytes(src), digest)
         file_mode = 0o644 if mode is None else mode
     else:
         local = Path(src)
         st = local.stat()
         if stat.S_ISDIR(st.st_mode):
-            kind, total, chunks, file_mode = "dir", -1, _tar_chunks(local), 0
+            kind, total, chunks, file_mode = "dir", -1, _tartree.tar_chunks(local, digest), 0
         else:
-            kind, total, chunks = "file", st.st_size, _file_chunks(local)
+            kind, total, chunks = "file", st.st_size, _file_chunks(local, digest)
             file_mode = stat.S_IMODE(st.st_mode) if mode is None else mode
     begin = wire.UploadRequest(sandbox_id=sb.id, path=path, kind=kind, mode=file_mode, idle_s=idle_s)
     transfer = await bus.request(sb._subject(wire.UPLOAD), begin, wire.Transfer, timeout=_TIMEOUT_S)
-    digest, size, seq = hashlib.sha256(), 0, 0
+    size, seq = 0, 0
     inflight: set[asyncio.Task] = set()
+    subject = sb._subject(wire.UPLOAD_CHUNK)
     try:
         async for data in chunks:
-            digest.update(data)
             while len(inflight) >= wire.WINDOW:
                 done, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
                 _raise_first(done)
-            chunk = wire.UploadChunk(sandbox_id=sb.id, transfer_id=transfer.transfer_id, seq=seq, data=data)
+            chunk = wire.UploadChunk(sandbox_id=sb.id, transfer_id=transfer.transfer_id, seq=seq)
             inflight.add(asyncio.ensure_future(
-                bus.request(sb._subject(wire.UPLOAD_CHUNK), chunk, wire.ChunkAck, timeout=_TIMEOUT_S)))
+                bus.request_raw(subject, chunk, wire.ChunkAck, data=data, timeout=_TIMEOUT_S)))
             seq += 1
             size += len(data)
             if progress is not None:
@@ -99,73 +97,25 @@ async def _close_quietly(sb: Sandbox, transfer_id: str) -> None:
         await asyncio.shield(sb._fleet.bus.request(sb._subject(wire.CLOSE), req, wire.Closed, timeout=10))
 
 
-async def _bytes_chunks(data: bytes) -> AsyncIterator[bytes]:
+async def _bytes_chunks(data: bytes, digest) -> AsyncIterator[memoryview]:
+    view = memoryview(data)
     for i in range(0, len(data), wire.CHUNK_BYTES):
-        yield data[i:i + wire.CHUNK_BYTES]
+        chunk = view[i:i + wire.CHUNK_BYTES]
+        await asyncio.to_thread(digest.update, chunk)
+        yield chunk
 
 
-async def _file_chunks(local: Path) -> AsyncIterator[bytes]:
-    with open(local, "rb") as f:
-        while data := await asyncio.to_thread(f.read, wire.CHUNK_BYTES):
+def _read_hashed(f, digest) -> bytes:
+    """The next chunk of `f`, hashed here (a thread: hashlib and read release the GIL)."""
+    data = f.read(wire.CHUNK_BYTES)
+    digest.update(data)
+    return data
+
+
+async def _file_chunks(local: Path, digest) -> AsyncIterator[bytes]:
+    with open(local, "rb", buffering=0) as f:
+        while data := await asyncio.to_thread(_read_hashed, f, digest):
             yield data
-
-
-class _ToLoop(io.RawIOBase):
-    """What a tar thread writes, handed to the event loop in chunks through a bounded queue."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue) -> None:
-        self._loop, self._out, self._held = loop, out, bytearray()
-        self.abandoned = threading.Event()  # the upload failed: the tar thread stops at its next write
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        self._held += data
-        while len(self._held) >= wire.CHUNK_BYTES:
-            self._hand(bytes(self._held[:wire.CHUNK_BYTES]))
-            del self._held[:wire.CHUNK_BYTES]
-        return len(data)
-
-    def _hand(self, data: bytes | BaseException | None) -> None:
-        handed = asyncio.run_coroutine_threadsafe(self._out.put(data), self._loop)
-        while True:
-            try:
-                return handed.result(timeout=0.2)
-            except TimeoutError:
-                if self.abandoned.is_set():
-                    handed.cancel()
-                    raise BrokenPipeError("the upload was abandoned") from None
-
-    def finish(self, error: BaseException | None) -> None:
-        if self._held and error is None:
-            self._hand(bytes(self._held))
-        self._hand(error)
-
-
-async def _tar_chunks(local: Path) -> AsyncIterator[bytes]:
-    out: asyncio.Queue = asyncio.Queue(wire.WINDOW)
-    writer = _ToLoop(asyncio.get_running_loop(), out)
-
-    def pack() -> None:
-        error = None
-        try:
-            with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-                tar.add(local, arcname=".")
-        except BaseException as exc:
-            error = exc
-        with contextlib.suppress(Exception):
-            writer.finish(error)
-
-    thread = threading.Thread(target=pack, daemon=True)
-    thread.start()
-    try:
-        while (item := await out.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        writer.abandoned.set()
 
 
 # -- download -------------------------------------------------------------------------------
@@ -177,19 +127,18 @@ async def download(sb: Sandbox, path: str, dst: str | os.PathLike, *, progress: 
     transfer = await bus.request(sb._subject(wire.DOWNLOAD), begin, wire.Transfer, timeout=_TIMEOUT_S)
     dst = Path(dst)
     temp = dst.parent / f".{dst.name}.sandfleet-{secrets.token_hex(6)}.part"
-    sink = _FileSink(temp, transfer.mode) if transfer.kind == "file" else _TreeSink(temp)
+    sink = _FileSink(temp, transfer.mode) if transfer.kind == "file" else _tartree.TreeSink(temp)
     digest, size = hashlib.sha256(), 0
     chunks = _chunks(sb, transfer.transfer_id)
     try:
-        async for chunk in chunks:
+        async for chunk, data in chunks:
             if chunk.eof:
                 if chunk.sha256 != digest.hexdigest() or chunk.size != size:
                     raise ValueError(f"download of {path}: sha256 {chunk.sha256} ({chunk.size} bytes) on the node, "
                                      f"{digest.hexdigest()} ({size} bytes) received")
                 break
-            digest.update(chunk.data)
-            size += len(chunk.data)
-            await asyncio.to_thread(sink.write, chunk.data)
+            size += len(data)
+            await asyncio.to_thread(_write_hashed, sink, digest, data)
             if progress is not None:
                 progress(size, transfer.size)
         await asyncio.to_thread(sink.commit, dst)
@@ -202,21 +151,27 @@ async def download(sb: Sandbox, path: str, dst: str | os.PathLike, *, progress: 
     return wire.TransferDone(size=size, sha256=digest.hexdigest())
 
 
-async def _chunks(sb: Sandbox, transfer_id: str) -> AsyncIterator[wire.DownloadChunk]:
-    """The stream's chunks in order, WINDOW requests ahead; the last one has `eof`."""
+def _write_hashed(sink: _FileSink | _tartree.TreeSink, digest, data: bytes) -> None:
+    digest.update(data)
+    sink.write(data)
+
+
+async def _chunks(sb: Sandbox, transfer_id: str) -> AsyncIterator[tuple[wire.DownloadChunk, bytes]]:
+    """The stream's chunks (each its header and bytes) in order, WINDOW requests ahead; the last
+    one has `eof`."""
     bus = sb._fleet.bus
+    subject = sb._subject(wire.DOWNLOAD_CHUNK)
 
     def ask(seq: int) -> asyncio.Future:
         req = wire.DownloadChunkRequest(sandbox_id=sb.id, transfer_id=transfer_id, seq=seq)
-        return asyncio.ensure_future(
-            bus.request(sb._subject(wire.DOWNLOAD_CHUNK), req, wire.DownloadChunk, timeout=_TIMEOUT_S))
+        return asyncio.ensure_future(bus.request_raw(subject, req, wire.DownloadChunk, timeout=_TIMEOUT_S))
 
     ahead = [ask(seq) for seq in range(wire.WINDOW)]
     asked = wire.WINDOW
     try:
         while True:
-            chunk = await ahead.pop(0)
-            yield chunk
+            chunk, data = await ahead.pop(0)
+            yield chunk, data
             if chunk.eof:
                 return
             ahead.append(ask(asked))
@@ -244,103 +199,6 @@ class _FileSink:
         self.f.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.temp)
-
-
-class _Pipe(io.RawIOBase):
-    def __init__(self) -> None:
-        self.chunks: queue.Queue = queue.Queue(wire.WINDOW)
-        self.held = b""
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        while not self.held:
-            item = self.chunks.get()
-            if item is None:
-                return 0
-            self.held = item
-        n = min(len(buffer), len(self.held))
-        buffer[:n] = self.held[:n]
-        self.held = self.held[n:]
-        return n
-
-
-class _TreeSink:
-    """A tar stream unpacked, in a thread, into a fresh directory that becomes the destination."""
-
-    def __init__(self, temp: Path) -> None:
-        self.temp = temp
-        temp.mkdir(mode=0o700)
-        self.pipe = _Pipe()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._unpack, daemon=True)
-        self.thread.start()
-
-    def _unpack(self) -> None:
-        try:
-            dirs: list[tuple[Path, int]] = []
-            with tarfile.open(fileobj=io.BufferedReader(self.pipe, 1 << 20), mode="r|") as tar:
-                for member in tar:
-                    _unpack_member(tar, member, self.temp, dirs)
-            for where, mode in reversed(dirs):  # last: a read-only directory must not stop its children
-                os.chmod(where, mode)
-            while self.pipe.readinto(bytearray(1 << 16)):  # padding after the tar's end
-                pass
-        except BaseException as exc:
-            self.error = exc
-            while self.pipe.chunks.get() is not None:  # let the writer finish
-                pass
-
-    def write(self, data: bytes) -> None:
-        if self.error is not None:
-            raise self.error
-        self.pipe.chunks.put(data)
-
-    def commit(self, dst: Path) -> None:
-        self.pipe.chunks.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        old = None
-        if dst.is_symlink() or dst.exists():
-            old = dst.parent / f".{dst.name}.sandfleet-{secrets.token_hex(6)}.old"
-            os.rename(dst, old)
-        os.rename(self.temp, dst)
-        if old is not None:
-            shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else os.unlink(old)
-
-    def abort(self) -> None:
-        if self.thread.is_alive():
-            self.error = self.error or BrokenPipeError()
-            with contextlib.suppress(queue.Full):
-                self.pipe.chunks.put(None, timeout=1)
-            self.thread.join(timeout=5)
-        shutil.rmtree(self.temp, ignore_errors=True)
-
-
-def _unpack_member(tar: tarfile.TarFile, member: tarfile.TarInfo, top: Path, dirs: list[tuple[Path, int]]) -> None:
-    parts = [p for p in member.name.split("/") if p not in ("", ".")]
-    if ".." in parts:
-        raise ValueError(f"tar member {member.name!r} climbs out of the tree")
-    member.mode &= 0o777 | stat.S_ISVTX
-    if member.isdir():
-        dirs.append((top.joinpath(*parts), member.mode))
-        member.mode |= 0o700
-    if not parts:
-        return
-    where = top
-    for part in parts[:-1]:  # nothing written through a symlink the tree itself planted
-        where = where / part
-        if where.is_symlink() or not where.is_dir():
-            raise ValueError(f"tar member {member.name!r} goes through a symlink or a non-directory")
-    if not (member.isdir() or member.isreg() or member.issym() or member.islnk()):
-        return  # devices, fifos: left out
-    if member.islnk():
-        link = [p for p in member.linkname.split("/") if p not in ("", ".")]
-        if ".." in link or not link:
-            raise ValueError(f"tar member {member.name!r}: a hard link out of the tree")
-    tar.extract(member, top, set_attrs=not member.issym())
 
 
 # -- the tree ---------------------------------------------------------------------------------

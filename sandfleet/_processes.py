@@ -3,7 +3,8 @@ top of it, and telling a command that ended from a sandbox that did (`SandboxEnd
 
 A handle is only a sandbox and a pid: any client process may make one (`sb.process(pid)`)
 and read the output from offset 0, as far as the node's buffer still holds it. Reading is a
-long poll (schemas/process.py): one `proc.read` in flight per reader, answered as output comes.
+long poll (schemas/process.py): one `proc.read` in flight per reader, answered as output comes,
+its bytes the raw body of the reply (version 2) split by the spans of its header.
 """
 
 from __future__ import annotations
@@ -100,6 +101,12 @@ class Process:
         except errors.SandfleetError as exc:
             raise await ended_or(self.sandbox, exc) from None
 
+    async def _request_raw(self, verb: str, req, reply: type, timeout: float):
+        try:
+            return await self.sandbox._fleet.bus.request_raw(self.sandbox._subject(verb), req, reply, timeout=timeout)
+        except errors.SandfleetError as exc:
+            raise await ended_or(self.sandbox, exc) from None
+
     async def _ended(self, exit: proc.Exit) -> None:
         if exit.sandbox_ended:
             await raise_ended(self.sandbox, f"process {self.pid}")
@@ -115,11 +122,14 @@ class Process:
         ended under it."""
         while True:
             req = proc.ReadRequest(sandbox_id=self.sandbox.id, pid=self.pid, offset=offset,
-                                   wait_s=10.0 if follow else 0.0)
-            r = await self._request(proc.READ, req, proc.ReadReply, timeout=req.wait_s + 20)
+                                   max_bytes=proc.MAX_READ_BYTES, wait_s=10.0 if follow else 0.0, raw=True)
+            r, body = await self._request_raw(proc.READ, req, proc.RawReadReply, timeout=req.wait_s + 20)
             dropped = r.dropped
-            for chunk in r.chunks:
-                yield Output(STREAMS.get(chunk.stream, "stdout"), chunk.data, chunk.offset, dropped)
+            at = 0
+            for span in r.spans:
+                data = body if len(r.spans) == 1 else body[at:at + span.size]
+                at += span.size
+                yield Output(STREAMS.get(span.stream, "stdout"), data, span.offset, dropped)
                 dropped = 0
             if dropped:
                 yield Output("stdout", b"", r.next_offset, dropped)
@@ -128,7 +138,7 @@ class Process:
                 self._exit = r.exit
                 await self._ended(r.exit)
                 return
-            if not follow and not r.chunks:
+            if not follow and not r.spans:
                 return
 
     async def send_stdin(self, data: bytes) -> int:

@@ -1,7 +1,10 @@
 """The one bus adapter: typed request/reply, publish, JetStream publish, and service endpoints.
 
-Every message is JSON from a msgspec Struct. Outgoing messages carry W3C trace context in
-headers; every handled request runs inside a span whose parent is the caller's. Handler
+Every message is JSON from a msgspec Struct, except bulk bytes (file chunks, process output):
+a `Raw` message carries its Struct as JSON in the `Sandfleet-Meta` header and its bytes as the
+body as they are, so a chunk costs no base64 and no JSON around its data (`request_raw`, and
+`Endpoint(raw=True)` or a handler returning `Raw` on the service side). Outgoing messages carry
+W3C trace context in headers; every handled request runs inside a span whose parent is the caller's. Handler
 errors become NATS micro error headers plus an `ErrorBody`, and transport failures become
 the `sandfleet.errors` tree, so neither side ever sees a foreign exception or a traceback.
 """
@@ -16,6 +19,7 @@ from typing import Any, TypeVar
 
 import msgspec
 import nats
+import nats.aio.client
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
@@ -49,6 +53,11 @@ FAILOVER_S = 30.0  # a 3-server loopback cluster elects a new leader within ~8 s
 # one stuck subscription made every `down` that much slower).
 DRAIN_TIMEOUT_S = 5
 _WRITE_CHUNK = 1 << 20  # publish_many hands the connection frames in pieces of about this size
+# nats-py's reader takes at most this much off the socket per turn of its loop (its default,
+# 32 KiB, is 128 turns and parser passes per 4 MiB chunk): read as much as has arrived instead.
+nats.aio.client.DEFAULT_BUFFER_SIZE = max(nats.aio.client.DEFAULT_BUFFER_SIZE, 8 << 20)
+
+META = "Sandfleet-Meta"  # the header holding a raw message's Struct (JSON, one line)
 
 _encoder = msgspec.json.Encoder()
 _decoders: dict[Any, msgspec.json.Decoder] = {}
@@ -67,15 +76,28 @@ def decode(data: bytes, kind: type[T]) -> T:
 
 
 @dataclass(frozen=True)
+class Raw:
+    """A message of bulk bytes: `meta` travels in the META header, `data` is the body unchanged."""
+
+    meta: Any
+    data: bytes | bytearray | memoryview = b""
+
+
+@dataclass(frozen=True)
 class Endpoint:
-    """One subject a service answers: requests are decoded into `request`, then `handler` runs."""
+    """One subject a service answers: requests are decoded into `request`, then `handler` runs.
+
+    With `raw`, the request is a `Raw`: `request` is decoded from its META header and the
+    handler is called as `handler(meta, body)`; `max_bytes` bounds the body. Any handler may
+    answer with a `Raw` instead of a Struct."""
 
     name: str
     subject: str
     request: type
-    handler: Callable[[Any], Awaitable[msgspec.Struct]]
+    handler: Callable[..., Awaitable[Any]]
     max_bytes: int = 64 * 1024
     queue_group: str | None = None
+    raw: bool = False
 
 
 async def through_failover(op: Callable[[], Awaitable[T]], what: str, within_s: float = FAILOVER_S) -> T:
@@ -190,23 +212,43 @@ class Bus:
             span.set_attribute(telemetry.SUBJECT, subject)
             payload = msg if isinstance(msg, bytes) else encode(msg)
             try:
-                resp = await self.nc.request(subject, payload, timeout=timeout, headers=telemetry.inject())
-            except nats.errors.NoRespondersError:
-                raise errors.NoResponders(f"no service answers {subject}", subject=subject) from None
-            except nats.errors.TimeoutError:
-                raise errors.Timeout(f"no reply on {subject} within {timeout:g}s", subject=subject) from None
-            except nats.errors.MaxPayloadError:
-                raise errors.InvalidRequest(
-                    f"request of {len(payload)} bytes exceeds the bus's maximum payload", subject=subject
-                ) from None
-            failure = reply_error(resp, subject)
-            if failure is not None:
+                resp = await self._ask(subject, payload, telemetry.inject(), timeout)
+            except errors.ServiceFailure as failure:
                 span.set_status(Status(StatusCode.ERROR, failure.message))
-                raise failure
-            try:
-                return decode(resp.data, reply)
-            except msgspec.MsgspecError as exc:
-                raise errors.InternalError(f"undecodable reply on {subject}: {exc}", subject=subject) from None
+                raise
+            return _decoded(resp.data, reply, subject)
+
+    async def request_raw(self, subject: str, msg: Any, reply: type[T], *, data: bytes | memoryview | None = None,
+                          timeout: float = 5.0) -> tuple[T, bytes]:
+        """A request/reply where either side may be raw: with `data`, `msg` goes in the META
+        header and `data` is the body; a reply with a META header is decoded from it and its
+        body returned as it came, any other reply is decoded from its body (then b"").
+        No span of its own: it carries bulk bytes, many a second, under the caller's span."""
+        headers = telemetry.inject()
+        if data is not None:
+            headers[META] = encode(msg).decode()
+        resp = await self._ask(subject, encode(msg) if data is None else data, headers, timeout)
+        meta = (resp.headers or {}).get(META)
+        if meta is not None:
+            return _decoded(meta.encode(), reply, subject), resp.data
+        return _decoded(resp.data, reply, subject), b""
+
+    async def _ask(self, subject: str, payload: bytes | memoryview, headers: dict[str, str], timeout: float) -> Msg:
+        """One request; transport failures and error replies as the sandfleet.errors tree."""
+        try:
+            resp = await self.nc.request(subject, payload, timeout=timeout, headers=headers)  # type: ignore[arg-type]
+        except nats.errors.NoRespondersError:
+            raise errors.NoResponders(f"no service answers {subject}", subject=subject) from None
+        except nats.errors.TimeoutError:
+            raise errors.Timeout(f"no reply on {subject} within {timeout:g}s", subject=subject) from None
+        except nats.errors.MaxPayloadError:
+            raise errors.InvalidRequest(
+                f"request of {len(payload)} bytes exceeds the bus's maximum payload", subject=subject
+            ) from None
+        failure = reply_error(resp, subject)
+        if failure is not None:
+            raise failure
+        return resp
 
     async def publish(self, subject: str, msg: Any) -> None:
         await self.nc.publish(subject, encode(msg), headers=telemetry.inject())
@@ -303,8 +345,15 @@ class Bus:
                     raise errors.ServiceError(
                         ErrorCode.INVALID_REQUEST, f"payload of {len(req.data)} bytes exceeds {ep.max_bytes}"
                     )
+                if ep.raw:
+                    meta = (req.headers or {}).get(META)
+                    if meta is None:
+                        raise errors.ServiceError(ErrorCode.INVALID_REQUEST, f"a raw request needs its {META} header")
+                    text = meta.encode()
+                else:
+                    text = req.data
                 try:
-                    msg = decode(req.data, ep.request)
+                    msg = decode(text, ep.request)
                 except msgspec.ValidationError as exc:
                     raise errors.ServiceError(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}") from None
                 except msgspec.DecodeError as exc:
@@ -312,8 +361,11 @@ class Bus:
                 sandbox_id = getattr(msg, "sandbox_id", None)  # most node requests concern one sandbox
                 if isinstance(sandbox_id, str):
                     span.set_attribute(telemetry.SANDBOX_ID, sandbox_id)
-                result = await ep.handler(msg)
-                await req.respond(encode(result))
+                result = await (ep.handler(msg, req.data) if ep.raw else ep.handler(msg))
+                if isinstance(result, Raw):
+                    await req.respond(result.data, headers={META: encode(result.meta).decode()})  # type: ignore[arg-type]
+                else:
+                    await req.respond(encode(result))
             except errors.ServiceError as exc:
                 span.set_status(Status(StatusCode.ERROR, exc.message))
                 span.set_attribute(telemetry.ERROR_CODE, exc.code.value)  # what metrics count errors by
@@ -335,6 +387,13 @@ async def _respond_error(req: Request, exc: errors.ServiceError) -> None:
         await req.respond_error(str(exc.status), exc.message, data=encode(exc.body()))
     except nats.errors.Error:
         log.warning("could not send error reply for %s", req.subject)
+
+
+def _decoded(data: bytes, reply: type[T], subject: str) -> T:
+    try:
+        return decode(data, reply)
+    except msgspec.MsgspecError as exc:
+        raise errors.InternalError(f"undecodable reply on {subject}: {exc}", subject=subject) from None
 
 
 def reply_error(resp: Msg, subject: str) -> errors.ServiceFailure | None:

@@ -97,6 +97,7 @@ MESSAGES: dict[str, object] = {
     "process.ProcessInfo": proc.ProcessInfo,
     "process.ReadRequest": proc.ReadRequest,
     "process.ReadReply": proc.ReadReply,
+    "process.RawReadReply": proc.RawReadReply,
     "process.WriteRequest": proc.WriteRequest,
     "process.WriteReply": proc.WriteReply,
     "process.SignalRequest": proc.SignalRequest,

@@ -7,6 +7,12 @@ whole stream (sha256) and compare at the end. A file travels as its bytes, a dir
 tar stream (modes, symlinks and hard links kept). An upload is written to a temporary name
 in the target's directory and renamed into place at the end, so nobody sees it half done.
 A transfer left idle for `idle_s` (its client vanished) is removed with what it wrote.
+
+Chunks travel raw (sandfleet.bus.Raw): the chunk's Struct below (`UploadChunk`, `DownloadChunk`)
+is JSON in the `Sandfleet-Meta` header and its bytes are the message body as they are. That is
+version 2 of the chunk messages, so their subjects are new (`files_upload_chunk.v2`,
+`files_download_chunk.v2`) and their tags end in `.v2`; version 1 (bytes base64 in JSON, a
+`data` field) is no longer served: a client of it gets no responders.
 """
 
 from __future__ import annotations
@@ -18,15 +24,15 @@ from msgspec import Meta
 
 from schemas.sandbox import SandboxId
 
-CHUNK_BYTES = 2 << 20  # well under the bus's 8 MB payload once base64 in JSON
-WINDOW = 8  # chunks in flight per transfer
+CHUNK_BYTES = 4 << 20  # raw, so well under the bus's 8 MB payload (infra, sandfleet/supervisor.py)
+WINDOW = 4  # chunks in flight per transfer: 16 MiB, what 8 base64 chunks of 2 MiB were
 MAX_IDLE_S = 600.0
 
 UPLOAD = "files_upload"
-UPLOAD_CHUNK = "files_upload_chunk"
+UPLOAD_CHUNK = "files_upload_chunk.v2"
 UPLOAD_END = "files_upload_end"
 DOWNLOAD = "files_download"
-DOWNLOAD_CHUNK = "files_download_chunk"
+DOWNLOAD_CHUNK = "files_download_chunk.v2"
 CLOSE = "files_close"  # abandon a transfer: whatever it wrote is removed
 LIST = "files_list"
 STAT = "files_stat"
@@ -62,10 +68,11 @@ class Transfer(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=
     mode: int = 0
 
 
-class UploadChunk(_Request, frozen=True, kw_only=True, tag="files.upload_chunk"):
+class UploadChunk(_Request, frozen=True, kw_only=True, tag="files.upload_chunk.v2"):
+    """The META header of a raw chunk; its body (at most CHUNK_BYTES) is the chunk's bytes."""
+
     transfer_id: TransferId
     seq: Annotated[int, Meta(ge=0)]
-    data: Annotated[bytes, Meta(max_length=CHUNK_BYTES)]
 
 
 class ChunkAck(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.chunk_ack"):
@@ -94,9 +101,10 @@ class DownloadChunkRequest(_Request, frozen=True, kw_only=True, tag="files.downl
     seq: Annotated[int, Meta(ge=0)]
 
 
-class DownloadChunk(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.download_chunk_data"):
+class DownloadChunk(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="files.download_chunk.v2"):
+    """The META header of a raw reply; its body is the chunk's bytes (empty at eof)."""
+
     seq: int
-    data: bytes
     eof: bool = False
     size: int = 0  # at eof: the bytes of the whole stream and their sha256
     sha256: str = ""

@@ -8,6 +8,14 @@ stderr on one count): a reader pulls from an offset with `proc.read`, which answ
 when there is output past it and otherwise waits up to `wait_s`. When the buffer is full the
 oldest output is dropped; a read from before what is kept is told how many bytes it missed.
 Pulling keeps the node's memory bounded whatever the reader does (slow, gone, or many).
+
+A read with `raw` is answered with version 2 of the reply, a raw message (sandfleet.bus.Raw):
+`RawReadReply` as JSON in the `Sandfleet-Meta` header, the output bytes themselves as the body
+(no base64), each `Span` saying which stream a run of them came from. Version 1 (`ReadReply`,
+chunks base64 in JSON) stays the answer to a read without `raw`, so older readers go on as
+they were. A reader that keeps reading holds the process back when it falls a buffer behind
+(its pipe fills, the process waits), rather than losing output; one that stopped reading for
+READER_GRACE_S does not, and the oldest output is dropped and counted as before.
 """
 
 from __future__ import annotations
@@ -28,8 +36,11 @@ WAIT = "proc.wait"
 LIST = "proc.list"
 
 STDOUT, STDERR = 1, 2
-MAX_READ_BYTES = 256 * 1024  # one read reply's output at most (base64 in JSON: a third more)
+READ_BYTES = 256 * 1024  # a read's default (base64 in JSON: a third more)
+MAX_READ_BYTES = 4 << 20  # one read reply's output at most: under the bus's 8 MB even as base64 in JSON
 MAX_WAIT_S = 30.0
+MAX_SPANS = 1024  # per raw read reply: ~60 KB of header at most
+READER_GRACE_S = 2.0  # a reader not seen for this long no longer holds its process back
 
 Pid = Annotated[int, Meta(ge=1, le=2**31)]
 
@@ -82,8 +93,9 @@ class ReadRequest(_Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     sandbox_id: SandboxId
     pid: Pid
     offset: Annotated[int, Meta(ge=0)] = 0
-    max_bytes: Annotated[int, Meta(ge=1, le=MAX_READ_BYTES)] = MAX_READ_BYTES
+    max_bytes: Annotated[int, Meta(ge=1, le=MAX_READ_BYTES)] = READ_BYTES
     wait_s: Annotated[float, Meta(ge=0, le=MAX_WAIT_S)] = 10.0
+    raw: bool = False  # answer with RawReadReply and the bytes as the body (version 2)
 
 
 class ReadReply(_Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="proc.read.reply"):
@@ -91,6 +103,23 @@ class ReadReply(_Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, 
     next_offset: int  # where the next read starts
     dropped: int = 0  # bytes between the asked offset and the oldest kept: lost to this reader
     exit: Exit | None = None  # set once it ended and every byte up to next_offset is all there is
+
+
+class Span(_Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="proc.span"):
+    """`size` bytes of a raw reply's body, from `stream`, starting at `offset` on the one count."""
+
+    stream: int
+    offset: int
+    size: int
+
+
+class RawReadReply(_Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="proc.read.reply.v2"):
+    """ReadReply's version 2: the META header of a raw reply whose body is the spans' bytes in order."""
+
+    spans: list[Span]
+    next_offset: int
+    dropped: int = 0
+    exit: Exit | None = None
 
 
 class WriteRequest(_Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="proc.write"):

@@ -216,8 +216,8 @@ async def test_a_tar_with_a_symlink_out_is_refused_and_leaves_nothing(make, tmp_
     begin = await bus.request(sb._subject(wire.UPLOAD), wire.UploadRequest(sandbox_id=sb.id, path="/workspace/t",
                                                                            kind="dir"), wire.Transfer)
     with pytest.raises(errors.InvalidRequest, match="symlink"):
-        await bus.request(sb._subject(wire.UPLOAD_CHUNK), wire.UploadChunk(
-            sandbox_id=sb.id, transfer_id=begin.transfer_id, seq=0, data=data), wire.ChunkAck)
+        await bus.request_raw(sb._subject(wire.UPLOAD_CHUNK), wire.UploadChunk(
+            sandbox_id=sb.id, transfer_id=begin.transfer_id, seq=0), wire.ChunkAck, data=data)
         await bus.request(sb._subject(wire.UPLOAD_END), wire.UploadEnd(
             sandbox_id=sb.id, transfer_id=begin.transfer_id, chunks=1, size=len(data),
             sha256=hashlib.sha256(data).hexdigest()), wire.TransferDone)
@@ -234,8 +234,8 @@ async def test_a_wrong_hash_or_a_missing_chunk_keeps_nothing(make):
         return (await bus.request(sb._subject(wire.UPLOAD), req, wire.Transfer)).transfer_id
 
     async def chunk(tid: str, seq: int, data: bytes) -> None:
-        req = wire.UploadChunk(sandbox_id=sb.id, transfer_id=tid, seq=seq, data=data)
-        await bus.request(sb._subject(wire.UPLOAD_CHUNK), req, wire.ChunkAck)
+        req = wire.UploadChunk(sandbox_id=sb.id, transfer_id=tid, seq=seq)
+        await bus.request_raw(sb._subject(wire.UPLOAD_CHUNK), req, wire.ChunkAck, data=data)
 
     async def end(tid: str, chunks: int, size: int, sha: str) -> None:
         req = wire.UploadEnd(sandbox_id=sb.id, transfer_id=tid, chunks=chunks, size=size, sha256=sha)
@@ -266,8 +266,8 @@ async def test_a_transfer_whose_client_vanished_is_removed_after_its_idle_time(m
     bus = sb._fleet.bus
     req = wire.UploadRequest(sandbox_id=sb.id, path="/workspace/abandoned", idle_s=1)
     tid = (await bus.request(sb._subject(wire.UPLOAD), req, wire.Transfer)).transfer_id
-    await bus.request(sb._subject(wire.UPLOAD_CHUNK), wire.UploadChunk(
-        sandbox_id=sb.id, transfer_id=tid, seq=0, data=b"partial"), wire.ChunkAck)
+    await bus.request_raw(sb._subject(wire.UPLOAD_CHUNK), wire.UploadChunk(
+        sandbox_id=sb.id, transfer_id=tid, seq=0), wire.ChunkAck, data=b"partial")
     assert b".abandoned.sandfleet-" in (await sb.exec(["ls", "-a", "/workspace"])).stdout
     for _ in range(100):  # the sweep runs every second
         if b".sandfleet-" not in (await sb.exec(["ls", "-a", "/workspace"])).stdout:
@@ -275,8 +275,8 @@ async def test_a_transfer_whose_client_vanished_is_removed_after_its_idle_time(m
         await asyncio.sleep(0.1)
     assert b".sandfleet-" not in (await sb.exec(["ls", "-a", "/workspace"])).stdout
     with pytest.raises(errors.NotFound):
-        await bus.request(sb._subject(wire.UPLOAD_CHUNK), wire.UploadChunk(
-            sandbox_id=sb.id, transfer_id=tid, seq=1, data=b"late"), wire.ChunkAck)
+        await bus.request_raw(sb._subject(wire.UPLOAD_CHUNK), wire.UploadChunk(
+            sandbox_id=sb.id, transfer_id=tid, seq=1), wire.ChunkAck, data=b"late")
 
 
 async def test_destroy_ends_the_transfers_in_progress(make, platform):

@@ -7,6 +7,11 @@ schema itself refuses are sent, so none can act on the shared platform. Each mus
 typed error reply (NATS micro error headers and an ErrorBody, code `invalid_request`); the
 service must not crash (the supervisor would restart it under a new pid) and must answer a
 valid request afterwards.
+
+A raw subject (sandfleet.bus.Raw: the request's Struct in the `Sandfleet-Meta` header, bytes
+as the body) is fuzzed both ways: arbitrary bodies with the header missing, and arbitrary
+bodies under a header that is garbled (not JSON, the wrong fields, values of any type) or over
+the body's limit; and the SDK's side of a raw reply whose header is garbled gets a typed error.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sandfleet.bus import decode
+from sandfleet import errors
+from sandfleet.bus import META, Bus, decode
 from schemas import files, health, layers, node, ports, pty, reclaim, sandbox, security
 from schemas import process as proc_schema
 from schemas.errors import ErrorBody, ErrorCode
@@ -36,6 +42,7 @@ class Subject:
     request: type
     probe: dict  # a valid request that changes nothing: answered, whatever the answer
     on_node: bool = True
+    raw: bool = False  # the request travels in the META header, bytes as the body
 
     def address(self, node_id: str) -> str:
         if not self.on_node:
@@ -96,7 +103,7 @@ SUBJECTS = [
     Subject("launcher", ports.PORT_OPEN, ports.PortOpenRequest, NOWHERE | {"port": 1, "reply_subject": "_INBOX.fuzz"}),
     # launcher: files (schemas/files.py)
     Subject("launcher", files.UPLOAD, files.UploadRequest, NOWHERE | {"path": "/x"}),
-    Subject("launcher", files.UPLOAD_CHUNK, files.UploadChunk, NOWHERE | {"transfer_id": "ab", "seq": 0, "data": ""}),
+    Subject("launcher", files.UPLOAD_CHUNK, files.UploadChunk, NOWHERE | {"transfer_id": "ab", "seq": 0}, raw=True),
     Subject("launcher", files.UPLOAD_END, files.UploadEnd, NOWHERE | {"transfer_id": "ab", "chunks": 0, "size": 0,
                                                                       "sha256": "0" * 64}),
     Subject("launcher", files.DOWNLOAD, files.DownloadRequest, NOWHERE | {"path": "/x"}),
@@ -175,9 +182,12 @@ async def nc(platform):
     await conn.drain()
 
 
-async def _answered(nc, subject: str, payload: dict) -> None:
+async def _answered(nc, subject: str, payload: dict, raw: bool = False) -> None:
     """A valid request gets a reply: a result, or a typed error that is not about its shape."""
-    msg = await nc.request(subject, json.dumps(payload).encode(), timeout=30)
+    if raw:
+        msg = await nc.request(subject, b"\x00garbage body", headers={META: json.dumps(payload)}, timeout=30)
+    else:
+        msg = await nc.request(subject, json.dumps(payload).encode(), timeout=30)
     if msg.headers and ERROR_CODE in msg.headers:
         body = msgspec.json.decode(msg.data, type=ErrorBody)
         assert body.code is not ErrorCode.INVALID_REQUEST, (subject, payload, body)
@@ -196,8 +206,74 @@ async def test_generated_bad_requests_get_typed_errors_and_the_service_serves_on
         assert body.code is ErrorCode.INVALID_REQUEST and "Traceback" not in body.message, (subject, p, body)
 
     probe = READ_ONLY[s.service] if s.verb in ACTING else s
-    await _answered(nc, probe.address(platform.node_id), probe.probe)
+    await _answered(nc, probe.address(platform.node_id), probe.probe, probe.raw)
     assert platform.service_pid(s.service) == pid, f"{s.service} was restarted: it crashed on a payload"
+
+
+RAW = [s for s in SUBJECTS if s.raw]
+header_values = st.one_of(
+    st.text(max_size=60),
+    st.binary(max_size=60).map(lambda b: b.decode("latin-1")),
+    json_values.map(json.dumps),
+    st.dictionaries(st.text(max_size=12), json_values, max_size=4).map(json.dumps),
+).map(lambda v: v.replace("\r", "").replace("\n", "").strip())
+
+
+def _garbled(request: type) -> list[tuple[str, bytes]]:
+    """(META header value, body) pairs whose header the service's decoding refuses."""
+    fields = sorted(request.__struct_fields__)
+    near = st.dictionaries(st.sampled_from(fields), json_values, max_size=len(fields)).map(json.dumps)
+    pairs = st.tuples(st.one_of(header_values, near), st.binary(max_size=300))
+    found: list[tuple[str, bytes]] = []
+
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(pairs.filter(lambda p: _refused(p[0].encode(), request)))
+    def gather(p):
+        found.append(p)
+
+    gather()
+    return found
+
+
+@pytest.mark.parametrize("s", RAW, ids=[f"{s.service}:{s.verb}" for s in RAW])
+async def test_raw_bodies_under_garbled_or_oversized_headers_get_typed_errors(nc, platform, s):
+    pid = platform.service_pid(s.service)
+    subject = s.address(platform.node_id)
+    cases = _garbled(s.request)
+    assert len(cases) >= EXAMPLES // 2, f"too few garbled headers generated for {s.request.__name__}"
+    too_big = b"\0" * (files.CHUNK_BYTES + 1)  # a valid header, a body past the chunk's limit
+    for header, body in [*cases, (json.dumps(s.probe), too_big)]:
+        msg = await nc.request(subject, body, headers={META: header} if header else None, timeout=10)
+        assert msg.headers and msg.headers.get(ERROR_CODE) == "400", (subject, header, msg.headers, msg.data[:300])
+        reply = msgspec.json.decode(msg.data, type=ErrorBody)
+        assert reply.code is ErrorCode.INVALID_REQUEST and "Traceback" not in reply.message, (subject, header, reply)
+    await _answered(nc, subject, s.probe, raw=True)
+    assert platform.service_pid(s.service) == pid, f"{s.service} was restarted: it crashed on a raw payload"
+
+
+async def test_a_raw_reply_with_a_garbled_header_is_a_typed_error_in_the_sdk(platform):
+    """The client's side of raw replies (file chunks down, process output): whatever a responder
+    puts in the header, `request_raw` raises a typed error, never a foreign exception."""
+    bus = await Bus.connect(platform.url, "fuzz-raw-replies")
+    responder = await nats.connect(platform.url)
+    subject = responder.new_inbox()  # a subject of nobody's: only this responder answers it
+    headers = iter(["{not json", '{"type":"files.download_chunk.v2","seq":"x"}', "[]", '{"type":"other"}', ""])
+
+    async def answer(msg):
+        value = next(headers)
+        await responder.publish(msg.reply, b"\xff\x00body", headers={META: value or " "})
+
+    sub = await responder.subscribe(subject, cb=answer)
+    await responder.flush()  # the server has the subscription before the first request
+    try:
+        for _ in range(5):
+            req = files.DownloadChunkRequest(sandbox_id="sb-fuzz-none", transfer_id="ab", seq=0)
+            with pytest.raises(errors.InternalError, match="undecodable reply"):
+                await bus.request_raw(subject, req, files.DownloadChunk, timeout=10)
+    finally:
+        await sub.unsubscribe()
+        await responder.drain()
+        await bus.close()
 
 
 def test_every_subject_the_launcher_serves_is_fuzzed():

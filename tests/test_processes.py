@@ -163,6 +163,21 @@ async def test_a_streaming_exec_past_its_timeout_is_killed_and_says_so(sb):
     assert r.timed_out and r.exit_code == 137 and r.stdout == b"begun\n"
 
 
+async def test_a_fast_command_streamed_to_a_live_reader_loses_nothing(sb):
+    """Output travels as raw bytes and a reader that keeps reading holds the command back (its
+    pipe fills) instead of having the oldest dropped: from the first byte to the last, even
+    when the command writes far faster than the bus carries it (64 MiB through a 2 MiB buffer)."""
+    size = 64 << 20
+    streamed: list[int] = []
+    r = await sb.exec(["head", "-c", str(size), "/dev/zero"], on_stdout=lambda d: streamed.append(len(d)),
+                      timeout_s=600)
+    assert r.exit_code == 0 and sum(streamed) == size
+    proc = await sb.spawn(["head", "-c", str(size), "/dev/zero"], buffer_bytes=1 << 20)
+    outputs = [o async for o in proc.output()]
+    assert sum(len(o.data) for o in outputs) == size and not any(o.dropped for o in outputs)
+    assert proc.exit is not None and proc.exit.exit_code == 0
+
+
 async def test_output_past_the_buffer_drops_the_oldest_and_tells_how_much(sb):
     proc = await sb.spawn(["sh", "-c", "i=0; while [ $i -lt 2000 ]; do echo line-$i; i=$((i+1)); done"],
                           buffer_bytes=4096)

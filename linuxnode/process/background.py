@@ -3,11 +3,17 @@ the sandbox and spawns it in a new session), but nobody waits for it in a reques
 stdout and stderr are read on the event loop and handed, chunk by chunk, to `on_output`;
 stdin stays open for `write`; signals go through the helper's control pipe (protocol.py
 SpawnCommand) to the command's process group; `on_exit` gets the wait status once.
+
+Output is read in large pieces (the pipes are grown to PIPE_BYTES) but only a few per turn of
+the loop, so a command writing as fast as it can never starves the loop. When `on_output`
+returns a future (its reader is behind), reading pauses until it is done: the pipe fills and
+the command waits, which is how a reader holds a fast command back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal as signals
 from collections.abc import Callable
@@ -22,7 +28,9 @@ from linuxnode.process.reports import Report
 if TYPE_CHECKING:
     import asyncio
 
-READ_CHUNK = 65536
+READ_CHUNK = 65536  # of stdin written at a time
+PIPE_BYTES = 1 << 20  # the output pipes' size (the default pipe-max-size), and a read's
+READS_PER_TURN = 4
 
 
 class StdinClosed(Exception):
@@ -46,7 +54,7 @@ class BackgroundCommand:
     or 2; `on_exit(wait_status)` once, when its output is all read (or after a short grace)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fds: dict[str, int],
-                 on_output: Callable[[int, bytes], None], on_exit: Callable[[int], None]) -> None:
+                 on_output: Callable[[int, bytes], object], on_exit: Callable[[int], None]) -> None:
         self.loop, self.on_output, self.on_exit = loop, on_output, on_exit
         self.report_r, self.control_w, self.in_w = fds["report"], fds["control"], fds["stdin"]
         self.report = bytearray()
@@ -57,6 +65,10 @@ class BackgroundCommand:
         self.drained = loop.create_future()  # every output pipe closed after the exit
         self.outputs = {fds["stdout"]: 1, **({fds["stderr"]: 2} if "stderr" in fds else {})}  # a terminal has one
         self._writing: asyncio.Future | None = None
+        self._paused: asyncio.Future | None = None  # what on_output asked reading to wait for
+        for fd in self.outputs:
+            with contextlib.suppress(OSError):  # a smaller pipe only means smaller reads
+                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         for fd in (self.report_r, *self.outputs):
             os.set_blocking(fd, False)
             loop.add_reader(fd, self._readable, fd)
@@ -66,10 +78,10 @@ class BackgroundCommand:
     def stdin_open(self) -> bool:
         return self.in_w >= 0
 
-    def _readable(self, fd: int) -> None:
-        while True:
+    def _readable(self, fd: int, reads: int = READS_PER_TURN, hold_back: bool = True) -> None:
+        for _ in range(reads):
             try:
-                chunk = os.read(fd, READ_CHUNK)
+                chunk = os.read(fd, PIPE_BYTES)
             except BlockingIOError:
                 return
             except OSError:
@@ -82,8 +94,23 @@ class BackgroundCommand:
             if fd == self.report_r:
                 self.report += chunk
                 self._settle(Report.parse(bytes(self.report)))
-            else:
-                self.on_output(self.outputs[fd], chunk)
+                continue
+            wait = self.on_output(self.outputs[fd], chunk)
+            if hold_back and hasattr(wait, "add_done_callback") and not wait.done():  # a future: asyncio is not imported here
+                self._pause(wait)
+                return
+
+    def _pause(self, until) -> None:
+        if self._paused is None:
+            self._paused = until
+            for fd in self.outputs:
+                self.loop.remove_reader(fd)
+            until.add_done_callback(self._resume)
+
+    def _resume(self, _: object = None) -> None:
+        self._paused = None
+        for fd in self.outputs:
+            self.loop.add_reader(fd, self._readable, fd)
 
     def _settle(self, report: Report) -> None:
         if report.command is not None and self.host_pid is None:
@@ -99,9 +126,16 @@ class BackgroundCommand:
             self._close_stdin()
             self._close_control()
             if self.outputs:  # output still open belongs to its background children: a short grace
-                self.loop.call_later(OUTPUT_GRACE_S, self.close)
+                self.loop.call_later(OUTPUT_GRACE_S, self._grace_over)
             else:
                 self._exited()
+
+    def _grace_over(self) -> None:
+        """The command ended a grace ago: what is still in its pipes is taken (a reader paused
+        for does not hold it back any longer), then they are closed."""
+        for fd in list(self.outputs):
+            self._readable(fd, reads=PIPE_BYTES // 4096, hold_back=False)
+        self.close()
 
     def _exited(self) -> None:
         if not self.drained.done():
@@ -117,7 +151,7 @@ class BackgroundCommand:
             del self.outputs[fd]
         else:
             return
-        self.loop.remove_reader(fd)
+        self.loop.remove_reader(fd)  # a paused reader's is gone already: no matter
         os.close(fd)
         if not self.outputs and self.status is not None:
             self._exited()
@@ -185,7 +219,7 @@ class BackgroundCommand:
 
 
 async def spawn(init: InitProcess, argv: list[str], *, cgroup_procs: list[str], env: dict[str, str] | None,
-                cwd: str, on_output: Callable[[int, bytes], None],
+                cwd: str, on_output: Callable[[int, bytes], object],
                 on_exit: Callable[[int], None]) -> BackgroundCommand:
     """Start argv in the sandbox in the background; returns once it runs (or exited at once: a
     command not found exits 127). A missing cwd raises FileNotFoundError."""

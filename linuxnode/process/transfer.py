@@ -35,6 +35,7 @@ class _Pipe:
     def __init__(self, depth: int) -> None:
         self._queue: queue.Queue[bytes] = queue.Queue(depth)
         self._buffer = b""
+        self._at = 0  # what of _buffer was read: slicing off the rest instead copied a chunk per read
         self._ended = False
         self.closed = threading.Event()
 
@@ -56,14 +57,16 @@ class _Pipe:
 
     # the reading side as a file for tarfile
     def read(self, n: int = -1) -> bytes:
-        while not self._buffer:
+        while self._at >= len(self._buffer):
             if self._ended:
                 return b""
-            self._buffer = self.get()
+            self._buffer, self._at = self.get(), 0
             self._ended = not self._buffer
-        if n < 0:
-            n = len(self._buffer)
-        data, self._buffer = self._buffer[:n], self._buffer[n:]
+        if n < 0 or (self._at == 0 and n >= len(self._buffer)):
+            data, self._buffer, self._at = self._buffer[self._at:] if self._at else self._buffer, b"", 0
+            return data
+        data = self._buffer[self._at:self._at + n]
+        self._at += len(data)
         return data
 
 

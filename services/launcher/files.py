@@ -12,7 +12,7 @@ import asyncio
 import errno
 import functools
 
-from sandfleet.bus import Endpoint
+from sandfleet.bus import Endpoint, Raw
 from sandfleet.errors import ServiceError
 from schemas import files as wire
 from schemas.errors import ErrorCode
@@ -78,12 +78,12 @@ async def upload(launcher: Launcher, req: wire.UploadRequest) -> wire.Transfer:
     return wire.Transfer(transfer_id=transfer.id, kind=req.kind, mode=req.mode)
 
 
-async def upload_chunk(launcher: Launcher, req: wire.UploadChunk) -> wire.ChunkAck:
+async def upload_chunk(launcher: Launcher, req: wire.UploadChunk, data: bytes) -> wire.ChunkAck:
     tag(launcher.node_id, req.sandbox_id)
     table = _table(launcher, _unfrozen(launcher, req.sandbox_id))
     transfer = table.get(req.transfer_id)
     transfers.in_window(transfer, req.seq, transfer.next_seq)
-    transfer.held[req.seq] = req.data
+    transfer.held[req.seq] = data
     async with transfer.lock:  # whoever holds it writes every chunk that is next, in order
         while transfer.next_seq in transfer.held and transfer.failed is None:
             data = transfer.held.pop(transfer.next_seq)
@@ -140,7 +140,7 @@ async def download(launcher: Launcher, req: wire.DownloadRequest) -> wire.Transf
     return wire.Transfer(transfer_id=transfer.id, kind=source.kind, size=source.size, mode=source.mode)  # type: ignore[arg-type]
 
 
-async def download_chunk(launcher: Launcher, req: wire.DownloadChunkRequest) -> wire.DownloadChunk:
+async def download_chunk(launcher: Launcher, req: wire.DownloadChunkRequest) -> Raw:
     tag(launcher.node_id, req.sandbox_id)
     table = _table(launcher, launcher.get_live(req.sandbox_id))
     transfer = table.get(req.transfer_id)
@@ -160,13 +160,13 @@ async def download_chunk(launcher: Launcher, req: wire.DownloadChunkRequest) -> 
             transfer.next_seq += 1
     if transfer.eof_seq >= 0 and req.seq >= transfer.eof_seq:
         transfer.held.pop(req.seq, None)
-        return wire.DownloadChunk(seq=req.seq, data=b"", eof=True, size=source.sent,  # type: ignore[union-attr]
-                                  sha256=source.digest())  # type: ignore[union-attr]
+        return Raw(wire.DownloadChunk(seq=req.seq, eof=True, size=source.sent,  # type: ignore[union-attr]
+                                      sha256=source.digest()))  # type: ignore[union-attr]
     data = transfer.held.pop(req.seq, None)
     if data is None:
         raise ServiceError(ErrorCode.INVALID_REQUEST, f"chunk {req.seq} was already sent")
     transfer.delivered = max(transfer.delivered, req.seq + 1)
-    return wire.DownloadChunk(seq=req.seq, data=data)
+    return Raw(wire.DownloadChunk(seq=req.seq), data)
 
 
 async def _fail_unlocked(table: Transfers, transfer: Transfer, exc: Exception) -> ServiceError:
@@ -256,10 +256,10 @@ async def watch_close(launcher: Launcher, req: wire.WatchCloseRequest) -> wire.C
 def endpoints(launcher: Launcher) -> list[Endpoint]:
     """Registered by the composition root (__main__.endpoints)."""
     n, h, s, w = launcher.node_id, functools.partial, node_subject, wire
-    chunk = wire.CHUNK_BYTES * 2  # base64 in JSON grows bytes by a third
     return [
         Endpoint("files_upload", s(n, w.UPLOAD), w.UploadRequest, h(upload, launcher)),
-        Endpoint("files_upload_chunk", s(n, w.UPLOAD_CHUNK), w.UploadChunk, h(upload_chunk, launcher), max_bytes=chunk),
+        Endpoint("files_upload_chunk", s(n, w.UPLOAD_CHUNK), w.UploadChunk, h(upload_chunk, launcher),
+                 max_bytes=w.CHUNK_BYTES, raw=True),
         Endpoint("files_upload_end", s(n, w.UPLOAD_END), w.UploadEnd, h(upload_end, launcher)),
         Endpoint("files_download", s(n, w.DOWNLOAD), w.DownloadRequest, h(download, launcher)),
         Endpoint("files_download_chunk", s(n, w.DOWNLOAD_CHUNK), w.DownloadChunkRequest, h(download_chunk, launcher)),

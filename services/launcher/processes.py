@@ -27,16 +27,21 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sandfleet.bus import Raw
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
 from schemas.process import (
+    MAX_SPANS,
+    Chunk,
     Exit,
     ListReply,
     ListRequest,
     ProcessInfo,
+    RawReadReply,
     ReadReply,
     ReadRequest,
     SignalRequest,
+    Span,
     SpawnRequest,
     WaitRequest,
     WriteReply,
@@ -208,15 +213,40 @@ def _time_out(process: Process) -> None:
         process.running.signal(9)
 
 
-async def read(table: ProcessTable, req: ReadRequest) -> ReadReply:
+async def read(table: ProcessTable, req: ReadRequest) -> ReadReply | Raw:
+    """Version 1 (ReadReply, base64 in JSON), or with `raw` version 2: a RawReadReply header and
+    the output bytes as the body (schemas/process.py)."""
     tag(table.launcher.node_id, req.sandbox_id)
     process = table.find(req.sandbox_id, req.pid)
     buffer = process.buffer
     if buffer.end <= req.offset and process.exit is None and req.wait_s > 0:
         await buffer.changed(req.wait_s)
     chunks, next_offset, dropped = buffer.read(req.offset, req.max_bytes)
+    if not req.raw:
+        done = process.exit is not None and next_offset >= buffer.end
+        return ReadReply(chunks=chunks, next_offset=next_offset, dropped=dropped, exit=process.exit if done else None)
+    spans, chunks = _spans(chunks)
+    if spans:
+        next_offset = spans[-1].offset + spans[-1].size
     done = process.exit is not None and next_offset >= buffer.end
-    return ReadReply(chunks=chunks, next_offset=next_offset, dropped=dropped, exit=process.exit if done else None)
+    body = chunks[0].data if len(chunks) == 1 else b"".join(c.data for c in chunks)
+    return Raw(RawReadReply(spans=spans, next_offset=next_offset, dropped=dropped, exit=process.exit if done else None),
+               body)
+
+
+def _spans(chunks: list[Chunk]) -> tuple[list[Span], list[Chunk]]:
+    """One span per run of one stream (the chunks are contiguous on the one count), at most
+    MAX_SPANS (so the header stays small whatever the command's writes): (spans, chunks they cover)."""
+    spans: list[Span] = []
+    for i, chunk in enumerate(chunks):
+        if spans and spans[-1].stream == chunk.stream:
+            last = spans[-1]
+            spans[-1] = Span(stream=last.stream, offset=last.offset, size=last.size + len(chunk.data))
+        elif len(spans) == MAX_SPANS:
+            return spans, chunks[:i]
+        else:
+            spans.append(Span(stream=chunk.stream, offset=chunk.offset, size=len(chunk.data)))
+    return spans, chunks
 
 
 async def write(table: ProcessTable, req: WriteRequest) -> WriteReply:

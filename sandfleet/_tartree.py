@@ -1,0 +1,255 @@
+"""A directory as a tar stream, on the client: packed in a thread into chunks for an upload,
+and unpacked in a thread from a download's chunks. Pure Python (stdlib tarfile).
+
+A tree from a sandbox is untrusted: its members are unpacked only below the destination, never
+through a symlink, and devices, fifos and setuid bits are left out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import os
+import queue
+import secrets
+import shutil
+import stat
+import struct
+import tarfile
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from schemas import files as wire
+
+
+class ToLoop(io.RawIOBase):
+    """What a tar thread writes, handed to the event loop in chunks through a bounded queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue, digest) -> None:
+        self._loop, self._out, self._held, self._digest = loop, out, bytearray(), digest
+        self.abandoned = threading.Event()  # the upload failed: the tar thread stops at its next write
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self._held += data
+        while len(self._held) >= wire.CHUNK_BYTES:
+            self._hand(bytes(self._held[:wire.CHUNK_BYTES]))
+            del self._held[:wire.CHUNK_BYTES]
+        return len(data)
+
+    def _hand(self, data: bytes | BaseException | None) -> None:
+        if isinstance(data, bytes):
+            self._digest.update(data)
+        handed = asyncio.run_coroutine_threadsafe(self._out.put(data), self._loop)
+        while True:
+            try:
+                return handed.result(timeout=0.2)
+            except TimeoutError:
+                if self.abandoned.is_set():
+                    handed.cancel()
+                    raise BrokenPipeError("the upload was abandoned") from None
+
+    def finish(self, error: BaseException | None) -> None:
+        if self._held and error is None:
+            self._hand(bytes(self._held))
+        self._hand(error)
+
+
+_BLOCK, _RECORD = 512, 20 * 512
+_USTAR = struct.Struct("100s8s8s8s12s12s8sc100s6s2s32s32s8s8s155s12x")
+
+
+def _header(info: tarfile.TarInfo) -> bytes:
+    """The member's header block: written here for the common member (an ASCII name that fits
+    ustar, small numbers) at a fraction of what TarInfo.tobuf costs, else by tobuf (pax)."""
+    name = info.name + "/" if info.type == tarfile.DIRTYPE else info.name
+    try:
+        raw, link = name.encode("ascii"), info.linkname.encode("ascii")
+    except UnicodeEncodeError:
+        return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    prefix = b""
+    if len(raw) > 100:  # ustar splits a long name at a slash: prefix (155) / name (100)
+        cut = raw.rfind(b"/", 0, 156)
+        if cut > 0 and len(raw) - cut - 1 <= 100:
+            prefix, raw = raw[:cut], raw[cut + 1:]
+    if len(raw) > 100 or len(link) > 100 or info.size >= 8 ** 11 or max(info.uid, info.gid) >= 8 ** 7 \
+            or not 0 <= info.mtime < 8 ** 11:
+        return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    block = _USTAR.pack(raw, b"%07o\0" % info.mode, b"%07o\0" % info.uid, b"%07o\0" % info.gid,
+                        b"%011o\0" % info.size, b"%011o\0" % info.mtime, b" " * 8, info.type, link, b"ustar\0",
+                        b"00", b"", b"", b"", b"", prefix)
+    return block[:148] + b"%06o\0" % sum(block) + block[155:]
+
+
+def _pack_tree(out: ToLoop, top: Path) -> None:
+    """The tree under `top` as a tar stream written to `out`, headers made by `_header` (tarfile's
+    TarFile.add costs ~90 us a member in name look-ups, copies and checksums): directories,
+    regular files, symlinks and hard links; nothing else. Whole-second mtimes (a float one
+    would cost each member a pax header)."""
+    seen: dict[tuple[int, int], str] = {}  # (device, inode) of a file with several links: its first name
+    stack = [(str(top), ".")]
+    written = 0
+    while stack:
+        path, arc = stack.pop()
+        st = os.lstat(path)
+        info = tarfile.TarInfo(arc)
+        info.mode, info.mtime, info.uid, info.gid = stat.S_IMODE(st.st_mode), int(st.st_mtime), st.st_uid, st.st_gid
+        parts: list[bytes] = []
+        if stat.S_ISDIR(st.st_mode):
+            info.type = tarfile.DIRTYPE
+            parts.append(_header(info))
+            with os.scandir(path) as entries:
+                names = sorted(e.name for e in entries)
+            stack.extend((os.path.join(path, n), f"{arc}/{n}") for n in reversed(names))  # in order, depth first
+        elif stat.S_ISLNK(st.st_mode):
+            info.type, info.linkname = tarfile.SYMTYPE, os.readlink(path)
+            parts.append(_header(info))
+        elif stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and (st.st_dev, st.st_ino) in seen:
+            info.type, info.linkname = tarfile.LNKTYPE, seen[(st.st_dev, st.st_ino)]
+            parts.append(_header(info))
+        elif stat.S_ISREG(st.st_mode):
+            if st.st_nlink > 1:
+                seen[(st.st_dev, st.st_ino)] = arc
+            with open(path, "rb", buffering=0) as f:
+                info.size = left = os.fstat(f.fileno()).st_size
+                parts.append(_header(info))
+                while left:
+                    data = f.read(min(left, 1 << 20))
+                    if not data:
+                        raise OSError(f"{path} shrank while it was packed")
+                    parts.append(data)
+                    left -= len(data)
+                    if left and len(parts) > 4:
+                        written += out.write(b"".join(parts))
+                        parts = []
+            parts.append(b"\0" * (-info.size % _BLOCK))
+        else:
+            continue  # sockets, fifos and devices do not travel
+        written += out.write(b"".join(parts))
+    end = 2 * _BLOCK
+    out.write(b"\0" * (end + (-(written + end) % _RECORD)))
+
+
+async def tar_chunks(local: Path, digest) -> AsyncIterator[bytes]:
+    out: asyncio.Queue = asyncio.Queue(wire.WINDOW)
+    writer = ToLoop(asyncio.get_running_loop(), out, digest)
+
+    def pack() -> None:
+        error = None
+        try:
+            _pack_tree(writer, local)
+        except BaseException as exc:
+            error = exc
+        with contextlib.suppress(Exception):
+            writer.finish(error)
+
+    thread = threading.Thread(target=pack, daemon=True)
+    thread.start()
+    try:
+        while (item := await out.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        writer.abandoned.set()
+
+
+class Pipe(io.RawIOBase):
+    def __init__(self) -> None:
+        self.chunks: queue.Queue = queue.Queue(wire.WINDOW)
+        self.held = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.held:
+            item = self.chunks.get()
+            if item is None:
+                return 0
+            self.held = item
+        n = min(len(buffer), len(self.held))
+        buffer[:n] = self.held[:n]
+        self.held = self.held[n:]
+        return n
+
+
+class TreeSink:
+    """A tar stream unpacked, in a thread, into a fresh directory that becomes the destination."""
+
+    def __init__(self, temp: Path) -> None:
+        self.temp = temp
+        temp.mkdir(mode=0o700)
+        self.pipe = Pipe()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._unpack, daemon=True)
+        self.thread.start()
+
+    def _unpack(self) -> None:
+        try:
+            dirs: list[tuple[Path, int]] = []
+            with tarfile.open(fileobj=io.BufferedReader(self.pipe, 1 << 20), mode="r|") as tar:
+                for member in tar:
+                    _unpack_member(tar, member, self.temp, dirs)
+            for where, mode in reversed(dirs):  # last: a read-only directory must not stop its children
+                os.chmod(where, mode)
+            while self.pipe.readinto(bytearray(1 << 16)):  # padding after the tar's end
+                pass
+        except BaseException as exc:
+            self.error = exc
+            while self.pipe.chunks.get() is not None:  # let the writer finish
+                pass
+
+    def write(self, data: bytes) -> None:
+        if self.error is not None:
+            raise self.error
+        self.pipe.chunks.put(data)
+
+    def commit(self, dst: Path) -> None:
+        self.pipe.chunks.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        old = None
+        if dst.is_symlink() or dst.exists():
+            old = dst.parent / f".{dst.name}.sandfleet-{secrets.token_hex(6)}.old"
+            os.rename(dst, old)
+        os.rename(self.temp, dst)
+        if old is not None:
+            shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else os.unlink(old)
+
+    def abort(self) -> None:
+        if self.thread.is_alive():
+            self.error = self.error or BrokenPipeError()
+            with contextlib.suppress(queue.Full):
+                self.pipe.chunks.put(None, timeout=1)
+            self.thread.join(timeout=5)
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def _unpack_member(tar: tarfile.TarFile, member: tarfile.TarInfo, top: Path, dirs: list[tuple[Path, int]]) -> None:
+    parts = [p for p in member.name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise ValueError(f"tar member {member.name!r} climbs out of the tree")
+    member.mode &= 0o777 | stat.S_ISVTX
+    if member.isdir():
+        dirs.append((top.joinpath(*parts), member.mode))
+        member.mode |= 0o700
+    if not parts:
+        return
+    where = top
+    for part in parts[:-1]:  # nothing written through a symlink the tree itself planted
+        where = where / part
+        if where.is_symlink() or not where.is_dir():
+            raise ValueError(f"tar member {member.name!r} goes through a symlink or a non-directory")
+    if not (member.isdir() or member.isreg() or member.issym() or member.islnk()):
+        return  # devices, fifos: left out
+    if member.islnk():
+        link = [p for p in member.linkname.split("/") if p not in ("", ".")]
+        if ".." in link or not link:
+            raise ValueError(f"tar member {member.name!r}: a hard link out of the tree")
+    tar.extract(member, top, set_attrs=not member.issym())
