@@ -54,8 +54,12 @@ class BackgroundCommand:
     or 2; `on_exit(wait_status)` once, when its output is all read (or after a short grace)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fds: dict[str, int],
-                 on_output: Callable[[int, bytes], object], on_exit: Callable[[int], None]) -> None:
+                 on_output: Callable[[int, bytes], object], on_exit: Callable[[int], None],
+                 read_bytes: int = PIPE_BYTES) -> None:
         self.loop, self.on_output, self.on_exit = loop, on_output, on_exit
+        # At most this much is handed to on_output at once: a reader's buffer that asks reading
+        # to wait once it is half full stays within its size if no read is larger than the half.
+        self.read_bytes = max(4096, min(read_bytes, PIPE_BYTES))
         self.report_r, self.control_w, self.in_w = fds["report"], fds["control"], fds["stdin"]
         self.report = bytearray()
         self.host_pid: int | None = None
@@ -81,7 +85,7 @@ class BackgroundCommand:
     def _readable(self, fd: int, reads: int = READS_PER_TURN, hold_back: bool = True) -> None:
         for _ in range(reads):
             try:
-                chunk = os.read(fd, PIPE_BYTES)
+                chunk = os.read(fd, self.read_bytes)
             except BlockingIOError:
                 return
             except OSError:
@@ -220,7 +224,7 @@ class BackgroundCommand:
 
 async def spawn(init: InitProcess, argv: list[str], *, cgroup_procs: list[str], env: dict[str, str] | None,
                 cwd: str, on_output: Callable[[int, bytes], object],
-                on_exit: Callable[[int], None]) -> BackgroundCommand:
+                on_exit: Callable[[int], None], read_bytes: int = PIPE_BYTES) -> BackgroundCommand:
     """Start argv in the sandbox in the background; returns once it runs (or exited at once: a
     command not found exits 127). A missing cwd raises FileNotFoundError."""
     import asyncio
@@ -234,7 +238,7 @@ async def spawn(init: InitProcess, argv: list[str], *, cgroup_procs: list[str], 
             root=root, stdin=p[1][0], stdout=p[2][1], stderr=p[3][1], control=p[4][0]))
     os.set_blocking(control_w, False)
     command = BackgroundCommand(loop, {"report": report_r, "control": control_w, "stdin": in_w, "stdout": out_r,
-                                       "stderr": err_r}, on_output, on_exit)
+                                       "stderr": err_r}, on_output, on_exit, read_bytes)
     return await running(command)
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from linuxnode import syscalls as linux
-from linuxnode.process.background import BackgroundCommand, running
+from linuxnode.process.background import PIPE_BYTES, BackgroundCommand, running
 from linuxnode.process.execio import check_command, send_command
 from linuxnode.process.lifecycle import open_init
 from linuxnode.process.model import DEFAULT_ENV, ExecError, InitProcess
@@ -72,9 +72,10 @@ class Terminal(BackgroundCommand):
     """A background command on a pty: its output is stream 1, its stdin the keyboard."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fds: dict[str, int], tty: int,
-                 on_output: Callable[[int, bytes], None], on_exit: Callable[[int], None]) -> None:
+                 on_output: Callable[[int, bytes], None], on_exit: Callable[[int], None],
+                 read_bytes: int = PIPE_BYTES) -> None:
         self.tty = tty  # the master, for resizes: kept apart from stdin, which a caller may close
-        super().__init__(loop, fds, on_output, on_exit)
+        super().__init__(loop, fds, on_output, on_exit, read_bytes)
 
     def resize(self, cols: int, rows: int) -> bool:
         """Set the window size (the foreground job gets SIGWINCH); False if the command ended.
@@ -101,7 +102,7 @@ class Terminal(BackgroundCommand):
 
 async def spawn(init: InitProcess, argv: list[str], *, cgroup_procs: list[str], env: dict[str, str] | None,
                 cwd: str, cols: int, rows: int, on_output: Callable[[int, bytes], None],
-                on_exit: Callable[[int], None]) -> Terminal:
+                on_exit: Callable[[int], None], read_bytes: int = PIPE_BYTES) -> Terminal:
     """Start argv in the sandbox on a new terminal of `cols` x `rows`; returns once it runs (a
     command not found exits 127, saying so on the terminal). TERM is DEFAULT_TERM unless `env`
     names one. ValueError for a bad size or argv, FileNotFoundError for a missing cwd."""
@@ -129,4 +130,4 @@ async def spawn(init: InitProcess, argv: list[str], *, cgroup_procs: list[str], 
     os.set_blocking(control_w, False)
     stdin, tty = os.dup(master), os.dup(master)
     return await running(Terminal(loop, {"report": report_r, "control": control_w, "stdin": stdin,
-                                         "stdout": master}, tty, on_output, on_exit))
+                                         "stdout": master}, tty, on_output, on_exit, read_bytes))

@@ -86,7 +86,7 @@ class Command:
     cwd: str = "/workspace"
     stdin: bytes = b""
     timeout_s: float = 60.0
-    max_output: int = 1 << 20
+    max_output: int = 1 << 20  # a background command's: its output buffer (reads of at most half)
 
 
 @dataclass(frozen=True)

@@ -209,7 +209,8 @@ class ProcessDriver:
         try:
             running = await background.spawn(sandbox.init, list(command.argv),
                                              cgroup_procs=sandbox.confinement.cgroup_procs, env=command.env,
-                                             cwd=command.cwd, on_output=on_output, on_exit=on_exit)
+                                             cwd=command.cwd, on_output=on_output, on_exit=on_exit,
+                                             read_bytes=command.max_output // 2)
         except process_runtime.ExecError as exc:
             raise ExecFailed(str(exc)) from None
         return _Background(running)
@@ -285,7 +286,7 @@ class ProcessDriver:
             running = await terminal.spawn(sandbox.init, list(command.argv),
                                            cgroup_procs=sandbox.confinement.cgroup_procs, env=command.env,
                                            cwd=command.cwd, cols=cols, rows=rows, on_output=on_output,
-                                           on_exit=on_exit)
+                                           on_exit=on_exit, read_bytes=command.max_output // 2)
         except process_runtime.ExecError as exc:
             raise ExecFailed(str(exc)) from None
         return _Terminal(running)
