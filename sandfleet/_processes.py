@@ -173,10 +173,11 @@ class Process:
                 raise errors.Timeout(f"process {self.pid} still runs after {timeout_s:g}s")
 
 
-async def spawn(sb: Sandbox, argv: list[str], *, env: dict[str, str] | None = None, cwd: str = "/workspace",
-                stdin: bool = False, timeout_s: float | None = None, buffer_bytes: int = 0) -> Process:
-    req = proc.SpawnRequest(sandbox_id=sb.id, argv=list(argv), env=env or {}, cwd=cwd, stdin=stdin,
-                            timeout_s=timeout_s, buffer_bytes=buffer_bytes)
+async def spawn(sb: Sandbox, argv: list[str] | None, *, env: dict[str, str] | None = None, cwd: str = "/workspace",
+                stdin: bool = False, timeout_s: float | None = None, buffer_bytes: int = 0,
+                image_command: bool = False) -> Process:
+    req = proc.SpawnRequest(sandbox_id=sb.id, argv=None if argv is None else list(argv), image_command=image_command,
+                            env=env or {}, cwd=cwd, stdin=stdin, timeout_s=timeout_s, buffer_bytes=buffer_bytes)
     try:
         info = await sb._fleet.bus.request(sb._subject(proc.SPAWN), req, proc.ProcessInfo, timeout=30)
     except errors.SandfleetError as exc:
@@ -200,15 +201,15 @@ async def _call(callback: OutputCallback | None, data: bytes) -> None:
             await result
 
 
-async def streamed_exec(sb: Sandbox, argv: list[str], *, timeout_s: float, env: dict[str, str] | None, cwd: str,
-                        stdin: bytes, on_stdout: OutputCallback | None,
-                        on_stderr: OutputCallback | None) -> node.ExecReply:
+async def streamed_exec(sb: Sandbox, argv: list[str] | None, *, timeout_s: float, env: dict[str, str] | None,
+                        cwd: str, stdin: bytes, on_stdout: OutputCallback | None, on_stderr: OutputCallback | None,
+                        image_command: bool = False) -> node.ExecReply:
     """exec with each chunk handed to its callback as the command writes it: a background
     process read until it ends, the node killing it at `timeout_s`; the whole result at the
     end, each stream capped at MAX_OUTPUT_BYTES as a plain exec's."""
     started = time.perf_counter()
     process = await spawn(sb, argv, env=env, cwd=cwd, stdin=bool(stdin), timeout_s=timeout_s,
-                          buffer_bytes=node.MAX_OUTPUT_BYTES * 2)
+                          buffer_bytes=node.MAX_OUTPUT_BYTES * 2, image_command=image_command)
     if stdin:
         with contextlib.suppress(errors.Conflict):  # it ended (or closed stdin) without reading it all
             await process.send_stdin(stdin)

@@ -39,7 +39,7 @@ class Sandbox:
 
     async def exec(
         self,
-        argv: list[str],
+        argv: list[str] | None = None,
         *,
         timeout_s: float = 60.0,
         env: dict[str, str] | None = None,
@@ -47,14 +47,19 @@ class Sandbox:
         stdin: bytes = b"",
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        image_command: bool = False,
     ) -> ExecResult:
         """Run argv and return what it did. With `on_stdout`/`on_stderr`, each chunk is handed to
-        its callback (sync or async) as the command writes it. Raises SandboxEnded if the sandbox
-        ended under the command (its result would say nothing of the command)."""
+        its callback (sync or async) as the command writes it. `image_command=True` (a sandbox over
+        an imported image) runs the image's Entrypoint followed by argv, or by its Cmd if argv is
+        None, as `docker run IMAGE [ARGS]` does. Raises SandboxEnded if the sandbox ended under the
+        command (its result would say nothing of the command)."""
         if on_stdout is not None or on_stderr is not None:
             return await _processes.streamed_exec(self, argv, timeout_s=timeout_s, env=env, cwd=cwd, stdin=stdin,
-                                                  on_stdout=on_stdout, on_stderr=on_stderr)
-        req = node.ExecRequest(sandbox_id=self.id, argv=argv, env=env or {}, cwd=cwd, stdin=stdin, timeout_s=timeout_s)
+                                                  on_stdout=on_stdout, on_stderr=on_stderr,
+                                                  image_command=image_command)
+        req = node.ExecRequest(sandbox_id=self.id, argv=argv, image_command=image_command, env=env or {}, cwd=cwd,
+                               stdin=stdin, timeout_s=timeout_s)
         try:
             r = await self._fleet.bus.request(self._subject(node.EXEC), req, node.ExecReply, timeout=timeout_s + 10)
         except errors.SandfleetError as exc:
@@ -117,13 +122,15 @@ class Sandbox:
 
     # -- background processes and shells (issue 12: processes) ---------------------------
 
-    async def spawn(self, argv: list[str], *, env: dict[str, str] | None = None, cwd: str = "/workspace",
-                    stdin: bool = False, timeout_s: float | None = None, buffer_bytes: int = 0) -> Process:
+    async def spawn(self, argv: list[str] | None = None, *, env: dict[str, str] | None = None,
+                    cwd: str = "/workspace", stdin: bool = False, timeout_s: float | None = None,
+                    buffer_bytes: int = 0, image_command: bool = False) -> Process:
         """Start argv in the background; it runs until it ends, is killed, or the sandbox ends,
         whatever the client does. `stdin=True` keeps its stdin open for `send_stdin`; the node
-        keeps its newest `buffer_bytes` of output (0: the node's default) for any reader."""
+        keeps its newest `buffer_bytes` of output (0: the node's default) for any reader.
+        `image_command` as for `exec`: an image's server started as its image says."""
         return await _processes.spawn(self, argv, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout_s,
-                                      buffer_bytes=buffer_bytes)
+                                      buffer_bytes=buffer_bytes, image_command=image_command)
 
     def process(self, pid: int) -> Process:
         """A handle on background process `pid` (from this client or any other)."""

@@ -10,7 +10,6 @@ import secrets
 import shutil
 import subprocess
 import tarfile
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -18,8 +17,6 @@ import pytest
 from sandfleet import dockerfile, errors
 from sandfleet.cli_layers import describe_import
 from sandfleet.layers_client import Layers
-from schemas import node as node_schema
-from schemas import process as proc_schema
 from schemas.layers import DIFF_BUCKET, OBJECT_BUCKET, ImageConfig
 from tests.kernel import require
 from tests.layer_trees import make_busybox_base
@@ -74,13 +71,6 @@ async def _store_bytes(fleet) -> dict[str, int]:
         raise
 
 
-async def _image_exec(fleet, sb, argv: list[str] | None = None, **fields) -> node_schema.ExecReply:
-    """An exec asking for the image's command: what `sb.exec(None)` sends (see the report)."""
-    req = node_schema.ExecRequest(sandbox_id=sb.id, argv=argv, image_command=True, **fields)
-    return await fleet.bus.request(node_schema.subject(sb.node, node_schema.EXEC), req, node_schema.ExecReply,
-                                   timeout=30)
-
-
 @pytest.fixture(scope="module")
 async def imported(fleet, base_layer, tmp_path_factory):
     layers = Layers(fleet.bus)
@@ -126,14 +116,17 @@ async def test_a_sandbox_over_the_image_reads_its_layers_and_config(fleet, impor
         # A command naming its own cwd keeps it.
         assert (await sb.exec(["sh", "-c", "pwd"], cwd="/etc")).stdout == b"/etc\n"
         # The image's command: Entrypoint + Cmd, or Entrypoint + the given argv.
-        r = await _image_exec(fleet, sb)
+        r = await sb.exec(image_command=True)
         assert r.exit_code == 0 and r.stdout == b"entry:from the image:default-arg::/srv/app\n", r
-        r = await _image_exec(fleet, sb, ["given", "two"])
+        r = await sb.exec(["given", "two"], image_command=True)
         assert r.stdout == b"entry:from the image:given:two:/srv/app\n"
-        spawned = await fleet.bus.request(
-            node_schema.subject(sb.node, proc_schema.SPAWN),
-            proc_schema.SpawnRequest(sandbox_id=sb.id, image_command=True, argv=["spawned"]), proc_schema.ProcessInfo)
-        assert spawned.argv[:2] == ["/bin/sh", "-c"] and spawned.argv[-1] == "spawned"
+        streamed: list[bytes] = []
+        r = await sb.exec(image_command=True, on_stdout=streamed.append)
+        assert b"".join(streamed) == r.stdout == b"entry:from the image:default-arg::/srv/app\n"
+        spawned = await sb.spawn(["spawned"], image_command=True)
+        argv = (await spawned.info()).argv
+        assert argv[:2] == ["/bin/sh", "-c"] and argv[-1] == "spawned"
+        await spawned.wait()
     finally:
         await sb.destroy()
 
@@ -142,10 +135,9 @@ async def test_image_command_on_layers_without_a_config_and_a_missing_argv_are_r
     sb = await fleet.create(host_view=True)
     try:
         with pytest.raises(errors.InvalidRequest, match="no image config"):
-            await _image_exec(fleet, sb)
-        req = node_schema.ExecRequest(sandbox_id=sb.id)
+            await sb.exec(image_command=True)
         with pytest.raises(errors.InvalidRequest, match="argv is required"):
-            await fleet.bus.request(node_schema.subject(sb.node, node_schema.EXEC), req, node_schema.ExecReply)
+            await sb.exec()
     finally:
         await sb.destroy()
 
@@ -252,7 +244,7 @@ CMD ["cat /work/ran.txt /work/hello.txt; echo $STAGE"]
         assert layer.config.labels["stage"] == "two" and layer.config.working_dir == "/work"
         sb = await fleet.create(layers=[built])
         try:
-            r = await _image_exec(fleet, sb)
+            r = await sb.exec(image_command=True)
             assert r.stdout == b"ran as builder in /work\ncopied\nbuilt\n", (r, out.stdout)
             assert (await sb.exec(["test", "-e", "/srv/app/marker"])).exit_code == 1
         finally:
@@ -396,7 +388,7 @@ async def test_a_dockerfile_from_an_image_archive_imports_it_first(fleet, platfo
         assert layer.config is not None and "FROM_ARCHIVE=yes" in layer.config.env
         sb = await fleet.create(layers=[built])
         try:
-            assert (await _image_exec(fleet, sb)).stdout == b"noted\n"
+            assert (await sb.exec(image_command=True)).stdout == b"noted\n"
         finally:
             await sb.destroy()
         names = {entry.name for entry in await Layers(fleet.bus).list()}
