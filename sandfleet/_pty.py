@@ -78,10 +78,11 @@ class Terminal:
         return await self.process.wait(timeout_s)
 
 
-async def open_terminal(sb: Sandbox, argv: list[str], *, cols: int, rows: int, env: dict[str, str] | None,
-                        cwd: str, timeout_s: float | None, buffer_bytes: int) -> Terminal:
-    req = pty.PtySpawnRequest(sandbox_id=sb.id, argv=list(argv), env=env or {}, cwd=cwd, cols=cols, rows=rows,
-                              timeout_s=timeout_s, buffer_bytes=buffer_bytes)
+async def open_terminal(sb: Sandbox, argv: list[str] | None, *, cols: int, rows: int, env: dict[str, str] | None,
+                        cwd: str, timeout_s: float | None, buffer_bytes: int, image_command: bool = False) -> Terminal:
+    req = pty.PtySpawnRequest(sandbox_id=sb.id, argv=None if argv is None else list(argv), image_command=image_command,
+                              env=env or {}, cwd=cwd, cols=cols, rows=rows, timeout_s=timeout_s,
+                              buffer_bytes=buffer_bytes)
     try:
         info = await sb._fleet.bus.request(sb._subject(pty.PTY_SPAWN), req, proc.ProcessInfo, timeout=30)
     except errors.SandfleetError as exc:

@@ -177,13 +177,15 @@ class Sandbox:
 
     async def pty(self, argv: list[str] | None = None, *, cols: int = 80, rows: int = 24,
                   env: dict[str, str] | None = None, cwd: str = "/workspace", timeout_s: float | None = None,
-                  buffer_bytes: int = 0) -> _pty.Terminal:
+                  buffer_bytes: int = 0, image_command: bool = False) -> _pty.Terminal:
         """Start argv (default `sh`) on a new terminal of `cols` x `rows` (1..1000): it leads a
         session with the terminal as its controlling tty, so job control, Ctrl-C (b"\x03") and
         resizes work as on a login; TERM is xterm-256color unless `env` names one. It runs until
         it ends or is killed, whatever the client does; any client re-attaches with `terminal(pid)`."""
-        return await _pty.open_terminal(self, argv or ["sh"], cols=cols, rows=rows, env=env, cwd=cwd,
-                                        timeout_s=timeout_s, buffer_bytes=buffer_bytes)
+        if argv is None and not image_command:
+            argv = ["sh"]
+        return await _pty.open_terminal(self, argv, cols=cols, rows=rows, env=env, cwd=cwd, timeout_s=timeout_s,
+                                        buffer_bytes=buffer_bytes, image_command=image_command)
 
     def terminal(self, pid: int) -> _pty.Terminal:
         """A handle on terminal `pid` (from this client or any other); `process(pid)` works too."""

@@ -127,6 +127,9 @@ async def test_a_sandbox_over_the_image_reads_its_layers_and_config(fleet, impor
         argv = (await spawned.info()).argv
         assert argv[:2] == ["/bin/sh", "-c"] and argv[-1] == "spawned"
         await spawned.wait()
+        term = await sb.pty(image_command=True)  # on a terminal of its own, as `docker run -it IMAGE`
+        screen = b"".join([chunk async for chunk in term.output()])
+        assert b"entry:from the image:default-arg::/srv/app" in screen, screen
     finally:
         await sb.destroy()
 
