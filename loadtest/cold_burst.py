@@ -30,7 +30,7 @@ from pathlib import Path
 import sandfleet
 from loadtest.report import print_table, write_json
 from sandfleet.layers_client import connect
-from sandfleet.supervisor import free_port
+from sandfleet.config import free_port
 
 NODE = os.environ.get("SANDFLEET_NODE_ID", "bench-cold")  # a run beside other runs needs its own node
 BASE, TASK = "cold-burst-base", "cold-burst-task"

@@ -22,7 +22,7 @@ from pathlib import Path
 import sandfleet
 from loadtest.report import percentiles, print_table, write_json
 from linuxnode import cgroups, netns, process
-from sandfleet.supervisor import free_port
+from sandfleet.config import free_port
 
 BENCH_NODE = "bench-direct"
 

@@ -31,7 +31,7 @@ import sandfleet
 from loadtest.platform import running_platform
 from loadtest.report import print_table, write_json
 from sandfleet.layers_client import Layers
-from sandfleet.supervisor import free_port
+from sandfleet.config import free_port
 
 LAYER = "lang-python"
 ENV = {"SANDFLEET_LOG_LEVEL": "WARNING", "SANDFLEET_CPU_PSI_LIMIT": "0", "SANDFLEET_MEMORY_PSI_LIMIT": "0",

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from linuxnode import procfs
-from sandfleet.supervisor import free_port
+from sandfleet.config import free_port
 
 CLI = [sys.executable, "-m", "sandfleet.cli"]
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import sandfleet
 from loadtest.report import percentiles, print_table, write_json
-from sandfleet.supervisor import free_port
+from sandfleet.config import free_port
 
 FIRST_PORT = 20000
 CHILD = r"""

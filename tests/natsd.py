@@ -10,7 +10,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from sandfleet.supervisor import free_port, nats_server_binary
+from sandfleet.config import free_port
+
+from sandfleet.supervisor import nats_server_binary
 
 
 @contextlib.contextmanager

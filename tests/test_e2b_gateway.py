@@ -24,7 +24,7 @@ from e2b import (AsyncSandbox, AuthenticationException, CommandExitException, Fi
                  FilesystemEventType, NotFoundException, Sandbox, SandboxException, SandboxNotFoundException,
                  SandboxQuery)
 
-from sandfleet.supervisor import free_port
+from sandfleet.config import free_port
 from tests.conftest import CLI, EVENT_DEADLINE_S, NODE_ID, ROOT, assert_nothing_left, start_platform, stop_platform
 from tests.kernel import require
 from tests.layer_trees import make_busybox_base

@@ -25,7 +25,7 @@ import sandbox_fusion
 from sandbox_fusion import RunCodeRequest, RunStatus, SummaryMapping, summary_run_code_result
 
 from sandfleet.layers_client import Layers
-from sandfleet.supervisor import free_port
+from sandfleet.config import free_port
 from tests.conftest import NODE_ID, ROOT, assert_nothing_left, start_platform, stop_platform
 from tests.kernel import require
 

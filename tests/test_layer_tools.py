@@ -24,7 +24,8 @@ import sandfleet
 from sandfleet import errors
 from sandfleet.cli_layers import pip_arguments
 from sandfleet.layers_client import Layers
-from sandfleet.supervisor import free_port, nats_server_binary
+from sandfleet.config import free_port
+from sandfleet.supervisor import nats_server_binary
 from schemas.layers import KV_BUCKET, OBJECT_BUCKET
 from services.layer_cache.store import object_digest
 from tests.conftest import NODE_ID, start_platform, stop_platform

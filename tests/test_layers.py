@@ -26,7 +26,8 @@ import pytest
 
 from sandfleet import errors
 from sandfleet.layers_client import Layers, connect
-from sandfleet.supervisor import free_port, nats_server_binary
+from sandfleet.config import free_port
+from sandfleet.supervisor import nats_server_binary
 from services.layer_cache import mounts
 from tests.kernel import require
 from tests.layer_trees import BUSYBOX, make_layer_sources

@@ -28,7 +28,8 @@ import pytest
 from sandfleet import errors
 from sandfleet.bus import Bus
 from sandfleet.layers_client import Layers, connect
-from sandfleet.supervisor import free_port, nats_server_binary
+from sandfleet.config import free_port
+from sandfleet.supervisor import nats_server_binary
 from schemas.layers import CHUNK_BYTES, OBJECT_BUCKET, FetchFailed, fetch_failed_subject
 from services.layer_cache import mounts
 from services.layer_cache.store import HASH_BYTES, manifest_name, read_manifest, write_manifest

@@ -328,7 +328,8 @@ def test_the_plan_carries_the_base_config_args_env_and_docker_s_entrypoint_rule(
 
 async def test_push_copies_an_image_with_every_layer_of_its_stack(fleet, imported, tmp_path):
     """Another cluster's store (a bare nats-server) gets every layer, and the stack pulls back."""
-    from sandfleet.supervisor import free_port, nats_server_binary
+    from sandfleet.config import free_port
+    from sandfleet.supervisor import nats_server_binary
 
     layers, name, first = imported
     port = free_port()

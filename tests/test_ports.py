@@ -27,7 +27,7 @@ from sandfleet.layers_client import Layers
 from schemas import node, ports
 from schemas.errors import ErrorBody
 from schemas.ports import Frame, Reset
-from sandfleet.supervisor import free_port
+from sandfleet.config import free_port
 from tests.conftest import CLI, ROOT
 from tests.kernel import require
 from tests.layer_trees import APPLETS, make_busybox_base

@@ -23,7 +23,7 @@ import pytest
 import sandfleet
 from sandfleet import errors
 from linuxnode import veth
-from sandfleet.supervisor import free_port
+from sandfleet.config import free_port
 from tests.conftest import CLI, EVENT_DEADLINE_S, NODE_ID, ROOT, Platform, stop_platform
 from tests.kernel import require
 from tests.security.netlab import NodeInternet
