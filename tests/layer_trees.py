@@ -33,3 +33,24 @@ def make_layer_sources(src: Path, applets: tuple[str, ...] = APPLETS) -> Path:
     (task / "workspace").mkdir(parents=True)
     (task / "workspace" / "task.txt").write_text("solve it\n")
     return src
+
+
+_BUSYBOX_LAYERS: set[str] = set()  # built in this test session
+
+
+async def busybox_layer(fleet, tmp_path_factory, name: str, *, hostname: str = "ct",
+                        applets: tuple[str, ...] = APPLETS) -> str:
+    """Layer `name`: a busybox base with these applets, built once per test session (only when
+    a container test asks for it), for tests that run in `container` sandboxes."""
+    from sandfleet.layers_client import Layers
+    from tests.kernel import require
+
+    require(os.geteuid() == 0, "containers need root")
+    require(shutil.which("crun") is not None, "crun is installed")
+    require(BUSYBOX.exists(), "busybox-static at /bin/busybox")
+    if name not in _BUSYBOX_LAYERS:
+        src = tmp_path_factory.mktemp(f"{name}-src") / "base"
+        make_busybox_base(src, hostname=hostname, applets=applets)
+        await Layers(fleet.bus).build_dir(name, src)
+        _BUSYBOX_LAYERS.add(name)
+    return name

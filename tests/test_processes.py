@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,10 +20,8 @@ from pathlib import Path
 import pytest
 
 from sandfleet import errors
-from sandfleet.layers_client import Layers
 from services.launcher.process_output import OutputBuffer
-from tests.kernel import require
-from tests.layer_trees import APPLETS, make_busybox_base
+from tests.layer_trees import APPLETS, busybox_layer
 
 BASE = "proc-base"
 CLI = [sys.executable, "-m", "sandfleet.cli"]
@@ -32,20 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 LEVELS = ["process", "container"]
 
 
-_built: list[str] = []
-
-
 async def _busybox_base(fleet, tmp_path_factory) -> str:
-    """The container's base layer, built once for the module (only if a container test runs)."""
-    require(os.geteuid() == 0, "containers need root")
-    require(shutil.which("crun") is not None, "crun is installed")
-    require(os.path.exists("/bin/busybox"), "busybox-static at /bin/busybox")
-    if not _built:
-        src = tmp_path_factory.mktemp("proc-src") / "base"
-        make_busybox_base(src, hostname="ct", applets=(*APPLETS, "mkdir", "httpd", "wget", "seq"))
-        await Layers(fleet.bus).build_dir(BASE, src)
-        _built.append(BASE)
-    return BASE
+    return await busybox_layer(fleet, tmp_path_factory, BASE, hostname="ct",
+                               applets=(*APPLETS, "mkdir", "httpd", "wget", "seq"))
 
 
 @pytest.fixture(params=LEVELS)

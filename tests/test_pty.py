@@ -26,9 +26,8 @@ from linuxnode.process import protocol
 from linuxnode.process.protocol import SpawnCommand, TerminalCommand
 from linuxnode.process.terminal import check_size
 from sandfleet import errors
-from sandfleet.layers_client import Layers
 from tests.kernel import require
-from tests.layer_trees import APPLETS, make_busybox_base
+from tests.layer_trees import APPLETS, busybox_layer
 
 BASE = "pty-base"
 CLI = [sys.executable, "-m", "sandfleet.cli"]
@@ -36,19 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 LEVELS = ["process", "container"]
 SCREEN_WAIT_S = 60.0  # a hang guard only (what a screen shows is never timed)
 
-_built: list[str] = []
-
-
 async def _busybox_base(fleet, tmp_path_factory) -> str:
-    require(os.geteuid() == 0, "containers need root")
-    require(shutil.which("crun") is not None, "crun is installed")
-    require(os.path.exists("/bin/busybox"), "busybox-static at /bin/busybox")
-    if not _built:
-        src = tmp_path_factory.mktemp("pty-src") / "base"
-        make_busybox_base(src, hostname="ct", applets=(*APPLETS, "tty", "stty", "cut", "sed"))
-        await Layers(fleet.bus).build_dir(BASE, src)
-        _built.append(BASE)
-    return BASE
+    return await busybox_layer(fleet, tmp_path_factory, BASE, hostname="ct",
+                               applets=(*APPLETS, "tty", "stty", "cut", "sed"))
 
 
 @pytest.fixture(params=LEVELS)

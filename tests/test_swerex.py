@@ -8,8 +8,6 @@ python3 from the host) and `container` (a busybox layer: `sh`, no python).
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import subprocess
 import sys
 
@@ -37,25 +35,13 @@ from swerex.runtime.abstract import (
 
 from sandfleet import errors
 from sandfleet.integrations.swerex import SandfleetDeployment, UnsupportedActionError
-from sandfleet.layers_client import Layers
 from tests.conftest import ROOT
-from tests.kernel import require
-from tests.layer_trees import APPLETS, make_busybox_base
+from tests.layer_trees import APPLETS, busybox_layer
 
 BASE = "swerex-base"
-_built: list[str] = []
-
-
 async def _busybox_base(fleet, tmp_path_factory) -> str:
-    require(os.geteuid() == 0, "containers need root")
-    require(shutil.which("crun") is not None, "crun is installed")
-    require(os.path.exists("/bin/busybox"), "busybox-static at /bin/busybox")
-    if not _built:
-        src = tmp_path_factory.mktemp("swerex-src") / "base"
-        make_busybox_base(src, hostname="swerex", applets=(*APPLETS, "mkdir", "touch", "pwd", "printf", "grep"))
-        await Layers(fleet.bus).build_dir(BASE, src)
-        _built.append(BASE)
-    return BASE
+    return await busybox_layer(fleet, tmp_path_factory, BASE, hostname="swerex",
+                               applets=(*APPLETS, "mkdir", "touch", "pwd", "printf", "grep"))
 
 
 async def _spec(level: str, fleet, tmp_path_factory) -> dict:
