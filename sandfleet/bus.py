@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 
 import msgspec
 import nats
-import nats.aio.client
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
@@ -53,9 +52,7 @@ FAILOVER_S = 30.0  # a 3-server loopback cluster elects a new leader within ~8 s
 # one stuck subscription made every `down` that much slower).
 DRAIN_TIMEOUT_S = 5
 _WRITE_CHUNK = 1 << 20  # publish_many hands the connection frames in pieces of about this size
-# nats-py's reader takes at most this much off the socket per turn of its loop (its default,
-# 32 KiB, is 128 turns and parser passes per 4 MiB chunk): read as much as has arrived instead.
-nats.aio.client.DEFAULT_BUFFER_SIZE = max(nats.aio.client.DEFAULT_BUFFER_SIZE, 8 << 20)
+natspy_internals.read_per_turn(8 << 20)  # raw 4 MiB chunks in a turn or two, not 128
 
 META = "Sandfleet-Meta"  # the header holding a raw message's Struct (JSON, one line)
 

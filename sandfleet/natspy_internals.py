@@ -2,7 +2,7 @@
 
 nats-py (2.16) has no batch publish and no way to take a subscription's messages other than
 through its per-subscription queue and task; at tens of thousands of messages a batch both
-cost most of the time. The three seams below are what `Bus.publish_many` and
+cost most of the time; and its reader takes 32 KiB off the socket a turn. The seams below are what `Bus.publish_many` and
 `Bus.subscribe_direct` stand on. tests/test_natspy_internals.py checks each against a real
 nats-server, so a nats-py upgrade that moves them fails there, loudly, and not in a benchmark.
 """
@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import nats.aio.client
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -75,3 +76,12 @@ class _Handed:
 
     async def join(self) -> None:
         pass
+
+
+def read_per_turn(limit: int) -> None:
+    """Let the connection's reader take up to `limit` bytes off the socket per turn of its loop.
+
+    `Client._read_loop` reads `transport.read(DEFAULT_BUFFER_SIZE)`, the module global looked
+    up at each read; its 32 KiB is 128 turns and parser passes per 4 MiB raw chunk, a quarter
+    of a receiver's CPU. There is no option for it (`Client.connect` takes none)."""
+    nats.aio.client.DEFAULT_BUFFER_SIZE = max(nats.aio.client.DEFAULT_BUFFER_SIZE, limit)

@@ -43,6 +43,16 @@ def test_the_private_names_are_still_there():
     assert isinstance(sub._pending_queue, asyncio.Queue) and sub._pending_size == 0
 
 
+def test_the_reader_takes_as_much_per_turn_as_the_bus_asks():
+    import nats.aio.client
+
+    import sandfleet.bus  # noqa: F401  (it asks at import)
+
+    # _read_loop must still read the module global at each read, or setting it does nothing.
+    assert "self._transport.read(DEFAULT_BUFFER_SIZE)" in inspect.getsource(Client._read_loop)
+    assert nats.aio.client.DEFAULT_BUFFER_SIZE >= 8 << 20
+
+
 async def _collect(nc: Client, subject: str, count: int) -> tuple[list[Msg], asyncio.Future]:
     got: list[Msg] = []
     done = asyncio.get_running_loop().create_future()
