@@ -21,7 +21,7 @@ import time
 
 import pytest
 from e2b import (AsyncSandbox, AuthenticationException, CommandExitException, FileNotFoundException, FileType,
-                 FilesystemEventType, NotFoundException, Sandbox, SandboxException, SandboxNotFoundException,
+                 FilesystemEventType, NotFoundException, PtySize, Sandbox, SandboxException, SandboxNotFoundException,
                  SandboxQuery)
 
 from sandfleet.config import free_port
@@ -129,6 +129,19 @@ async def test_a_background_command_streams_takes_stdin_and_is_killed(sbx):
     assert "pong\n" in again.stdout
     assert await sbx.commands.kill(handle.pid) is False  # gone: E2B's answer for a pid it does not have
     assert handle.pid not in [p.pid for p in await sbx.commands.list()]
+
+
+async def test_a_terminal_takes_keys_resizes_and_is_killed(sbx):
+    screen = bytearray()
+    term = await sbx.pty.create(PtySize(rows=24, cols=80), on_data=screen.extend)
+    await sbx.pty.send_stdin(term.pid, b"tty; echo $((6*7))\n")
+    await eventually(lambda: _async(b"42" in screen and b"/dev/pts/" in screen), "the terminal answered the keys")
+    await sbx.pty.resize(term.pid, PtySize(rows=40, cols=100))
+    await sbx.pty.send_stdin(term.pid, b"stty size\n")
+    await eventually(lambda: _async(b"40 100" in screen), "the new size seen inside")
+    assert await sbx.pty.kill(term.pid) is True
+    with pytest.raises(CommandExitException):
+        await term.wait()
 
 
 async def _async(value):  # type: ignore[no-untyped-def]

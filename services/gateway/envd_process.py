@@ -27,6 +27,8 @@ from services.gateway.sandboxes import Sandboxes
 # without bash (busybox, alpine) runs it with its /bin/sh instead of failing with 127.
 SDK_SHELL = ["/bin/bash", "-l", "-c"]
 BASH_OR_SH = 'if [ -x /bin/bash ]; then exec /bin/bash -l -c "$0"; else exec /bin/sh -c "$0"; fi'
+SDK_TERMINAL = ["/bin/bash", "-i", "-l"]  # what `sandbox.pty.create` starts
+BASH_OR_SH_TERMINAL = "if [ -x /bin/bash ]; then exec /bin/bash -i -l; else exec /bin/sh -i; fi"
 KEEPALIVE_HEADER = "keepalive-ping-interval"
 DEFAULT_KEEPALIVE_S = 50.0
 _END = object()
@@ -53,6 +55,8 @@ def end_event(exit: Any) -> pb.ProcessEvent:
 def command_argv(cmd: str, args: list[str]) -> list[str]:
     if [cmd, *args[:2]] == SDK_SHELL and len(args) == 3:
         return ["/bin/sh", "-c", BASH_OR_SH, args[2]]
+    if [cmd, *args] == SDK_TERMINAL:
+        return ["/bin/sh", "-c", BASH_OR_SH_TERMINAL]
     return [cmd, *args]
 
 
@@ -60,6 +64,8 @@ def sdk_config(argv: list[str]) -> pb.ProcessConfig:
     """A process's command as the SDK started it (command_argv undone)."""
     if argv[:3] == ["/bin/sh", "-c", BASH_OR_SH] and len(argv) == 4:
         argv = [*SDK_SHELL, argv[3]]
+    elif argv == ["/bin/sh", "-c", BASH_OR_SH_TERMINAL]:
+        argv = SDK_TERMINAL
     return pb.ProcessConfig(cmd=argv[0] if argv else "", args=argv[1:])
 
 
@@ -70,8 +76,10 @@ def _keepalive_s(ctx: Any) -> float:
         return DEFAULT_KEEPALIVE_S
 
 
-async def follow(process: Process, offset: int, keepalive_s: float) -> AsyncIterator[pb.ProcessEvent]:
-    """The process's output from `offset` as data events, keepalives while it is quiet, then its end."""
+async def follow(process: Process, offset: int, keepalive_s: float,
+                 terminal: bool = False) -> AsyncIterator[pb.ProcessEvent]:
+    """The process's output from `offset` as data events (a terminal's as `pty` data),
+    keepalives while it is quiet, then its end."""
     queue: asyncio.Queue = asyncio.Queue(64)
 
     async def read() -> None:
@@ -95,7 +103,7 @@ async def follow(process: Process, offset: int, keepalive_s: float) -> AsyncIter
                 break
             if isinstance(item, Exception):
                 raise item
-            data = pb.ProcessEvent.DataEvent(output=Oneof(item.stream, item.data))
+            data = pb.ProcessEvent.DataEvent(output=Oneof("pty" if terminal else item.stream, item.data))
             yield _event(data=data)
         yield end_event(process.exit or await process.wait())
     finally:
@@ -127,21 +135,24 @@ class ProcessService:
 
     async def start(self, request: pb.StartRequest, ctx: Any) -> AsyncIterator[pb.StartResponse]:
         sb, envs = await self._sandbox(ctx)
-        if request.pty is not None:
-            raise ConnectError(Code.UNIMPLEMENTED, "PTYs are not served by this gateway yet")
         config = request.process or pb.ProcessConfig()
         if not config.cmd:
             raise ConnectError(Code.INVALID_ARGUMENT, "no command")
         timeout_s = max(0.001, ctx.timeout_ms / 1000) if ctx.timeout_ms else None  # the SDK's whole-stream deadline
+        argv, env = command_argv(config.cmd, list(config.args)), {**envs, **dict(config.envs)}
         try:
             cwd = shapes.sandbox_path(config.cwd) if config.has_field("cwd") and config.cwd else shapes.HOME
-            process = await sb.spawn(command_argv(config.cmd, list(config.args)), env={**envs, **dict(config.envs)},
-                                     cwd=cwd, stdin=bool(request.stdin), timeout_s=timeout_s)
+            if request.pty is not None:  # a terminal the node holds; its screen comes as `pty` data
+                cols, rows = _size(request.pty)
+                process = sb.process((await sb.pty(argv, cols=cols, rows=rows, env=env, cwd=cwd,
+                                                   timeout_s=timeout_s)).pid)
+            else:
+                process = await sb.spawn(argv, env=env, cwd=cwd, stdin=bool(request.stdin), timeout_s=timeout_s)
         except Exception as exc:
             raise connect_error(exc) from None
         yield pb.StartResponse(event=_event(start=pb.ProcessEvent.StartEvent(pid=process.pid)))
         try:
-            async for event in follow(process, 0, _keepalive_s(ctx)):
+            async for event in follow(process, 0, _keepalive_s(ctx), terminal=request.pty is not None):
                 yield pb.StartResponse(event=event)
         except errors.SandfleetError as exc:
             raise connect_error(exc) from None
@@ -215,11 +226,27 @@ class ProcessService:
         return pb.CloseStdinResponse()
 
     async def update(self, request: pb.UpdateRequest, ctx: Any) -> pb.UpdateResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "PTYs are not served by this gateway yet")
+        if request.pty is None:
+            raise ConnectError(Code.INVALID_ARGUMENT, "nothing to update: only a terminal's size can be")
+        cols, rows = _size(request.pty)
+        sb, _ = await self._sandbox(ctx)
+        try:
+            await sb.terminal(_pid(request.process)).resize(cols, rows)
+        except Exception as exc:
+            raise connect_error(exc) from None
+        return pb.UpdateResponse()
+
+
+def _size(pty: pb.PTY) -> tuple[int, int]:
+    if pty.size is None:
+        raise ConnectError(Code.INVALID_ARGUMENT, "a terminal needs a size")
+    return int(pty.size.cols), int(pty.size.rows)
 
 
 def _stdin(input: pb.ProcessInput | None) -> bytes:
+    """Keys for a terminal (`pty`) and stdin for a process are one stream here: a terminal's
+    stdin is its keyboard."""
     chosen = input.input if input is not None else None
-    if chosen is None or chosen.field != "stdin":
-        raise ConnectError(Code.UNIMPLEMENTED, "only stdin input (PTYs are not served by this gateway yet)")
+    if chosen is None or chosen.field not in ("stdin", "pty"):
+        raise ConnectError(Code.INVALID_ARGUMENT, "no input")
     return bytes(chosen.value)
