@@ -46,7 +46,9 @@ async def test_a_fork_bomb_is_held_by_the_pids_limit_and_reported(fleet, platfor
     seen = Violations(fleet, bomb.id)
     try:
         await seen.started()
-        r = await bomb.exec(["sh", "-c", f"({FORK_BOMB}) >/dev/null 2>&1 & sleep 1; echo launched"], timeout_s=20)
+        # Nothing forks after the bomb is away (echo is the shell's own): the bomb may fill the
+        # limit before a `sleep` here could fork, which failed this exec instead of the bomb.
+        r = await bomb.exec(["sh", "-c", f"({FORK_BOMB}) >/dev/null 2>&1 & echo launched"], timeout_s=20)
         assert r.stdout == b"launched\n", r
         v = await seen.wait_for("limit.pids", 0)
         assert v.labels == {"task": "bomb"} and "pids limit 48" in v.attempted, v
