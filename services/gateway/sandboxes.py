@@ -60,13 +60,16 @@ class Sandboxes:
 
     async def live(self, sandbox_id: str) -> Sandbox:
         """A live sandbox by id alone (the port proxy: E2B's sandbox ports are public by default)."""
+        return self._remember(await self._live_record(sandbox_id))
+
+    async def _live_record(self, sandbox_id: str) -> SandboxRecord:
         try:
             record = await self.fleet.get(sandbox_id)
         except (errors.NotFound, errors.InvalidRequest):
             raise SandboxGone(sandbox_id) from None
         if record.state not in shapes.LIVE:
             raise SandboxGone(sandbox_id)
-        return self._remember(record)
+        return record
 
     async def for_envd(self, sandbox_id: str | None, token: str | None) -> tuple[Sandbox, dict[str, str]]:
         """The sandbox an envd request names, checked against its access token; with the
@@ -78,10 +81,5 @@ class Sandboxes:
         known = self._known.get(sandbox_id)
         if known is not None:
             return Sandbox(self.fleet, sandbox_id, known[0]), known[1]
-        try:
-            record = await self.fleet.get(sandbox_id)
-        except (errors.NotFound, errors.InvalidRequest):
-            raise SandboxGone(sandbox_id) from None
-        if record.state not in shapes.LIVE:
-            raise SandboxGone(sandbox_id)
+        record = await self._live_record(sandbox_id)
         return self._remember(record), shapes.envs_of(record)
