@@ -156,7 +156,7 @@ def _up(args: argparse.Namespace) -> int:
         return _detached(args, data_dir)
     port = args.port or (0 if args.nats_cluster > 1 else free_port())  # a cluster picks its own free ports
     return Supervisor(data_dir=data_dir, port=port, env=_node_env(args), nodes=args.nodes,
-                      nats_cluster=args.nats_cluster, gateway=args.gateway).run()
+                      nats_cluster=args.nats_cluster).run()
 
 
 def _node(args: argparse.Namespace) -> int:
@@ -182,7 +182,8 @@ def _running(data_dir: Path) -> bool:
 def _node_env(args: argparse.Namespace) -> dict[str, str]:
     names = {"node_id": "SANDFLEET_NODE_ID", "fetch": "SANDFLEET_LAYER_FETCH",
              "default_layers": "SANDFLEET_DEFAULT_LAYERS", "egress_subnet": "SANDFLEET_EGRESS_SUBNET",
-             "fusion": "SANDFLEET_FUSION_PORT", "prometheus": "SANDFLEET_PROMETHEUS"}
+             "gateway": "SANDFLEET_GATEWAY_LISTEN", "fusion": "SANDFLEET_FUSION_PORT",
+             "prometheus": "SANDFLEET_PROMETHEUS"}
     return {env: getattr(args, opt) for opt, env in names.items() if getattr(args, opt, None)}
 
 

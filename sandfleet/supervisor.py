@@ -55,7 +55,10 @@ SERVICES: list[tuple[str, str]] = [
 CLUSTER_SERVICES = frozenset({"placement", "security-monitor"})
 # Run once per platform, and only when their setting (the port they listen on) is given: front
 # doors for other platforms' clients, started after the rest and so stopped first.
-OPTIONAL_SERVICES: list[tuple[str, str, str]] = [("fusion", "services.fusion", "SANDFLEET_FUSION_PORT")]
+# Bus clients like any other, started when their setting is given (`up --gateway/--fusion`):
+# last up, first down.
+OPTIONAL_SERVICES: list[tuple[str, str, str]] = [("gateway", "services.gateway", "SANDFLEET_GATEWAY_LISTEN"),
+                                                 ("fusion", "services.fusion", "SANDFLEET_FUSION_PORT")]
 CLUSTER_NAME = "sandfleet"
 
 
@@ -163,7 +166,6 @@ class Supervisor:
     nodes: int = 1
     nats_cluster: int = 1  # nats-servers of the bus: 1, or a loopback cluster (3: JetStream replicas 3)
     join: str | None = None  # the URL of a bus that runs elsewhere: run only one node (`sandfleet node`)
-    gateway: str | None = None  # HOST:PORT of the E2B gateway (services/gateway), started last when given
     children: list[Child] = field(default_factory=list)
     servers: list[NatsServer] = field(default_factory=list)
     plan: list[NodePlan] = field(default_factory=list)
@@ -203,9 +205,6 @@ class Supervisor:
                 label = name if self.nodes == 1 else f"{name}@{node.id}"
                 self.children.append(Child(label, [sys.executable, "-m", module], logs / f"{label}.log",
                                            group=name, env=node.env()))
-        if self.gateway and not self.join:  # a bus client like any other: last up, first down
-            self.children.append(Child("gateway", [sys.executable, "-m", "services.gateway"], logs / "gateway.log",
-                                       group="gateway", env={"SANDFLEET_GATEWAY_LISTEN": self.gateway}))
         for name, module, setting in OPTIONAL_SERVICES:
             if env.get(setting) and not self.join:
                 self.children.append(Child(name, [sys.executable, "-m", module], logs / f"{name}.log", group=name))
