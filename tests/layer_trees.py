@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 BUSYBOX = Path("/bin/busybox")
@@ -54,3 +56,23 @@ async def busybox_layer(fleet, tmp_path_factory, name: str, *, hostname: str = "
         await Layers(fleet.bus).build_dir(name, src)
         _BUSYBOX_LAYERS.add(name)
     return name
+
+
+@contextlib.asynccontextmanager
+async def level_sandbox(fleet, level: str, container_layer: Callable[[], Awaitable[str]]) -> AsyncIterator:
+    """A sandbox of `level` for tests run on both: `container` over the layer `container_layer`
+    builds, `process` with the host view; destroyed after (unless it ended in the test)."""
+    from sandfleet import errors
+
+    if level == "container":
+        box = await fleet.create(isolation="container", memory_mb=128, layers=[await container_layer()])
+    else:
+        box = await fleet.create(memory_mb=128, host_view=True)
+    box.level = level
+    try:
+        yield box
+    finally:
+        try:
+            await box.destroy()
+        except (errors.NotFound, errors.Conflict):  # it ended in the test (or is ending on its own)
+            pass

@@ -21,7 +21,7 @@ import pytest
 
 from sandfleet import errors
 from services.launcher.process_output import OutputBuffer
-from tests.layer_trees import APPLETS, busybox_layer
+from tests.layer_trees import APPLETS, busybox_layer, level_sandbox
 
 BASE = "proc-base"
 CLI = [sys.executable, "-m", "sandfleet.cli"]
@@ -36,17 +36,8 @@ async def _busybox_base(fleet, tmp_path_factory) -> str:
 
 @pytest.fixture(params=LEVELS)
 async def sb(request, fleet, tmp_path_factory):
-    if request.param == "container":
-        box = await fleet.create(isolation="container", memory_mb=128,
-                                 layers=[await _busybox_base(fleet, tmp_path_factory)])
-    else:
-        box = await fleet.create(memory_mb=128, host_view=True)
-    box.level = request.param
-    yield box
-    try:
-        await box.destroy()
-    except (errors.NotFound, errors.Conflict):  # it ended in the test (or is ending on its own)
-        pass
+    async with level_sandbox(fleet, request.param, lambda: _busybox_base(fleet, tmp_path_factory)) as box:
+        yield box
 
 
 def test_the_output_buffer_keeps_the_newest_bytes_and_counts_what_it_dropped():

@@ -27,7 +27,7 @@ from linuxnode.process.protocol import SpawnCommand, TerminalCommand
 from linuxnode.process.terminal import check_size
 from sandfleet import errors
 from tests.kernel import require
-from tests.layer_trees import APPLETS, busybox_layer
+from tests.layer_trees import APPLETS, busybox_layer, level_sandbox
 
 BASE = "pty-base"
 CLI = [sys.executable, "-m", "sandfleet.cli"]
@@ -42,17 +42,8 @@ async def _busybox_base(fleet, tmp_path_factory) -> str:
 
 @pytest.fixture(params=LEVELS)
 async def sb(request, fleet, tmp_path_factory):
-    if request.param == "container":
-        box = await fleet.create(isolation="container", memory_mb=128,
-                                 layers=[await _busybox_base(fleet, tmp_path_factory)])
-    else:
-        box = await fleet.create(memory_mb=128, host_view=True)
-    box.level = request.param
-    yield box
-    try:
-        await box.destroy()
-    except (errors.NotFound, errors.Conflict):  # it ended in the test
-        pass
+    async with level_sandbox(fleet, request.param, lambda: _busybox_base(fleet, tmp_path_factory)) as box:
+        yield box
 
 
 def test_a_terminal_request_to_the_spawner_survives_its_wire_form_with_its_fds_in_order():
