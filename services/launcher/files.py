@@ -18,8 +18,7 @@ from schemas import files as wire
 from schemas.errors import ErrorCode
 from schemas.node import subject as node_subject
 from services.launcher import transfers, watches
-from services.launcher.drivers.base import SandboxGone
-from services.launcher.driver_errors import service_error
+from services.launcher.driver_errors import DRIVER_ERRORS, service_error
 from services.launcher.handlers import _unfrozen
 from services.launcher.keys import tag
 from services.launcher.lifecycle import Launcher
@@ -71,7 +70,7 @@ async def upload(launcher: Launcher, req: wire.UploadRequest) -> wire.Transfer:
     try:
         sink = await asyncio.to_thread(live.driver.open_upload, live.instance, req.path, req.kind, req.mode,
                                        _PIPE_DEPTH)
-    except (OSError, ValueError, SandboxGone) as exc:
+    except DRIVER_ERRORS as exc:
         raise _error(exc, req.path) from None
     await _still_live(launcher, live, sink.abort)
     transfer = table.add(sink, req.idle_s, req.path)
@@ -90,7 +89,7 @@ async def upload_chunk(launcher: Launcher, req: wire.UploadChunk, data: bytes) -
             transfer.next_seq += 1
             try:
                 await transfer.run(transfer.end.write, data)  # type: ignore[union-attr]
-            except (OSError, ValueError, SandboxGone) as exc:
+            except DRIVER_ERRORS as exc:
                 transfer.failed = _error(exc, transfer.path)
         failed = transfer.failed
     if failed is not None:
@@ -116,7 +115,7 @@ async def upload_end(launcher: Launcher, req: wire.UploadEnd) -> wire.TransferDo
         else:
             try:
                 await transfer.run(sink.commit)  # type: ignore[union-attr]
-            except (OSError, ValueError, SandboxGone) as exc:
+            except DRIVER_ERRORS as exc:
                 failure = exc
             else:
                 table.live.pop(transfer.id, None)
@@ -133,7 +132,7 @@ async def download(launcher: Launcher, req: wire.DownloadRequest) -> wire.Transf
     try:
         source = await asyncio.to_thread(live.driver.open_download, live.instance, req.path, wire.CHUNK_BYTES,
                                          _PIPE_DEPTH)
-    except (OSError, ValueError, SandboxGone) as exc:
+    except DRIVER_ERRORS as exc:
         raise _error(exc, req.path) from None
     await _still_live(launcher, live, source.close)
     transfer = table.add(source, req.idle_s, req.path)
@@ -151,7 +150,7 @@ async def download_chunk(launcher: Launcher, req: wire.DownloadChunkRequest) -> 
         while transfer.next_seq <= req.seq and transfer.eof_seq < 0:
             try:
                 data = await transfer.run(source.read)  # type: ignore[union-attr]
-            except (OSError, ValueError, SandboxGone) as exc:
+            except DRIVER_ERRORS as exc:
                 raise await _fail_unlocked(table, transfer, exc) from None
             transfer.held[transfer.next_seq] = data
             if not data:
@@ -190,7 +189,7 @@ async def _op(launcher: Launcher, sandbox_id: str, path: str, op: str, *args, wr
     live = _unfrozen(launcher, sandbox_id) if writes else launcher.get_live(sandbox_id)
     try:
         return await asyncio.to_thread(live.driver.file_op, live.instance, op, *args)
-    except (OSError, ValueError, SandboxGone) as exc:
+    except DRIVER_ERRORS as exc:
         raise _error(exc, path) from None
 
 
@@ -237,7 +236,7 @@ async def watch(launcher: Launcher, req: wire.WatchRequest) -> wire.Watching:
     try:
         source = await asyncio.to_thread(live.driver.open_watch, live.instance, req.path, req.recursive,
                                          launcher.settings.watch_max_dirs)
-    except (OSError, ValueError, SandboxGone) as exc:
+    except DRIVER_ERRORS as exc:
         raise _error(exc, req.path) from None
     await _still_live(launcher, live, source.close)
     return wire.Watching(watch_id=table.add(source, req.idle_s).id, path=req.path)
