@@ -78,6 +78,7 @@ class ContainerSpec:
     netns: str
     tmp_size_mb: int = 256
     hostname: str = "sandbox"
+    apparmor_profile: str = ""  # loaded by the node agent where the kernel runs AppArmor
 
 
 def bundle_config(spec: ContainerSpec, shim: tuple[str, list[str]] | None = None) -> dict:
@@ -119,6 +120,8 @@ def bundle_config(spec: ContainerSpec, shim: tuple[str, list[str]] | None = None
             "seccomp": seccomp.oci_seccomp(),
         },
     }
+    if spec.apparmor_profile:
+        config["process"]["apparmorProfile"] = spec.apparmor_profile
     if shim is not None:
         config["mounts"].append({"destination": landlock.SHIM_PATH, "type": "bind", "source": shim[0],
                                  "options": ["bind", "ro", "nosuid", "nodev"]})

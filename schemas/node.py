@@ -279,6 +279,7 @@ class ConfineRequest(msgspec.Struct, frozen=True, kw_only=True):
     pids: int
     allow: list[str] = []  # SandboxSpec.allow: egress rules (empty: no egress, no veth)
     labels: dict[str, str] = {}
+    host_view: bool = False  # SandboxSpec.host_view: what its AppArmor profile lets it write
 
 
 class Confinement(msgspec.Struct, frozen=True, kw_only=True):
@@ -289,6 +290,7 @@ class Confinement(msgspec.Struct, frozen=True, kw_only=True):
     cgroup_v2: str  # the v2 directory: BPF attach point, freeze, kill
     netns: str  # a bind-mounted network namespace file
     address: str = ""  # the sandbox's egress address (its veth), empty without egress
+    apparmor_profile: str = ""  # the profile its processes run under; empty where AppArmor is off
 
 
 class ReleaseRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -21,7 +21,7 @@ import pytest
 from linuxnode import cgroups, netns
 from linuxnode import syscalls as linux
 from linuxnode import process as runtime
-from tests.kernel import require
+from tests.kernel import active_lsms, only_where, require
 
 NODE = f"krt{os.getpid()}"
 PREFIX = f"krt{os.getpid()}-"
@@ -610,3 +610,18 @@ print(len(reaped), own.pid in reaped, own.wait())
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.split()
     assert out == ["1", "False", "0"]  # the helper reaped; our own command's status still ours
+
+
+# -- AppArmor ----------------------------------------------------------------------------
+
+async def test_a_sandbox_and_its_commands_exec_into_the_apparmor_profile_they_are_given(sandboxes):
+    """Init and command ask the kernel for the profile at their exec (attr/exec, as crun does).
+    This kernel has no AppArmor, so it refuses (EINVAL) and each says so at that step: proof the
+    profile the node agent names reaches the kernel, where an AppArmor kernel would apply it."""
+    only_where("apparmor" not in active_lsms(), "the kernel runs AppArmor (loading needs a loaded profile)")
+    with pytest.raises(runtime.RuntimeStartError, match="set the AppArmor profile"):
+        sandboxes(apparmor_profile="sandfleet-x")
+    box = sandboxes()
+    with pytest.raises(runtime.ExecError, match="set the AppArmor profile"):
+        await box.run("true", apparmor="sandfleet-x")
+    assert (await box.run("true")).exit_code == 0  # no profile named: nothing asked of the kernel

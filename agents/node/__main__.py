@@ -42,8 +42,9 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
         layout = cgroups.CgroupLayout.detect()
         watch = await ViolationWatch.load(config.node_id, layout, publisher)
         lsm_denials = LsmViolations(config.node_id, layout, publisher)  # turns audit on if it is off
+        profiles = await asyncio.to_thread(apparmor.SandboxProfiles.detect)
         node = NodeConfinement(layout=layout, node_id=config.node_id, egress=egress,
-                               network=network, watch=watch)
+                               network=network, watch=watch, profiles=profiles)
         store = await SandboxStore.open(bus)
         reclaimed = await node.reconcile(store)
         publisher.bind(bus, store)
@@ -76,7 +77,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
                 "syscall-violations": watch.status,
                 "egress-network": network.describe() if network is not None else f"off: {egress.status}",
                 "landlock": landlock_status(abi, lsm_denials),
-                "apparmor": await asyncio.to_thread(apparmor.node_status),
+                "apparmor": profiles.status,
             },
         )
         log.info("security on node %s: %s", config.node_id, security.mechanisms)

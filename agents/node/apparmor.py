@@ -11,10 +11,12 @@ no raw or packet socket. TCP and UDP stay allowed: which addresses a sandbox may
 the eBPF allowlists' decision (agents/node/egress.py), which AppArmor cannot express.
 
 `validate` runs `apparmor_parser -Q -K -T` (parse and compile, load nothing, no cache):
-it works on any machine with the parser, AppArmor kernel or not. `load`/`unload` need a
-kernel with AppArmor; a sandbox then runs under the profile named by `profile_name`
-(crun's `process.apparmorProfile`; `exec <name>` written to /proc/<pid>/attr/apparmor/exec
-for a `process` sandbox). This kernel has no AppArmor, so those two are not exercised here.
+it works on any machine with the parser, AppArmor kernel or not. Where the kernel runs
+AppArmor, `SandboxProfiles` loads one profile per sandbox when the agent confines it and
+removes it at release (and, after a restart, every `sandfleet-` profile no live sandbox
+owns); the sandbox then runs under the profile named in its `Confinement` (crun's
+`process.apparmorProfile`; `exec <name>` written to the process's attr/exec before a
+`process` sandbox's programs run). This kernel has no AppArmor, so loading is not exercised here.
 """
 
 from __future__ import annotations
@@ -38,17 +40,26 @@ def profile_name(sandbox_id: str) -> str:
     return f"sandfleet-{sandbox_id}"
 
 
+HOST_VIEW_WRITABLE = ["tmp", "workspace"]  # a host_view sandbox (linuxnode.process.rootfs)
+PROFILES_FILE = "/sys/kernel/security/apparmor/profiles"
+# A top-level name that is not exactly `dev` (AppArmor globs have no negation of a word).
+_ALL_BUT_DEV = "/{[^d]*,d,d[^e]*,de,de[^v]*,dev?*}"
+
+
 def writable_dirs(rootfs_dir: str | None) -> list[str]:
     """The top-level directories the sandbox may write, as Landlock decides them."""
-    if rootfs_dir is None:  # the host view (linuxnode.process.rootfs)
-        return ["tmp", "workspace"]
+    if rootfs_dir is None:
+        return list(HOST_VIEW_WRITABLE)
     return sorted(path.rsplit("/", 1)[-1] for path, access in landlock.sandbox_rules(rootfs_dir)[1:]
                   if access & landlock.MAKE_REG and not path.endswith("/dev/shm"))
 
 
-def profile(sandbox_id: str, writable: list[str]) -> str:
-    """The profile text for one sandbox."""
-    for name in writable:
+def profile(sandbox_id: str, writable: list[str] | None) -> str:
+    """The profile text for one sandbox. `writable` names the top-level directories it may
+    write; None means every one but system content (landlock.READ_ONLY_DIRS), which is what
+    Landlock decides for a root of layers whatever its top level holds, so the agent can load
+    the profile before the root is composed (the two are made at once)."""
+    for name in writable or ():
         if not name or "/" in name or not all(c.isalnum() or c in "._-" for c in name):
             raise ProfileError(f"top-level directory {name!r} cannot be named in a profile")
     lines = [
@@ -57,12 +68,19 @@ def profile(sandbox_id: str, writable: list[str]) -> str:
         "  # its own root: read, map and execute (staying in this profile); system content read-only",
         "  /** mrix,",
     ]
-    if writable:
+    if writable is None:
+        # Every top-level directory but /dev (whose devices are granted one by one below);
+        # nothing made at the top level itself (as Landlock, which grants the root read only).
+        lines.append(f"  {_ALL_BUT_DEV}/** rwlkmix,")
+        lines.append("  deny /* wl,")
+        lines.append(f"  deny /{{{','.join(sorted(landlock.READ_ONLY_DIRS - {'dev'}))}}}/** wl,")
+    elif writable:
         lines.append(f"  /{{{','.join(writable)}}}/** rwlkmix,")
         lines.append(f"  /{{{','.join(writable)}}}/ rw,")
     lines += [
         "  /dev/shm/** rwlk,",
-        "  /dev/{null,zero,full,random,urandom,tty} rw,",
+        "  /dev/{null,zero,full,random,urandom,tty,ptmx} rw,",
+        "  /dev/pts/* rw,",
         "  # beneath the readable root, what leaks or hurts the host",
         f"  deny /proc/{{{','.join(_DENIED_PROC)}}} rwklx,",
         "  deny /proc/sys/** wkl,",
@@ -120,12 +138,53 @@ def unload(sandbox_id: str) -> None:
     _parse(f"profile {profile_name(sandbox_id)} {{}}\n", "-R", "-K")
 
 
+def loaded_profiles() -> set[str]:
+    """Names of the sandbox profiles the kernel holds (lines `name (mode)` in securityfs)."""
+    try:
+        with open(PROFILES_FILE) as f:
+            names = [line.rsplit(" (", 1)[0] for line in f.read().splitlines()]
+    except OSError:
+        return set()
+    return {name for name in names if name.startswith(profile_name(""))}
+
+
+class SandboxProfiles:
+    """One loaded profile per sandbox where the kernel runs AppArmor, none where it does not
+    (`on` False): the agent calls the same three methods either way."""
+
+    def __init__(self, on: bool, status: str) -> None:
+        self.on = on
+        self.status = status
+
+    @classmethod
+    def detect(cls) -> SandboxProfiles:
+        try:
+            validate(profile("probe", None))
+            validate(profile("probe", HOST_VIEW_WRITABLE))
+        except ProfileError as exc:
+            return cls(False, f"off: {exc}")
+        if lsm.apparmor_enabled():
+            return cls(True, "on: one profile per sandbox, loaded when it is confined and removed when it is released")
+        return cls(False, "off: not in this kernel (profiles are generated and validated offline with apparmor_parser)")
+
+    def load(self, sandbox_id: str, host_view: bool) -> str:
+        """Load the sandbox's profile; its name, or "" where AppArmor is off."""
+        if not self.on:
+            return ""
+        load(profile(sandbox_id, HOST_VIEW_WRITABLE if host_view else None))
+        return profile_name(sandbox_id)
+
+    def unload(self, sandbox_id: str) -> None:
+        if self.on and profile_name(sandbox_id) in loaded_profiles():
+            unload(sandbox_id)
+
+    def held(self) -> set[str]:
+        """Sandbox ids whose profile the kernel holds."""
+        if not self.on:
+            return set()
+        return {name.removeprefix(profile_name("")) for name in loaded_profiles()}
+
+
 def node_status() -> str:
     """What the agent reports for AppArmor on this node."""
-    try:
-        validate(profile("probe", ["tmp", "workspace"]))
-    except ProfileError as exc:
-        return f"off: {exc}"
-    if lsm.apparmor_enabled():
-        return "available: profiles generated and validated; loading them per sandbox is not wired yet"
-    return "off: not in this kernel (profiles are generated and validated offline with apparmor_parser)"
+    return SandboxProfiles.detect().status

@@ -2,7 +2,8 @@
 
 A sandbox's confinement is its cgroups (limits, and the v2 directory that carries the BPF
 programs), its network namespace and, when its spec allows egress, a veth with its rules
-in the BPF maps and its names at the DNS stub (agents/node/network.py). All of it outlives
+in the BPF maps and its names at the DNS stub (agents/node/network.py), and its AppArmor
+profile where the kernel runs AppArmor (agents/node/apparmor.py). All of it outlives
 this process, so a restarted agent lists what the kernel holds, removes whatever no live
 sandbox record owns, and refills the rules of the sandboxes that live on.
 """
@@ -15,6 +16,7 @@ import os
 from dataclasses import dataclass
 
 from agents.node.allow_rules import AllowList, parse_allow
+from agents.node.apparmor import SandboxProfiles
 from agents.node.egress import Egress
 from agents.node.limits_watch import ViolationWatch
 from agents.node.network import EgressNetwork
@@ -45,6 +47,7 @@ class NodeConfinement:
     egress: Egress
     network: EgressNetwork | None = None  # None: BPF is off here, so no sandbox gets egress
     watch: ViolationWatch | None = None  # syscall and limit violations (agents/node/limits_watch.py)
+    profiles: SandboxProfiles = SandboxProfiles(False, "off")  # AppArmor, where the kernel runs it
 
     def check_egress(self, req: ConfineRequest) -> AllowList:
         rules = parse_rules(req.allow)
@@ -67,7 +70,10 @@ class NodeConfinement:
             if rules.domains or rules.networks:
                 assert self.network is not None and cg is not None
                 address = str(self.network.setup(req.sandbox_id, ns, cg, rules).address.ip)
+            with telemetry.phase("agent.apparmor"):
+                profile = self.profiles.load(req.sandbox_id, req.host_view)
         except Exception:
+            self.profiles.unload(req.sandbox_id)
             if self.network is not None:
                 self.network.teardown(req.sandbox_id)
             self.egress.detach(group.v2_dir)
@@ -83,7 +89,7 @@ class NodeConfinement:
                 raise
         return Confinement(
             sandbox_id=req.sandbox_id, cgroup_procs=group.procs_files, cgroup_v2=group.v2_dir, netns=ns,
-            address=address,
+            address=address, apparmor_profile=profile,
         )
 
     def release(self, sandbox_id: str) -> bool:
@@ -96,12 +102,14 @@ class NodeConfinement:
         self.egress.detach(group.v2_dir)
         group.remove()
         netns.remove(self.node_id, sandbox_id)
+        self.profiles.unload(sandbox_id)  # after its last process is gone
         self.egress.labels.pop(sandbox_id, None)
         return True
 
     def held(self) -> set[str]:
         """Sandbox ids this node holds kernel resources for."""
-        return set(cgroups.list_sandboxes(self.layout, self.node_id)) | set(netns.list_sandboxes(self.node_id))
+        return (set(cgroups.list_sandboxes(self.layout, self.node_id)) | set(netns.list_sandboxes(self.node_id))
+                | self.profiles.held())
 
     async def reconcile(self, store: SandboxStore) -> list[str]:
         """Remove what no live record of this node owns; police what stays."""

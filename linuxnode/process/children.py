@@ -38,6 +38,25 @@ def _tag_for_audit(cgroup_procs: tuple[str, ...]) -> None:
         landlock.set_audit_tag(landlock.audit_tag(cgroup_procs))
 
 
+def _exec_under_apparmor(profile: str) -> None:
+    """Run the next exec under `profile` (the kernel's attr/exec interface, which crun also
+    uses; inherited by a fork, so a command posix_spawned after this takes it on). Written while
+    /proc is still the host's, before the pid, mount and root change."""
+    if not profile:
+        return
+    for path in ("/proc/thread-self/attr/apparmor/exec", "/proc/thread-self/attr/exec"):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            os.write(fd, f"exec {profile}".encode())
+        finally:
+            os.close(fd)
+        return
+    raise FileNotFoundError(errno.ENOENT, "the kernel has no AppArmor attr/exec", profile)
+
+
 def _drop_privileges(last_cap: int, seccomp: bytes) -> None:
     """Keep nothing of the spawner across exec but fds 0-2; no capabilities, no_new_privs,
     the Landlock policy of the root this process now has (linuxnode.landlock), and
@@ -61,6 +80,8 @@ def init_child(request: StartInit, plan, last_cap: int, seccomp: bytes) -> None:
     try:
         _join_cgroups(request.cgroup_procs)
         _tag_for_audit(request.cgroup_procs)
+        step = "set the AppArmor profile"
+        _exec_under_apparmor(request.apparmor)
         step = "enter netns"
         linux.setns(request.netns, linux.CLONE_NEWNET)
         step = "unshare namespaces"
@@ -116,6 +137,8 @@ def exec_child(request: ExecCommand, last_cap: int, seccomp: bytes) -> None:
         step = "join cgroups"
         _join_cgroups(request.cgroup_procs)
         _tag_for_audit(request.cgroup_procs)
+        step = "set the AppArmor profile"
+        _exec_under_apparmor(request.apparmor)
         step = "enter namespaces"
         linux.setns(pidfd, _ENTER_NS | linux.CLONE_NEWPID)
         step = "enter root"

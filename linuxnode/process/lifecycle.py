@@ -62,7 +62,8 @@ def _send_start(spec: ProcessSpec) -> int:
     try:
         spawner.send(StartInit(cgroup_procs=tuple(spec.cgroup_procs), tmp_size_mb=spec.tmp_size_mb,
                                workspace_size_mb=spec.workspace_size_mb, hostname=spec.hostname,
-                               rootfs_dir=spec.rootfs_dir, report=report_w, netns=netns_fd))
+                               rootfs_dir=spec.rootfs_dir, apparmor=spec.apparmor_profile, report=report_w,
+                               netns=netns_fd))
     except BaseException as exc:
         os.close(report_r)
         if isinstance(exc, OSError):

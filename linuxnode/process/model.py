@@ -33,6 +33,7 @@ class ProcessSpec:
     workspace_size_mb: int = 1024
     hostname: str = "sandbox"
     rootfs_dir: str | None = None  # a composed root (see linuxnode.layered_root); None: the host view
+    apparmor_profile: str = ""  # loaded by the node agent where the kernel runs AppArmor
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,7 @@ class StartInit(_Wire):
     workspace_size_mb: int
     hostname: str
     rootfs_dir: str | None  # a composed root (linuxnode.layered_root); None: the host view
+    apparmor: str = ""  # the AppArmor profile it execs into (loaded by the node agent); "": none
     report: int = _fd()  # write end of the report pipe (reports.py)
     netns: int = _fd()  # the sandbox's network namespace
 
@@ -127,6 +128,7 @@ class ExecCommand(_Wire):
     cwd: str
     argv: tuple[str, ...]
     env: dict[str, str]
+    apparmor: str = ""  # the sandbox's AppArmor profile, which the command execs into; "": none
     report: int = _fd()  # write end of the report pipe (reports.py)
     pidfd: int = _fd()  # the init's: whose namespaces the command enters
     root: int = _fd()  # the init's root directory (O_PATH)

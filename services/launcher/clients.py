@@ -40,7 +40,7 @@ class NodeAgent:
         """The sandbox's confinement, made (or, for one that has it already, found again)."""
         request = ConfineRequest(
             sandbox_id=sandbox_id, isolation=spec.isolation, cpu=spec.cpu, memory_mb=spec.memory_mb, pids=spec.pids,
-            allow=list(spec.allow), labels=dict(spec.labels),
+            allow=list(spec.allow), labels=dict(spec.labels), host_view=spec.host_view,
         )
         return await self.bus.request(self._confine, request, Confinement, timeout=AGENT_TIMEOUT_S)
 

@@ -57,12 +57,57 @@ def test_a_kernel_without_apparmor_is_reported_off():
                                       "with apparmor_parser)")
 
 
-def test_a_kernel_running_apparmor_is_reported_available(monkeypatch):
+def test_a_kernel_running_apparmor_gets_a_profile_per_sandbox_reported_on(monkeypatch):
     """This kernel has no AppArmor, so the other case is taken from the node's one kernel probe;
-    the profile it reports on is still compiled by the real apparmor_parser."""
+    the profiles it reports on are still compiled by the real apparmor_parser."""
     monkeypatch.setattr(apparmor.lsm, "apparmor_enabled", lambda: True)
-    assert apparmor.node_status() == ("available: profiles generated and validated; loading them per sandbox "
-                                      "is not wired yet")
+    profiles = apparmor.SandboxProfiles.detect()
+    assert profiles.on
+    assert apparmor.node_status() == ("on: one profile per sandbox, loaded when it is confined and removed "
+                                      "when it is released")
+
+
+def test_where_apparmor_is_off_no_profile_is_loaded_and_none_is_named():
+    only_where("apparmor" not in active_lsms(), "the kernel runs AppArmor")
+    profiles = apparmor.SandboxProfiles.detect()
+    assert not profiles.on and profiles.held() == set()
+    assert profiles.load("sb-x", host_view=False) == ""
+    profiles.unload("sb-x")  # nothing to remove, nothing raised
+
+
+def test_loading_on_a_kernel_without_apparmor_is_refused_with_the_parsers_words(monkeypatch):
+    """What a node whose kernel probe lied would see: the real parser refuses to load."""
+    only_where("apparmor" not in active_lsms(), "the kernel runs AppArmor")
+    monkeypatch.setattr(apparmor.lsm, "apparmor_enabled", lambda: True)
+    with pytest.raises(apparmor.ProfileError, match="suitable fs|apparmor"):
+        apparmor.SandboxProfiles.detect().load("sb-x", host_view=False)
+
+
+def test_a_root_of_layers_gets_every_top_level_directory_but_system_content_and_dev():
+    """Loaded before the root is composed (confine and compose run at once), so the profile
+    cannot list the root's directories: it grants all but the system ones, as Landlock does."""
+    text = apparmor.profile("sb-x", None)
+    apparmor.validate(text)
+    grant = next(line.strip() for line in text.splitlines() if line.strip().endswith("/** rwlkmix,"))
+    names = grant.removeprefix("/{").removesuffix("}/** rwlkmix,").split(",")
+    import fnmatch
+    def granted(name: str) -> bool:  # AppArmor's [^x] is fnmatch's [!x]
+        return any(fnmatch.fnmatchcase(name, n.replace("[^", "[!")) for n in names)
+    assert all(granted(n) for n in ("workspace", "tmp", "home", "d", "de", "devx", "data", "deb", "root"))
+    assert not granted("dev")
+    assert "  deny /* wl," in text  # nothing made at the top level
+    denied = next(line for line in text.splitlines() if line.startswith("  deny /{bin,"))
+    assert all(d in denied for d in ("usr", "etc", "bin", "lib", "proc", "sys"))
+    assert "  /dev/pts/* rw," in text  # a terminal's slave, passed in by the launcher
+
+
+def test_a_container_runs_its_init_under_the_profile_the_agent_named():
+    from linuxnode.container import ContainerSpec, bundle_config
+    spec = ContainerSpec(sandbox_id="sb-x", rootfs="/r", cgroup_procs=[], netns="/n")
+    assert "apparmorProfile" not in bundle_config(spec)["process"]
+    named = ContainerSpec(sandbox_id="sb-x", rootfs="/r", cgroup_procs=[], netns="/n",
+                          apparmor_profile=apparmor.profile_name("sb-x"))
+    assert bundle_config(named)["process"]["apparmorProfile"] == "sandfleet-sb-x"
 
 
 def test_without_the_parser_the_node_says_why(monkeypatch):

@@ -31,7 +31,8 @@ class ContainerDriver(ProcessDriver):
         try:
             init = await self.crun.start(
                 ContainerSpec(sandbox_id=sandbox_id, rootfs=rootfs.path, cgroup_procs=confinement.cgroup_procs,
-                              netns=confinement.netns, tmp_size_mb=tmp_size_mb(spec))
+                              netns=confinement.netns, tmp_size_mb=tmp_size_mb(spec),
+                              apparmor_profile=confinement.apparmor_profile)
             )
         except ContainerError as exc:
             raise StartFailed(str(exc)) from None

@@ -98,6 +98,7 @@ class ProcessDriver:
                     netns=confinement.netns,
                     tmp_size_mb=tmp_size_mb(spec),
                     workspace_size_mb=spec.disk_mb,  # the host view's one writable disk
+                    apparmor_profile=confinement.apparmor_profile,
                     **({"rootfs_dir": rootfs.path} if rootfs is not None else {}),
                 )
             )
@@ -145,6 +146,7 @@ class ProcessDriver:
         try:
             r = await process_runtime.exec(
                 sandbox.init, list(command.argv), cgroup_procs=sandbox.confinement.cgroup_procs, env=command.env,
+                apparmor=sandbox.confinement.apparmor_profile,
                 cwd=command.cwd, stdin=command.stdin, timeout_s=command.timeout_s, max_output=command.max_output,
             )
         except process_runtime.ExecError as exc:
@@ -209,6 +211,7 @@ class ProcessDriver:
         try:
             running = await background.spawn(sandbox.init, list(command.argv),
                                              cgroup_procs=sandbox.confinement.cgroup_procs, env=command.env,
+                                             apparmor=sandbox.confinement.apparmor_profile,
                                              cwd=command.cwd, on_output=on_output, on_exit=on_exit,
                                              read_bytes=command.max_output // 2)
         except process_runtime.ExecError as exc:
@@ -285,6 +288,7 @@ class ProcessDriver:
         try:
             running = await terminal.spawn(sandbox.init, list(command.argv),
                                            cgroup_procs=sandbox.confinement.cgroup_procs, env=command.env,
+                                           apparmor=sandbox.confinement.apparmor_profile,
                                            cwd=command.cwd, cols=cols, rows=rows, on_output=on_output,
                                            on_exit=on_exit, read_bytes=command.max_output // 2)
         except process_runtime.ExecError as exc:
