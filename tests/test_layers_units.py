@@ -417,3 +417,10 @@ async def test_a_lazy_index_cached_before_chunk_hashes_is_dropped_at_restart(tmp
     again.scan()
     assert D1 not in again.images and D2 in again.images
     assert not fake.files(D1).index.exists()
+
+
+def test_an_overlays_lower_layers_read_alike_from_either_way_of_mounting_it():
+    from services.layer_cache.mounts import parse_options
+    listed = parse_options("rw,lowerdir=/m/c:/m/b:/m/a,upperdir=/s/upper,workdir=/s/work")
+    one_by_one = parse_options("rw,lowerdir+=/m/c,lowerdir+=/m/b,lowerdir+=/m/a,upperdir=/s/upper,workdir=/s/work")
+    assert listed == one_by_one and one_by_one["lowerdir"] == "/m/c:/m/b:/m/a"

@@ -415,3 +415,25 @@ async def test_the_same_layer_with_whiteouts_gives_the_same_image_every_time(fle
         assert reply.reused == []
         await layers.remove(name)
     assert digests[0] == digests[1]
+
+
+async def test_an_image_of_sixty_layers_composes_past_mount_s_one_page_of_options(fleet, base_layer, tmp_path):
+    """Sixty lower layers of long paths are more than mount(2)'s one page of options can name:
+    the overlay takes them one `lowerdir+` at a time, and every layer reads through it."""
+    deep = [layer_of_members([entry("deep", tarfile.DIRTYPE), file_member(f"deep/{i:02d}", f"layer {i}\n".encode())])
+            for i in range(59)]
+    archive = Image([base_layer, *deep], {"Env": ["PATH=/bin"]}, ["base", *(f"deep {i}" for i in range(59))]
+                    ).oci_archive(tmp_path / "deep.tar")
+    layers, name = Layers(fleet.bus), _name("deep")
+    reply = await layers.import_image(name, archive)
+    try:
+        assert len(reply.layer.stack) == 60
+        sb = await fleet.create(memory_mb=128, layers=[name])
+        try:
+            r = await sb.exec(["sh", "-c", "ls /deep | wc -l; cat /deep/00 /deep/58; cat /etc/hostname"])
+            assert r.exit_code == 0, r.stderr
+            assert r.stdout == b"59\nlayer 0\nlayer 58\noci\n"
+        finally:
+            await sb.destroy()
+    finally:
+        await layers.remove(name)

@@ -16,6 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from linuxnode import mount_api
 from linuxnode import syscalls as linux
 
 log = logging.getLogger("sandfleet.layer_cache")
@@ -74,13 +75,17 @@ def _on_fuse(image: Path) -> bool:
     return any(e.mount_point == str(image.parent) and e.fstype.startswith("fuse") for e in read_mountinfo())
 
 
-def overlay_options(lowers_top_first: list[str], upper: str, work: str) -> str:
-    """The option string of an overlay; refuses paths overlayfs cannot parse and strings mount(2) would cut."""
+def _check_overlay_paths(lowers_top_first: list[str], upper: str, work: str) -> None:
     for path in [*lowers_top_first, upper, work]:
         if any(c in path for c in ":,\\\n") or not path.startswith("/"):
             raise ValueError(f"path unusable in overlay options: {path!r}")
     if not lowers_top_first:
         raise ValueError("an overlay needs at least one lower layer")
+
+
+def overlay_options(lowers_top_first: list[str], upper: str, work: str) -> str:
+    """The option string of an overlay; refuses paths overlayfs cannot parse and strings mount(2) would cut."""
+    _check_overlay_paths(lowers_top_first, upper, work)
     data = f"lowerdir={':'.join(lowers_top_first)},upperdir={upper},workdir={work}"
     if len(data) > MAX_MOUNT_DATA:
         raise ValueError(f"overlay options of {len(data)} bytes exceed one page; use a shorter data dir")
@@ -88,7 +93,22 @@ def overlay_options(lowers_top_first: list[str], upper: str, work: str) -> str:
 
 
 def mount_overlay(lowers_top_first: list[str], upper: Path, work: Path, target: Path) -> None:
-    mount("overlay", str(target), "overlay", OVERLAY_FLAGS, overlay_options(lowers_top_first, str(upper), str(work)))
+    """One mount(2) where the options fit in its page; past that (a deep image: each OCI layer
+    is a lower layer, each a long path) the options go one by one through the fd mount API,
+    each layer as `lowerdir+` (Linux 6.8 and later; overlayfs itself stacks up to 500)."""
+    try:
+        data = overlay_options(lowers_top_first, str(upper), str(work))
+    except ValueError:
+        _check_overlay_paths(lowers_top_first, str(upper), str(work))
+    else:
+        mount("overlay", str(target), "overlay", OVERLAY_FLAGS, data)
+        return
+    options = [("lowerdir+", lower) for lower in lowers_top_first] + [("upperdir", str(upper)), ("workdir", str(work))]
+    try:
+        mount_api.mount("overlay", str(target), options, mount_api.MOUNT_ATTR_NODEV, source="overlay")
+    except OSError as exc:
+        raise OSError(exc.errno, f"mount overlay of {len(lowers_top_first)} layers on {target}: "
+                                 f"{os.strerror(exc.errno)} (at {exc.filename})") from None
 
 
 # -- mountinfo ------------------------------------------------------------------------
@@ -112,10 +132,15 @@ def _unescape(field: str) -> str:
 
 
 def parse_options(text: str) -> dict[str, str]:
+    """Super options by key. An overlay's lower layers read as one `lowerdir` (top first, `:`
+    between) whichever way it was mounted: one `lowerdir=` list, or one `lowerdir+=` each."""
     found: dict[str, str] = {}
     for item in text.split(","):
         key, _, value = item.partition("=")
-        found[key] = _unescape(value)
+        if key == "lowerdir+":
+            found["lowerdir"] = f"{found['lowerdir']}:{_unescape(value)}" if "lowerdir" in found else _unescape(value)
+        else:
+            found[key] = _unescape(value)
     return found
 
 
