@@ -12,12 +12,13 @@ import subprocess
 import tarfile
 
 import msgspec
+import nats
 import pytest
 
 from sandfleet import dockerfile, errors
 from sandfleet.cli_layers import describe_import
 from sandfleet.layers_client import Layers
-from schemas.layers import DIFF_BUCKET, OBJECT_BUCKET, ImageConfig
+from schemas.layers import DIFF_BUCKET, OBJECT_BUCKET, ImageConfig, StackLayer
 from tests.kernel import require
 from tests.layer_trees import make_busybox_base
 from tests.oci_archives import Image, entry, file_member, layer_of_dir, layer_of_members, sha
@@ -340,6 +341,15 @@ async def test_push_copies_an_image_with_every_layer_of_its_stack(fleet, importe
         pushed = await layers.push(name, url)
         assert pushed.copied + pushed.present == [p.digest for p in first.layer.stack]
         assert pushed.layer.stack == first.layer.stack and pushed.layer.config == first.layer.config
+        other = await nats.connect(url)
+        try:  # the OCI layers map to the same images there, so an import there reuses them
+            diffs = await other.jetstream().key_value(DIFF_BUCKET)
+            for part in first.layer.stack:
+                mapped = msgspec.json.decode((await diffs.get(part.diff_id.removeprefix("sha256:"))).value,
+                                             type=StackLayer)
+                assert (mapped.digest, mapped.diff_id) == (part.digest, part.diff_id)
+        finally:
+            await other.close()
         await layers.remove(name)  # gone here with its images; the fixture's teardown finds it pulled back
         pulled = await layers.pull(name, url)
         assert pulled.layer.stack == first.layer.stack and len(pulled.copied) == len(first.layer.stack)

@@ -6,7 +6,8 @@ length of the copy. A layer travels with the images of the layers it was built o
 recorded `parent_digest` chain) where the receiving store lacks them, so it can be composed
 there. Images go through a file in the node's build dir; both stores check the bytes
 against the sha256 that names them (the sending one on read, the receiving one on write),
-so an image whose bytes do not match its digest never lands. The receiving store's name
+so an image whose bytes do not match its digest never lands. An image's OCI diff ids go with
+it into the receiving store's map, unless that store maps them already. The receiving store's name
 (and tags) point at the copied build; the names of the layers under it are added only where
 the receiving store has no layer of that name (a copy never moves someone else's name).
 """
@@ -128,6 +129,10 @@ async def copy(src: LayerStore, dst: LayerStore, ref: str, workdir: Path) -> Tra
             moved += size
     finally:
         remove_tree(tmp, check=False)
+    for part in (p for entry in layers for p in entry.stack if p.diff_id):
+        # An image imported there later over the same OCI layers then reuses these images.
+        if await dst.by_diff_id(part.diff_id) is None:
+            await dst.record_diff_id(part)
     for entry in layers[:-1]:
         if entry.name and not await _has_name(dst, entry.name):
             await dst.record(msgspec.structs.replace(entry, tags=[], current=True))
