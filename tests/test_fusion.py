@@ -266,6 +266,62 @@ async def test_a_language_it_does_not_judge_is_a_sandbox_error_the_client_raises
         await _run(code="fn main() {}", language="rust")
 
 
+async def _jupyter(**fields) -> sandbox_fusion.RunJupyterResponse:
+    fields.setdefault("total_timeout", COMPILE_S)
+    return await asyncio.to_thread(sandbox_fusion.run_jupyter, sandbox_fusion.RunJupyterRequest(**fields),
+                                   max_attempts=1)
+
+
+async def test_notebook_cells_share_one_kernel_and_each_reports_its_output_display_and_error(endpoint):
+    """The client's own example cells: state lasts from cell to cell, the last expression is the
+    cell's display, stderr and an exception are the cell's own, and the next cell still runs."""
+    r = await _jupyter(cells=["a = 123", "a", "print(a)", 'import sys; sys.stderr.write("stderr message")',
+                              'raise RuntimeError("error message")', "a + 1",
+                              'print(open("data/in.txt").read()); open("out.txt", "w").write("nb")'],
+                       files={"data/in.txt": _b64("from files")}, fetch_files=["out.txt"])
+    assert r.status == RunStatus.Failed and r.driver is not None and r.driver.return_code == 0, r
+    cells = r.cells
+    assert len(cells) == 7
+    assert cells[0].display == [] and cells[0].error == []
+    assert cells[1].display == [{"text/plain": "123"}]
+    assert cells[2].stdout == "123\n"
+    assert cells[3].stderr == "stderr message"
+    assert cells[4].error[0]["ename"] == "RuntimeError" and cells[4].error[0]["evalue"] == "error message"
+    assert any("<cell>" in line for line in cells[4].error[0]["traceback"])
+    assert cells[5].display == [{"text/plain": "124"}] and cells[5].error == []
+    assert cells[6].stdout == "from files\n"
+    assert base64.b64decode(r.files["out.txt"]) == b"nb"
+    ok = await _jupyter(cells=["x = [1, 2]", "x * 2"])
+    assert ok.status == RunStatus.Success and ok.cells[1].display == [{"text/plain": "[1, 2, 1, 2]"}]
+
+
+async def test_a_cell_past_its_timeout_is_stopped_and_no_cell_after_it_runs(endpoint):
+    r = await _jupyter(cells=["n = 1", "while True:\n    n += 1", "print('after')"], cell_timeout=2)
+    assert r.status == RunStatus.Failed and len(r.cells) == 2, r
+    assert r.cells[1].error[0]["ename"] == "TimeoutError"
+    late = await _jupyter(cells=["import time", "time.sleep(60)"], total_timeout=3)
+    assert late.status == RunStatus.Failed and late.driver.status.value == "TimeLimitExceeded", late
+    assert len(late.cells) == 1  # the first cell's result, written before the run was cut
+
+
+async def test_a_malformed_notebook_request_gets_its_error_shape(endpoint):
+    reply = await asyncio.to_thread(requests.post, f"{endpoint}/run_jupyter", json={"cells": "not a list"},
+                                    timeout=60)
+    assert reply.status_code == 422 and reply.json()["detail"][0]["loc"][:2] == ["body", "cells"]
+    reply = await asyncio.to_thread(requests.post, f"{endpoint}/run_jupyter", json={"cells": [], "kernel": "ruby"},
+                                    timeout=60)
+    assert reply.status_code == 422
+
+
+def test_a_kernel_results_file_is_read_up_to_its_first_line_that_is_not_a_cell():
+    from services.fusion.jupyter import cell_results
+
+    good = b'{"stdout": "1\\n", "stderr": "", "display": [], "error": []}'
+    assert [c.stdout for c in cell_results(good + b"\n" + good + b"\n")] == ["1\n", "1\n"]
+    assert len(cell_results(good + b'\n{"stdout": 5}\n' + good)) == 1  # a forged or cut line ends it
+    assert cell_results(b"\x00" * 100) == []
+
+
 async def test_every_call_left_no_sandbox_behind(endpoint, fleet):
     await _run(code="print(1)", language="python")
     left = [r for r in await fleet.list() if r.spec.labels.get("client") == "sandbox-fusion"]

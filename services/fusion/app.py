@@ -1,5 +1,6 @@
-"""The HTTP face: an ASGI app (starlette routing) that turns SandboxFusion's POSTs into judge calls
-and answers in its shapes: 200 with a `RunCodeResponse` (whatever the program did, and also
+"""The HTTP face: an ASGI app (starlette routing) that turns SandboxFusion's POSTs (`/run_code`,
+`/run_jupyter`) into judge calls and answers in its shapes: 200 with a `RunCodeResponse` or
+`RunJupyterResponse` (whatever the program did, and also
 `SandboxError` when the platform could not judge it), 422 `{"detail": [...]}` for a malformed
 request, 404/405 `{"detail": "..."}` for an unknown route or method, as its FastAPI server does."""
 
@@ -14,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from services.fusion import judge
-from services.fusion.protocol import BadRequest, decode_request
+from services.fusion import judge, jupyter
+from services.fusion.protocol import BadRequest, RunJupyterRequest, decode_request
 
 log = logging.getLogger("sandfleet.fusion")
 MAX_BODY = 64 * 1024 * 1024
@@ -26,14 +27,19 @@ def _json(body: object, status: int = 200) -> Response:
 
 
 def build_app(deps: judge.Deps) -> Starlette:
-    async def run_code(request: Request) -> Response:
+    async def body_of(request: Request) -> bytes | Response:
         chunks, size = [], 0
         async for chunk in request.stream():  # read no further than the limit
             size += len(chunk)
             if size > MAX_BODY:
                 return _json({"detail": f"request body over {MAX_BODY} bytes"}, 413)
             chunks.append(chunk)
-        body = b"".join(chunks)
+        return b"".join(chunks)
+
+    async def run_code(request: Request) -> Response:
+        body = await body_of(request)
+        if isinstance(body, Response):
+            return body
         try:
             req = decode_request(body)
         except BadRequest as exc:
@@ -41,6 +47,19 @@ def build_app(deps: judge.Deps) -> Starlette:
         reply = await judge.run_code(req, deps)
         if reply.message:
             log.info("run_code %s: %s %s", req.language, reply.status.value, reply.message)
+        return _json(reply)
+
+    async def run_jupyter(request: Request) -> Response:
+        body = await body_of(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            req = decode_request(body, RunJupyterRequest)
+        except BadRequest as exc:
+            return _json({"detail": exc.detail}, 422)
+        reply = await jupyter.run_jupyter(req, deps)
+        if reply.message:
+            log.info("run_jupyter: %s %s", reply.status.value, reply.message)
         return _json(reply)
 
     async def ping(request: Request) -> Response:
@@ -51,6 +70,7 @@ def build_app(deps: judge.Deps) -> Starlette:
         return _json({"detail": exc.detail}, exc.status_code)
 
     return Starlette(
-        routes=[Route("/run_code", run_code, methods=["POST"]), Route("/v1/ping", ping, methods=["GET"])],
+        routes=[Route("/run_code", run_code, methods=["POST"]), Route("/run_jupyter", run_jupyter, methods=["POST"]),
+                Route("/v1/ping", ping, methods=["GET"])],
         exception_handlers={HTTPException: http_error},
     )

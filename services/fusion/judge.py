@@ -6,12 +6,15 @@ through the SDK."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import posixpath
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from sandfleet import errors, telemetry
-from sandfleet.client import Fleet
+from sandfleet.client import Fleet, Sandbox
 from services.fusion import languages
 from services.fusion.protocol import (
     CommandRunResult,
@@ -25,6 +28,7 @@ from services.fusion.protocol import (
 )
 
 log = logging.getLogger("sandfleet.fusion")
+T = TypeVar("T")
 
 WRITE_FILE_MAX = 4 * 1024 * 1024  # larger files go as a chunked upload
 SETUP_SLACK_S = 120  # the sandbox's own end, past the request's timeouts: a backstop if we vanish
@@ -45,30 +49,41 @@ async def run_code(req: RunCodeRequest, deps: Deps) -> RunCodeResponse:
     if plan is None:
         return _sandbox_error(f"language {req.language!r} is not judged here; "
                               f"this endpoint runs {', '.join(languages.LANGUAGES)}")
-    if deps.slots is None:
+    async with turn(deps):
         return await _judge(req, plan, deps)
-    async with deps.slots:
-        return await _judge(req, plan, deps)
+
+
+def turn(deps: Deps) -> contextlib.AbstractAsyncContextManager:
+    """A call's turn among the endpoint's `slots` (at once, when there are none)."""
+    return deps.slots if deps.slots is not None else contextlib.nullcontext()
 
 
 async def _judge(req: RunCodeRequest, plan: languages.Plan, deps: Deps) -> RunCodeResponse:
-    layer = deps.layers[req.language]
     memory = req.memory_limit_MB if req.memory_limit_MB > 0 else deps.memory_mb
     lifetime = int(req.compile_timeout + req.run_timeout) + SETUP_SLACK_S
+    return await in_fresh_sandbox(deps, req.language, memory, lifetime, lambda sb: _steps(sb, req, plan),
+                                  _sandbox_error)
+
+
+async def in_fresh_sandbox(deps: Deps, language: str, memory_mb: int, lifetime_s: int,
+                           steps: Callable[[Sandbox], Awaitable[T]], failed: Callable[[str], T]) -> T:
+    """`steps` in a new sandbox over the language's layer, destroyed whatever happens; `failed`
+    makes the reply when the platform cannot give one."""
+    layer = deps.layers[language]
     try:
-        sb = await deps.fleet.create(isolation=deps.isolation, cpu=deps.cpu, memory_mb=memory, layers=[layer],
-                                     timeout_s=lifetime, labels={"client": "sandbox-fusion"})
+        sb = await deps.fleet.create(isolation=deps.isolation, cpu=deps.cpu, memory_mb=memory_mb, layers=[layer],
+                                     timeout_s=lifetime_s, labels={"client": "sandbox-fusion"})
     except errors.NotFound as exc:
-        return _sandbox_error(f"no layer {layer!r} for {req.language}: build it with "
-                              f"`sandfleet fusion layers --only {req.language}` ({exc.message})")
+        return failed(f"no layer {layer!r} for {language}: build it with "
+                      f"`sandfleet fusion layers --only {language}` ({exc.message})")
     except errors.SandfleetError as exc:
-        return _sandbox_error(f"could not create a sandbox: {type(exc).__name__}: {exc.message}")
+        return failed(f"could not create a sandbox: {type(exc).__name__}: {exc.message}")
     # The sandbox goes whatever becomes of this call (a client that hangs up cancels it).
-    steps = asyncio.ensure_future(_steps(sb, req, plan))
+    running = asyncio.ensure_future(steps(sb))
     try:
-        return await asyncio.shield(steps)
+        return await asyncio.shield(running)
     finally:
-        await asyncio.shield(_destroy(sb, steps))
+        await asyncio.shield(_destroy(sb, running))
 
 
 async def _destroy(sb, steps: asyncio.Future) -> None:
@@ -89,20 +104,25 @@ async def _steps(sb, req: RunCodeRequest, plan: languages.Plan) -> RunCodeRespon
             compiled = await _command(sb, plan.compile, plan.env, req.compile_timeout, b"")
             if compiled.status != CommandRunStatus.FINISHED or compiled.return_code != 0:
                 return RunCodeResponse(status=RunStatus.FAILED, compile_result=compiled,
-                                       files=await _fetch(sb, req.fetch_files), executor_pod_name=sb.id)
+                                       files=await fetch(sb, req.fetch_files), executor_pod_name=sb.id)
         stdin = (req.stdin or "").encode()
         ran = await _command(sb, plan.run, plan.env, req.run_timeout, stdin)
         ok = ran.status == CommandRunStatus.FINISHED and ran.return_code == 0
         return RunCodeResponse(status=RunStatus.SUCCESS if ok else RunStatus.FAILED, compile_result=compiled,
-                               run_result=ran, files=await _fetch(sb, req.fetch_files), executor_pod_name=sb.id)
+                               run_result=ran, files=await fetch(sb, req.fetch_files), executor_pod_name=sb.id)
     except errors.SandfleetError as exc:
         return _sandbox_error(f"{type(exc).__name__}: {exc.message}", sb.id)
 
 
 async def _write_files(sb, req: RunCodeRequest, plan: languages.Plan) -> None:
-    wanted = {languages.in_workdir(path): decoded_file(content) for path, content in req.files.items()
+    await write_files(sb, req.files, {plan.source: req.code.encode()})
+
+
+async def write_files(sb, files: dict[str, str | None], more: dict[str, bytes]) -> None:
+    """The request's files (base64, checked by decode_request) and `more`, relative paths in WORKDIR."""
+    wanted = {languages.in_workdir(path): decoded_file(content) for path, content in files.items()
               if content is not None}
-    wanted[languages.in_workdir(plan.source)] = req.code.encode()
+    wanted.update((languages.in_workdir(path), data) for path, data in more.items())
     parents = {posixpath.dirname(p) for p in wanted} - {languages.WORKDIR, "/tmp"}
     for parent in sorted(parents):
         await sb.files.mkdir(parent, parents=True)
@@ -125,7 +145,7 @@ async def _command(sb, argv: list[str], env: dict[str, str], timeout: float, std
                             stdout=text(r.stdout), stderr=text(r.stderr))
 
 
-async def _fetch(sb, paths: list[str]) -> dict[str, str]:
+async def fetch(sb, paths: list[str]) -> dict[str, str]:
     """Each asked file that exists, by the path it was asked by; one that does not is left out,
     as SandboxFusion leaves it out."""
     found = {}

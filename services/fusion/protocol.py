@@ -1,9 +1,10 @@
-"""SandboxFusion's `/run_code` request and response, as its server speaks them on the wire, and
-its error shape for a request it cannot take (FastAPI's 422 `{"detail": [...]}`).
+"""SandboxFusion's `/run_code` and `/run_jupyter` requests and responses, as its server speaks
+them on the wire, and its error shape for a request it cannot take (FastAPI's 422 `{"detail": [...]}`).
 
 Written from the `sandbox-fusion` client's models (`RunCodeRequest`, `RunCodeResponse`,
-`CommandRunResult`, `RunStatus`) and the server's one extra field, `memory_limit_MB`; the
-client package itself is what the tests judge them by."""
+`CommandRunResult`, `RunStatus`, `RunJupyterRequest`, `CellRunResult`, `RunJupyterResponse`)
+and the server's one extra field, `memory_limit_MB`; the client package itself is what the
+tests judge them by."""
 
 from __future__ import annotations
 
@@ -65,6 +66,31 @@ class RunCodeResponse(msgspec.Struct, frozen=True, kw_only=True):
     files: dict[str, str] = {}  # path -> base64 content, for each fetched file that exists
 
 
+class RunJupyterRequest(msgspec.Struct, frozen=True, kw_only=True):
+    cells: list[str]
+    cell_timeout: float = 0.0  # seconds per cell; 0: no limit of its own
+    total_timeout: float = 45.0
+    kernel: Literal["python3"] = "python3"
+    files: dict[str, str | None] = {}
+    fetch_files: list[str] = []
+
+
+class CellRunResult(msgspec.Struct, frozen=True, kw_only=True):
+    stdout: str = ""
+    stderr: str = ""
+    display: list[dict[str, str]] = []  # e.g. {"text/plain": "123"} for a cell ending in `a`
+    error: list[dict[str, str | list[str]]] = []  # {"ename", "evalue", "traceback": [...]}
+
+
+class RunJupyterResponse(msgspec.Struct, frozen=True, kw_only=True):
+    status: RunStatus
+    message: str = ""
+    driver: CommandRunResult | None = None  # the kernel's own run
+    cells: list[CellRunResult] = []
+    executor_pod_name: str | None = None
+    files: dict[str, str] = {}
+
+
 class BadRequest(Exception):
     """A request SandboxFusion's server would refuse with 422: `detail` is its list of errors."""
 
@@ -76,11 +102,11 @@ class BadRequest(Exception):
 _AT = re.compile(r" - at `\$(.*)`$")
 
 
-def decode_request(body: bytes) -> RunCodeRequest:
-    """The request in `body`, or BadRequest in FastAPI's shape: `loc` starts with "body" and
-    names the field (`["body", "files", "a.txt"]`), `msg` says what is wrong."""
+def decode_request(body: bytes, kind: type = RunCodeRequest):
+    """The request of type `kind` in `body`, or BadRequest in FastAPI's shape: `loc` starts with
+    "body" and names the field (`["body", "files", "a.txt"]`), `msg` says what is wrong."""
     try:
-        req = msgspec.json.decode(body, type=RunCodeRequest)
+        req = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         raise BadRequest([_validation_detail(str(exc))]) from None
     except msgspec.DecodeError as exc:
