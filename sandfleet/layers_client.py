@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 import nats.js.errors
 
-from sandfleet import errors
+from sandfleet import errors, oci_archive
 from sandfleet.bus import Bus
 from sandfleet.config import nats_url
 from schemas import layers as schema
@@ -31,6 +31,8 @@ from schemas.layers import (
     CacheListing,
     DirSource,
     ImageConfig,
+    KnownDiffsReply,
+    KnownDiffsRequest,
     Layer,
     Rootfs,
     TarSource,
@@ -107,16 +109,36 @@ class Layers:
         if path.is_dir():
             if not (path / "oci-layout").is_file() or not (path / "index.json").is_file():
                 raise errors.InvalidRequest(f"{path} is not an OCI layout directory (no oci-layout and index.json)")
-            with tempfile.TemporaryDirectory(prefix="sandfleet-image-") as tmp:
+        elif not path.is_file():
+            raise errors.InvalidRequest(f"{path}: no such file or directory")
+        with tempfile.TemporaryDirectory(prefix="sandfleet-image-") as tmp:
+            archive = path
+            if path.is_dir():
                 archive = Path(tmp) / "layout.tar"
                 await asyncio.to_thread(tar_directory, path.resolve(), archive)
-                upload = await self._upload(archive)
-        elif path.is_file():
-            upload = await self._upload(path)
-        else:
-            raise errors.InvalidRequest(f"{path}: no such file or directory")
+            upload = await self._upload(await self._without_known_layers(archive, Path(tmp)))
         source_ = {"type": "image", "upload": upload, "filename": path.name, "max_unpacked_bytes": max_unpacked_bytes}
         return await self._build(name, source_, None, tags, compression, timeout)
+
+    async def _without_known_layers(self, archive: Path, tmp: Path) -> Path:
+        """The archive, or a copy of it without the layer blobs the store already has (by diff id):
+        a second image over a shared base sends only its own layers."""
+        try:
+            image = await asyncio.to_thread(oci_archive.read_archive, archive)
+        except (oci_archive.ImageError, tarfile.TarError, OSError):
+            return archive  # the layer-cache refuses it, saying why
+        diff_ids = list(dict.fromkeys(layer.diff_id for layer in image.layers))
+        try:
+            known = set((await self.bus.request(schema.KNOWN_DIFFS, KnownDiffsRequest(diff_ids=diff_ids),
+                                                KnownDiffsReply, timeout=30)).known)
+        except errors.SandfleetError:  # a layer-cache of before this request: send it all
+            return archive
+        present = [layer for layer in image.layers if layer.diff_id in known]
+        if not present:
+            return archive
+        thin = tmp / "without-known-layers.tar"
+        await asyncio.to_thread(oci_archive.copy_without, archive, thin, present)
+        return thin
 
     async def stack(self, name: str, layers: list[str], config: ImageConfig | None = None, *,
                     tags: Iterable[str] = ()) -> BuildReply:

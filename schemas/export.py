@@ -114,6 +114,8 @@ MESSAGES: dict[str, object] = {
     "layers.Layer": layers.Layer,
     "layers.BuildRequest": layers.BuildRequest,
     "layers.BuildReply": layers.BuildReply,
+    "layers.KnownDiffsRequest": layers.KnownDiffsRequest,
+    "layers.KnownDiffsReply": layers.KnownDiffsReply,
     "layers.ListRequest": layers.ListRequest,
     "layers.LayerList": layers.LayerList,
     "layers.GetRequest": layers.GetRequest,

@@ -29,6 +29,7 @@ GET = "layer.v1.get"
 REMOVE = "layer.v1.remove"
 PUSH = "layer.v1.push"  # copy a layer (and the images under it) from this cluster's store to another's
 PULL = "layer.v1.pull"  # and back
+KNOWN_DIFFS = "layer.v1.diffs"  # which OCI layers (by diff id) the store has: an import sends only the others
 
 SERVICE = "layer-cache"
 QUEUE_GROUP = "layer-cache"
@@ -204,6 +205,15 @@ class BuildReply(msgspec.Struct, frozen=True, kw_only=True):
     seconds: float
     node: str = ""  # the node that built it (and so already caches it)
     reused: list[str] = []  # an image's layers the store already held (built from the same diff id)
+    upload_bytes: int = 0  # the size of what the client sent (an import leaves out the layers the store has)
+
+
+class KnownDiffsRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    diff_ids: Annotated[list[Digest], Meta(max_length=MAX_STACK)]
+
+
+class KnownDiffsReply(msgspec.Struct, frozen=True, kw_only=True):
+    known: list[str]  # those of the asked diff ids the store has a layer for
 
 
 class ListRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

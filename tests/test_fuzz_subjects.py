@@ -72,6 +72,7 @@ SUBJECTS = [
     Subject("layer-cache", layers.REMOVE, layers.RemoveRequest, {"ref": "fuzz-none"}, on_node=False),
     Subject("layer-cache", layers.PUSH, layers.TransferRequest, {}, on_node=False),
     Subject("layer-cache", layers.PULL, layers.TransferRequest, {}, on_node=False),
+    Subject("layer-cache", layers.KNOWN_DIFFS, layers.KnownDiffsRequest, {"diff_ids": []}, on_node=False),
     # layer-cache, this node
     Subject("layer-cache", layers.ROOTFS_COMPOSE, layers.ComposeRequest, {"sandbox_id": "sb-fuzz-none",
                                                                            "layers": ["fuzz-none"]}),

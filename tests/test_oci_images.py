@@ -5,6 +5,7 @@ layer per OCI layer shared by diff id, whiteouts as the image reads, the image c
 
 from __future__ import annotations
 
+import gzip
 import os
 import secrets
 import shutil
@@ -160,6 +161,11 @@ async def test_two_images_sharing_a_base_share_its_layer_and_its_bytes(fleet, pl
         added = {k: v for k, v in (await _store_bytes(fleet)).items() if k not in before}
         own = second.layer.stack[1]
         assert set(added) == {own.digest, own.digest + ".chunks"}, "only the image's own layer is stored"
+        # And only its own layer was sent: the base's blob stayed out of the upload.
+        with tarfile.open(archive) as t:  # the base's blob as the archive holds it (gzip)
+            base_blob = t.getmember(f"blobs/sha256/{sha(gzip.compress(base_layer, mtime=0)).split(':')[1]}").size
+        assert second.upload_bytes <= archive.stat().st_size - base_blob, (second.upload_bytes, base_blob)
+        assert first.upload_bytes > base_blob  # the first import sent it
         # The base is one cached image and one mount on the node for both images' sandboxes.
         a = await fleet.create(layers=[first.layer.name])
         b = await fleet.create(layers=[name])
@@ -193,6 +199,23 @@ async def test_docker_save_archives_and_oci_layout_directories_import_alike(flee
         assert reply.stored is False, "the same layers as an image already imported: nothing new stored"
     finally:
         await layers.remove(name)
+
+
+async def test_an_archive_lacking_a_layer_the_store_does_not_have_is_refused_and_stores_nothing(fleet, tmp_path):
+    """A blob may be left out only where the store has its diff id (what the SDK's copy does)."""
+    from sandfleet import oci_archive
+
+    unknown = layer_of_members([file_member("only-here", secrets.token_bytes(64))])
+    full = Image([unknown], {"Env": ["PATH=/bin"]}).oci_archive(tmp_path / "full.tar")
+    thin = tmp_path / "thin.tar"
+    oci_archive.copy_without(full, thin, oci_archive.read_archive(full).layers)
+    before = await _store_bytes(fleet)
+    bus = fleet.bus
+    upload = await Layers(bus)._upload(thin)  # sent as it is: the SDK itself would have sent the blob
+    with pytest.raises(errors.InvalidRequest, match="lacks layer .* no layer of its diff id"):
+        await Layers(bus)._build(_name("thin"), {"type": "image", "upload": upload, "filename": "thin.tar"},
+                                 None, (), "lz4", 120)
+    assert await _store_bytes(fleet) == before
 
 
 async def test_a_registry_reference_is_refused_with_what_to_do_instead(fleet):

@@ -69,6 +69,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
                 Endpoint("build", layers.BUILD, layers.BuildRequest, h(handlers.build, deps)),
                 Endpoint("list", layers.LIST, layers.ListRequest, h(handlers.list_layers, deps)),
                 Endpoint("get", layers.GET, layers.GetRequest, h(handlers.get, deps)),
+                Endpoint("known-diffs", layers.KNOWN_DIFFS, layers.KnownDiffsRequest, h(handlers.known_diffs, deps)),
                 Endpoint("remove", layers.REMOVE, layers.RemoveRequest, h(handlers.remove, deps)),
                 Endpoint("push", layers.PUSH, layers.TransferRequest, h(transfer.push, store, layout.builds)),
                 Endpoint("pull", layers.PULL, layers.TransferRequest, h(transfer.pull, store, layout.builds)),

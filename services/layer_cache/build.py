@@ -260,6 +260,7 @@ class LayerBuilder:
             try:
                 archive = work / "source.tar"
                 await self.store.fetch_upload(source.upload, archive)
+                sent = archive.stat().st_size
                 image, prepared = await importing.import_image(self.store, req, archive, work, req.compression)
                 layer, stored = await importing.store_image(self.store, req, image, prepared, self.node_id, started)
                 for digest, made in prepared.made.items():  # the importing node caches what it made
@@ -269,7 +270,7 @@ class LayerBuilder:
                 await asyncio.to_thread(remove_tree, work)
             await self.store.delete_upload(source.upload)
             return BuildReply(layer=layer, stored=stored, seconds=time.perf_counter() - started, node=self.node_id,
-                              reused=prepared.reused)
+                              reused=prepared.reused, upload_bytes=sent)
 
     async def _stack(self, req: BuildRequest) -> BuildReply:
         from services.layer_cache import importing

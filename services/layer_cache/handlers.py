@@ -22,6 +22,8 @@ from schemas.layers import (
     ComposeRequest,
     FetchFailed,
     GetRequest,
+    KnownDiffsReply,
+    KnownDiffsRequest,
     Layer,
     LayerList,
     ListRequest,
@@ -53,6 +55,10 @@ class Deps:
 
 async def build(deps: Deps, req: BuildRequest) -> BuildReply:
     return await deps.builder.build(req)
+
+
+async def known_diffs(deps: Deps, req: KnownDiffsRequest) -> KnownDiffsReply:
+    return KnownDiffsReply(known=[d for d in req.diff_ids if await deps.store.by_diff_id(d) is not None])
 
 
 def catalogue(refs: dict[str, Layer], name: str | None = None) -> list[Layer]:

@@ -2,7 +2,9 @@
 
 An OCI layer is built once per diff id: the `layer-diffs` KV maps a diff id to the EROFS image
 made from it, so a second image on the same base costs only its own layers, in the store and
-(same digest, same mount) in every node's cache and page cache. An import is all or nothing:
+(same digest, same mount) in every node's cache and page cache; the SDK asks which diff ids the
+store has (`layer.v1.diffs`) and leaves their blobs out of what it sends, and a blob left out is
+taken as the store's layer of that diff id, which the config names (and nothing else). An import is all or nothing:
 every blob is hashed first, every new layer is unpacked and made an image in the work
 directory, and only then is anything stored or recorded, so a bad layer or a bomb in the
 fifth layer leaves the store as it was.
@@ -25,7 +27,7 @@ from pathlib import Path
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
 from schemas.layers import BuildReply, BuildRequest, ImageConfig, ImageSource, Layer, StackLayer, StackSource
-from services.layer_cache import oci
+from sandfleet import oci_archive as oci
 from services.layer_cache.build import make_image, sha256_file, unpack
 from services.layer_cache.store import LayerStore
 
@@ -59,12 +61,17 @@ async def import_image(store: LayerStore, req: BuildRequest, archive: Path, work
     try:
         names = await asyncio.to_thread(oci.member_names, outer)
         image = await asyncio.to_thread(oci.read_image, outer, names)
+        known_diffs = {layer.diff_id: await store.by_diff_id(layer.diff_id) for layer in image.layers}
         for layer in image.layers:
-            await asyncio.to_thread(oci.check_blob, outer, names, layer)
+            if oci.has_blob(names, layer):
+                await asyncio.to_thread(oci.check_blob, outer, names, layer)
+            elif known_diffs[layer.diff_id] is None:
+                raise oci.ImageError(f"the archive lacks layer {layer.member} and the store has no layer of "
+                                     f"its diff id {layer.diff_id}")
         prepared = Prepared()
         made_by_diff: dict[str, StackLayer] = {}  # an image listing one layer twice makes it once
         for index, layer in enumerate(image.layers):
-            known = made_by_diff.get(layer.diff_id) or await store.by_diff_id(layer.diff_id)
+            known = made_by_diff.get(layer.diff_id) or known_diffs[layer.diff_id]
             if known is not None:
                 prepared.parts.append(StackLayer(digest=known.digest, size=known.size, diff_id=layer.diff_id,
                                                  created_by=layer.created_by))

@@ -1,4 +1,6 @@
 """Reading an OCI image from an archive: its layers, checked against their digests, and its config.
+The layer-cache's import reads the whole of it; the SDK reads its documents (no layer bytes) to
+ask which layers the store has, and sends a copy without them (`copy_without`).
 
 An upload is a tar: an OCI image layout (`oci-layout`, `index.json`, `blobs/`: `skopeo copy ...
 oci-archive:`, a layout directory the client tarred, or the newer `docker save`) or a `docker
@@ -256,6 +258,26 @@ def extract_layer(outer: tarfile.TarFile, names: dict[str, str], layer: OciLayer
     if "sha256:" + plain.hexdigest() != layer.diff_id:
         raise ImageError(f"layer {layer.member} does not match its diff id {layer.diff_id}")
     return written
+
+
+def has_blob(names: dict[str, str], layer: OciLayer) -> bool:
+    return _key(layer.member) in names
+
+
+def read_archive(path: Path) -> OciImage:
+    """The image documents of the archive at `path` (its layers' bytes are not read)."""
+    with tarfile.open(path, "r:") as outer:
+        return read_image(outer, member_names(outer))
+
+
+def copy_without(source: Path, dest: Path, layers: list[OciLayer]) -> None:
+    """Copy the archive, leaving out these layers' blobs (what the receiving store already has)."""
+    dropped = {_key(layer.member) for layer in layers}
+    with tarfile.open(source, "r:") as src, tarfile.open(dest, "w:", format=tarfile.PAX_FORMAT) as out:
+        for info in src:
+            if _key(info.name) in dropped:
+                continue
+            out.addfile(info, src.extractfile(info) if info.isreg() else None)
 
 
 def _open_blob(outer: tarfile.TarFile, names: dict[str, str], member: str) -> IO[bytes]:
