@@ -14,7 +14,9 @@ Three measurements, side by side in one run:
   3. one gang batch of `--gang` sandboxes on fresh nodes: time until placement has answered
      (every sandbox placed and recorded) and until every one is running.
 Each phase also reports the CPU seconds the bus server, placement, the simulated nodes and
-the SDK spent on it: on a shared machine rates move with the neighbours, CPU cost much less.
+the SDK spent on it (on a shared machine rates move with the neighbours, CPU cost much less),
+and the bus traffic per sandbox: messages into and out of the server, JetStream API requests,
+messages stored.
 SANDFLEET_PROFILE_PLACEMENT=/tmp/p.prof writes a cProfile of the first placement replica,
 SANDFLEET_PROFILE_SIMNODES=/tmp/s.prof one of each simulated-node process (`/tmp/s.prof.<first>`).
 """
@@ -118,6 +120,7 @@ class CpuMeter:
     the rates move with the neighbours; the CPU a phase costs does much less."""
 
     def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
         self.pids = {"nats_server": [cp.server_pid], "placement": cp.placement_pids, "simnodes": cp.simnode_pids}
 
     def now(self) -> dict[str, float]:
@@ -129,10 +132,14 @@ class CpuMeter:
         after = self.now()
         return {k: round(after[k] - before[k], 2) for k in before}
 
-    async def measure(self, phase):  # type: ignore[no-untyped-def]
-        before = self.now()
+    async def measure(self, phase, sandboxes: int):  # type: ignore[no-untyped-def]
+        """`phase`'s result, with its CPU seconds and the bus traffic it made per sandbox: messages
+        into and out of the server, JetStream API requests, messages stored."""
+        before, counts = self.now(), self.cp.server_counts()
         result = await phase
         result["cpu_s"] = self.since(before)
+        after = self.cp.server_counts()
+        result["bus_per_sandbox"] = {k: round((after[k] - counts[k]) / sandboxes, 2) for k in counts}
         return result
 
 
@@ -153,9 +160,9 @@ async def run(args: argparse.Namespace) -> dict:
                        "placement_replicas": args.replicas}
             meter = CpuMeter(cp)
             if args.n:
-                results["steady"] = await meter.measure(steady(fleet, args.n, args.batch, args.concurrency))
+                results["steady"] = await meter.measure(steady(fleet, args.n, args.batch, args.concurrency), args.n)
             if args.gang:
-                results["gang"] = await meter.measure(gang(fleet, args.gang, meter))
+                results["gang"] = await meter.measure(gang(fleet, args.gang, meter), args.gang)
         return results
     finally:
         cp.stop()
@@ -198,6 +205,10 @@ def main() -> None:
     print(f"raw request/reply in the same run: {results['raw_request_reply']['per_s']}/s; steady placements are "
           f"{results['steady']['placements_per_s'] / results['raw_request_reply']['per_s']:.2f} of it"
           if "steady" in results else "")
+    for phase in ("steady", "gang"):
+        if phase in results:
+            print(f"{phase}, bus traffic per sandbox: " + ", ".join(
+                f"{k} {v:g}" for k, v in results[phase]["bus_per_sandbox"].items()))
     print(f"written to {write_json(args.out, 'control_plane', vars(args) | {'out': str(args.out)}, results)}")
 
 
