@@ -130,12 +130,15 @@ class NodeView:
     nodes: dict[str, NodeInfo] = field(default_factory=dict)
     bookings: dict[str, NodeBooking] = field(default_factory=dict)
     limits: Limits = field(default_factory=Limits)
+    # node → (info, booking, (cpu, memory_mb) asked, limits, its free room): see `free`
+    _room: dict[str, tuple] = field(default_factory=dict, repr=False, compare=False)  # type: ignore[type-arg]
 
     def heartbeat(self, info: NodeInfo) -> None:
         self.nodes[info.id] = info
 
     def forget(self, node_id: str) -> None:
         self.nodes.pop(node_id, None)
+        self._room.pop(node_id, None)
 
     def set_booking(self, node_id: str, booking: NodeBooking | None) -> None:
         if booking is None:
@@ -156,10 +159,23 @@ class NodeView:
         return bool(lim.cpu_psi_limit) and p.cpu >= lim.cpu_psi_limit
 
     def free(self, node_id: str, spec: SandboxSpec | None = None) -> int:
-        info = self.nodes[node_id]
-        if self.pressured(node_id):
+        """How many more sandboxes of `spec` the node takes. Remembered per node until its
+        heartbeat, its booking or the size asked changes (each a new object): a plan asks every
+        node, and between two plans of a busy replica most nodes changed in nothing."""
+        info, booking = self.nodes[node_id], self.bookings.get(node_id)
+        size = (spec.cpu, spec.memory_mb) if spec is not None else None
+        known = self._room.get(node_id)
+        if known is not None and known[0] is info and known[1] is booking and known[2] == size \
+                and known[3] is self.limits:
+            return known[4]
+        room = self._free(info, booking, spec)
+        self._room[node_id] = (info, booking, size, self.limits, room)
+        return room
+
+    def _free(self, info: NodeInfo, booking: NodeBooking | None, spec: SandboxSpec | None) -> int:
+        if self.pressured(info.id):
             return 0
-        moving = in_transit(info, self.bookings.get(node_id))
+        moving = in_transit(info, booking)
         room = info.capacity - info.running - info.starting - moving.count
         if spec is not None:
             cpu_left = info.cpus * self.limits.cpu_overcommit - info.allocated_cpu - moving.cpu
