@@ -164,3 +164,20 @@ def test_the_create_request_takes_a_node_id_and_refuses_a_malformed_one():
     assert msgspec.convert({}, CreateRequest).node is None
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"node": "../etc"}, CreateRequest)
+
+
+def test_the_free_room_a_plan_remembers_follows_every_heartbeat_booking_and_size():
+    v = view(node("a", capacity=10, cpus=2, memory_mb=1024), cpu_overcommit=1.0, memory_overcommit=1.0)
+    small, large = SandboxSpec(cpu=0.1, memory_mb=16), SandboxSpec(cpu=1.0, memory_mb=16)
+    assert (v.free("a", small), v.free("a", large), v.free("a")) == (10, 2, 10)
+    v.place(small, 4, NOW)  # a new booking
+    assert (v.free("a", small), v.free("a", large)) == (6, 1)
+    v.heartbeat(node("a", capacity=10, cpus=2, memory_mb=1024, running=2, accepted=4, accepted_cpu=0.4,
+                     accepted_memory_mb=64, allocated_cpu=0.4, allocated_memory_mb=64))  # it took them, and 2 run
+    assert v.free("a", small) == 8
+    v.limits = Limits(cpu_overcommit=1.0, memory_overcommit=1.0, memory_psi_limit=0.5)
+    v.heartbeat(node("a", capacity=10, pressure=NodePressure(memory=1.0)))
+    assert v.free("a", small) == 0
+    v.forget("a")
+    v.heartbeat(node("a", capacity=3, instance="i2"))  # back, restarted: the old booking is not its
+    assert v.free("a") == 3
