@@ -14,6 +14,7 @@ own (`python -m loadtest.simnode --url URL --nodes N`), apart from the SDK that 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import secrets
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,6 +178,7 @@ class ControlPlane:
     replicas: int = 1
     env: dict[str, str] = field(default_factory=dict)  # e.g. SANDFLEET_NODE_LOST_S for placement
     url: str = ""
+    http_port: int = 0  # the server's monitoring endpoint (loopback): message counts per phase
     _dir: Path | None = None
     _procs: list[subprocess.Popen] = field(default_factory=list)
     _profiled: bool = False
@@ -183,9 +186,10 @@ class ControlPlane:
 
     async def start(self) -> ControlPlane:
         self._dir = Path(tempfile.mkdtemp(prefix="sandfleet-cp-"))
-        port = _free_port()
+        port, self.http_port = _free_port(), _free_port()
         conf = self._dir / "nats.conf"
-        conf.write_text(f'host: 127.0.0.1\nport: {port}\nmax_payload: 8MB\njetstream {{ store_dir: "{self._dir}/js" }}\n')
+        conf.write_text(f'host: 127.0.0.1\nport: {port}\nhttp: "127.0.0.1:{self.http_port}"\nmax_payload: 8MB\n'
+                        f'jetstream {{ store_dir: "{self._dir}/js" }}\n')
         server = shutil.which("nats-server", path=str(Path(sys.executable).parent)) or "nats-server"
         self._procs.append(subprocess.Popen([server, "-c", str(conf)], stdout=subprocess.DEVNULL,
                                             stderr=subprocess.DEVNULL))
@@ -203,6 +207,18 @@ class ControlPlane:
         for _ in range(self.replicas):
             self.add_replica()
         return self
+
+    def server_counts(self) -> dict[str, int]:
+        """The bus server's message and byte counters (`/varz`), and the messages its streams hold."""
+        def get(path: str) -> dict:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{path}", timeout=5) as resp:
+                return json.load(resp)
+        varz, jsz = get("/varz"), get("/jsz?streams=true")
+        streams = [s for a in jsz.get("account_details", []) for s in a.get("stream_detail", [])]
+        return {"in_msgs": varz["in_msgs"], "out_msgs": varz["out_msgs"], "in_bytes": varz["in_bytes"],
+                "out_bytes": varz["out_bytes"], "api_requests": jsz.get("api", {}).get("total", 0),
+                # every message a stream took (a KV update replaces its key's last, but was stored)
+                "stored_msgs": sum(s["state"]["last_seq"] for s in streams)}
 
     @property
     def server_pid(self) -> int:

@@ -330,6 +330,13 @@ def _on_batch_reply(waiting: _Batch, msg: Msg) -> None:
 
 
 def _on_ingest_frame(waiting: _Ingest, msg: Msg) -> None:
+    status = (msg.headers or {}).get("Status")
+    if status:  # no frame: the server's own answer, e.g. 503 when no stream takes the subjects
+        if not waiting.error:
+            waiting.error = f"status {status} {(msg.headers or {}).get('Description', '')}".rstrip()
+        if not waiting.done.done():
+            waiting.done.set_result(None)
+        return
     frame = _ingest_frame.decode(msg.data)
     if frame.error is not None and not waiting.error:
         waiting.error = ("disabled" if frame.error.err_code == _BATCH_DISABLED

@@ -9,10 +9,11 @@ Batches of records go through `BatchedJetStream`, one burst of writes for a whol
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -146,6 +147,28 @@ class SandboxStore:
         if refused:
             raise BatchRefused({firsts[n][0].id: why for n, why in refused.items()})
         return [(r, revision) for (r, _), revision in zip(firsts, revisions)]
+
+    async def record_many(self, batch: list[SandboxRecord], timeout: float = 30.0
+                          ) -> tuple[list[tuple[SandboxRecord, int]], Callable[[], Awaitable[None]]]:
+        """`create_many` in two steps, for a caller that may answer once the records are stored:
+        returns when they are, with `announce`, which stores their first events (one wait for
+        the acks; raises if refused or unanswered) and must be awaited before any sandbox of the
+        batch is handed on, so no later event of one can come before its first. Sent one after
+        the other, the events no longer compete with the records for the server, and none is
+        stored for a record that was not. Records refused (BatchRefused) have no event; the
+        written ones of that batch get theirs first, so their trail is whole when it ends."""
+        firsts = [records.first(r) for r in batch]
+        revisions, refused = await self.jetstream.kv_write_many(
+            sandbox.KV_BUCKET, [(r.id, encode(r), 0) for r, _ in firsts], timeout)
+
+        async def announce() -> None:
+            await self.publisher.publish_many([e for n, (_, e) in enumerate(firsts) if n not in refused], timeout)
+
+        if refused:
+            with contextlib.suppress(errors.ServiceError, errors.SandfleetError, nats.errors.Error):
+                await announce()
+            raise BatchRefused({firsts[n][0].id: why for n, why in refused.items()})
+        return [(r, revision) for (r, _), revision in zip(firsts, revisions)], announce
 
     async def transition_many(self, sandbox_ids: list[str], new: State, reason: Reason = Reason.NONE,
                               detail: str = "", known: dict[str, tuple[SandboxRecord, int]] | None = None

@@ -164,3 +164,35 @@ def test_the_create_request_takes_a_node_id_and_refuses_a_malformed_one():
     assert msgspec.convert({}, CreateRequest).node is None
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"node": "../etc"}, CreateRequest)
+
+
+def _room(v: NodeView, spec: SandboxSpec) -> int:
+    """The most sandboxes of `spec` a plan places now (one more is refused)."""
+    total = sum(v.free(n, spec) for n in v.nodes)
+    assert sum(v.plan(spec, total, NOW).values()) == total if total else True
+    with pytest.raises(NoCapacity):
+        v.plan(spec, total + 1, NOW)
+    return total
+
+
+def test_the_room_a_plan_remembers_follows_every_heartbeat_booking_size_layer_and_limit():
+    v = view(node("a", capacity=10, cpus=2, memory_mb=1024), node("b", capacity=4, layers=("base",)),
+             cpu_overcommit=1.0, memory_overcommit=1.0)
+    small, large = SandboxSpec(cpu=0.1, memory_mb=16), SandboxSpec(cpu=1.0, memory_mb=16)
+    assert (_room(v, small), _room(v, large)) == (14, 4)  # each: what a plan from scratch finds
+    v.place(small, 4, NOW)  # a new booking on both
+    assert (_room(v, small), _room(v, large)) == (10, 2)
+    v.heartbeat(node("a", capacity=10, cpus=2, memory_mb=1024, running=5, accepted=3, accepted_cpu=0.3,
+                     accepted_memory_mb=48, allocated_cpu=0.5, allocated_memory_mb=80))  # it took them, and more run
+    assert (_room(v, small), _room(v, large)) == (8, 2)
+    layered = SandboxSpec(cpu=0.1, memory_mb=16, layers=["base"])
+    assert next(iter(v.plan(layered, 1, NOW))) == "b"  # the node holding the layer first
+    v.heartbeat(node("b", capacity=4))  # it dropped the layer
+    v.heartbeat(node("a", capacity=10, layers=("base",)))  # and this one has it
+    assert next(iter(v.plan(layered, 1, NOW))) == "a"
+    v.limits = Limits(cpu_overcommit=1.0, memory_overcommit=1.0, memory_psi_limit=0.5)
+    v.heartbeat(node("a", capacity=10, pressure=NodePressure(memory=1.0)))
+    assert _room(v, small) == v.free("b", small) and v.free("a", small) == 0
+    v.forget("a")
+    v.heartbeat(node("a", capacity=3, instance="i2"))  # back, restarted: the old booking is not its
+    assert v.free("a", small) == 3

@@ -388,3 +388,26 @@ async def test_a_batch_that_was_never_recorded_still_ends_its_sandboxes_event_tr
     assert await _names(fleet, record.id) == ["scheduled", "failed"]
     with pytest.raises(errors.ServiceError):  # and still no record
         await store.get(record.id)
+
+
+async def test_a_gang_batch_whose_events_cannot_be_stored_is_answered_and_never_launched(plane, nodes):
+    # A large gang batch is answered once its records are stored; its `scheduled` events follow,
+    # before any launch. If the server refuses them, no sandbox of the batch may reach a node.
+    _, bus, store, _ = plane
+    sim = await nodes.add("unannounced", capacity=600)
+    view = NodeView()
+    view.heartbeat(sim.info())
+    deps = Deps(bus=bus, store=SandboxStore(bus, store.kv), nodes=view)
+    info = await bus.js.stream_info(events.STREAM)
+    # For a moment the stream takes only `failed` events: the batch's first events find none.
+    await bus.js.update_stream(dataclasses.replace(info.config, subjects=[events.sandbox_subject("*", "failed")]))
+    try:
+        reply = await create_many(deps, CreateManyRequest(count=501, spec=SandboxSpec(cpu=0.01, memory_mb=16),
+                                                          wait=False))
+        await asyncio.gather(*deps.launches)
+    finally:
+        await bus.js.update_stream(info.config)
+    ids = [i for p in reply.placements for i in p.ids]
+    assert len(ids) == 501 and sim.accepted == 0 and not sim.live
+    recorded = await store.read_many(ids)
+    assert sorted(recorded) == sorted(ids) and {r.state for r, _ in recorded.values()} == {State.FAILED}

@@ -12,7 +12,7 @@ import pytest
 from sandfleet.bus import Bus
 from sandfleet.event_publisher import NullEventPublisher, messages
 from sandfleet.records import first, lifecycle_event
-from sandfleet.store import SandboxStore, ensure_state
+from sandfleet.store import BatchRefused, SandboxStore, ensure_state
 from schemas import events
 from schemas.sandbox import SandboxRecord, SandboxSpec, State
 from tests.natsd import bare_nats_server
@@ -84,3 +84,27 @@ async def test_a_store_with_the_null_publisher_changes_records_and_stores_no_eve
     assert [(await quiet.get(r.id))[0].state for r in [one, *batch]] == [State.STARTING, State.RUNNING, State.RUNNING]
     for record in [one, *batch]:
         assert await _stored(bus, record.id) == []
+
+
+async def test_records_stored_before_their_events_get_them_only_when_announced(bus):
+    store = await SandboxStore.open(bus)
+    batch = _new(3, "later")
+    stored, announce = await store.record_many(batch)
+    assert [(await store.get(r.id)) for r in batch] == stored  # written, with their revisions
+    assert [await _stored(bus, r.id) for r in batch] == [[]] * 3  # no event yet
+    await announce()
+    for record in batch:
+        assert [i for _, _, i in await _stored(bus, record.id)] == [f"{record.id}:1"]
+
+
+async def test_a_refused_record_gets_no_event_and_the_written_ones_of_its_batch_get_theirs(bus):
+    store = await SandboxStore.open(bus)
+    (existing,) = _new(1, "taken")
+    await store.create(existing)
+    fresh = _new(2, "besides")
+    with pytest.raises(BatchRefused) as refused:
+        await store.record_many([fresh[0], existing, fresh[1]])
+    assert list(refused.value.refused) == [existing.id]
+    for record in fresh:
+        assert [i for _, _, i in await _stored(bus, record.id)] == [f"{record.id}:1"]
+    assert [i for _, _, i in await _stored(bus, existing.id)] == [f"{existing.id}:1"]  # its own, once

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -96,10 +97,15 @@ def _check_allow(spec: SandboxSpec) -> None:
 Stored = tuple[SandboxRecord, int]  # a record and its KV revision
 
 
-async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = None,
-                 restored_from: str = "") -> dict[str, list[Stored]]:
+Announce = Callable[[], Awaitable[bool]]  # stores a batch's first events; False: it could not, the batch is given back
+
+
+async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = None, restored_from: str = "",
+                 announce_later: bool = False) -> tuple[dict[str, list[Stored]], Announce | None]:
     """Admit, book and record `count` sandboxes (on `node` only, if given): node → its `scheduled`
-    records and revisions."""
+    records and revisions. `announce_later`: return once the records are stored, with what
+    stores their `scheduled` events, to await before handing any of them to a node (a gang
+    batch is answered first: its events then do not hold the answer back)."""
     _check_allow(spec)
     now = time.time()
     quota_keys = await deps.quotas.admit(spec, count, now) if deps.quotas else []
@@ -122,12 +128,24 @@ async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = N
     try:
         if deps.quotas and quota_keys:
             await deps.quotas.remember([r.id for r in records], quota_keys)
-        stored = await deps.store.create_many(records)
+        if announce_later:
+            stored, store_events = await deps.store.record_many(records)
+        else:
+            stored, store_events = await deps.store.create_many(records), None
     except (ServiceError, errors.SandfleetError, OSError) as exc:
         await _unplace(deps, spec, plan, records, quota_keys, exc)
         raise ServiceError(ErrorCode.INTERNAL, f"could not record the batch: {exc}") from None
     by_id = {r.id: (r, revision) for r, revision in stored}
-    return {n: [by_id[r.id] for r in rs] for n, rs in placed.items()}
+    announce: Announce | None = None
+    if store_events is not None:
+        async def announce() -> bool:
+            try:
+                await store_events()
+                return True
+            except (ServiceError, errors.SandfleetError, OSError) as exc:
+                await _unplace(deps, spec, plan, records, quota_keys, exc)
+                return False
+    return {n: [by_id[r.id] for r in rs] for n, rs in placed.items()}, announce
 
 
 async def _unplace(deps: Deps, spec, plan, records, quota_keys, exc) -> None:  # type: ignore[no-untyped-def]
@@ -155,7 +173,7 @@ async def create(deps: Deps, req: CreateRequest) -> CreateReply:
     started, outcome = time.monotonic(), "failed"
     try:
         spec = _spec_of(req)
-        placed = await _place(deps, spec, 1, req.node)
+        placed, _ = await _place(deps, spec, 1, req.node)
         ((node_id, records),) = placed.items()
         record = records[0][0]
         telemetry.current_attributes(telemetry.sandbox_attributes(record.id, node_id, spec))
@@ -172,14 +190,17 @@ async def create(deps: Deps, req: CreateRequest) -> CreateReply:
 
 async def create_many(deps: Deps, req: CreateManyRequest) -> CreateManyReply:
     started = time.monotonic()
-    placed = await _place(deps, req.spec, req.count)
+    # A large gang batch is answered once its records are stored: its events follow them
+    # (before any launch), instead of sharing the server with them while the caller waits.
+    placed, announce = await _place(deps, req.spec, req.count, announce_later=not req.wait and req.count > LAUNCH_CHUNK)
     launches = [
         (node_id, _launch_on(deps, node_id, records[start : start + LAUNCH_CHUNK], waited=req.wait))
         for node_id, records in placed.items()
         for start in range(0, len(records), LAUNCH_CHUNK)
     ]
     if not req.wait:
-        task = asyncio.create_task(_launch_after_reply(deps, [coro for _, coro in launches]))
+        task = asyncio.create_task(_launch_after_reply(deps, [coro for _, coro in launches],
+                                                       flush_first=req.count > LAUNCH_CHUNK, announce=announce))
         deps.launches.add(task)
         task.add_done_callback(deps.launches.discard)
         return CreateManyReply(placements=[NodePlacement(node=n, ids=[r.id for r, _ in rs]) for n, rs in placed.items()])
@@ -198,14 +219,24 @@ async def create_many(deps: Deps, req: CreateManyRequest) -> CreateManyReply:
     return CreateManyReply(sandboxes=sandboxes, failed=len(failures), errors=failures[:20])
 
 
-async def _launch_after_reply(deps: Deps, launches: list) -> None:  # type: ignore[type-arg]
+async def _launch_after_reply(deps: Deps, launches: list, flush_first: bool = True,  # type: ignore[type-arg]
+                              announce: Announce | None = None) -> None:
     """A gang batch's launches, once its reply has left: the reply is queued on the connection
-    when this starts, and the flush (a PING answered after it) keeps up to ~20 MB of launch
-    requests from being encoded and written ahead of it."""
-    try:
-        await deps.bus.nc.flush()
-    except (nats.errors.Error, asyncio.TimeoutError) as exc:
-        log.warning("flush before launching a batch failed (%s); launching anyway", exc)
+    when this starts, so launches written after it reach the server after it. `flush_first`
+    (a PING answered after the reply) keeps up to ~20 MB of launch requests from being encoded
+    ahead of the reply's write; a batch of one launch request is encoded in well under a
+    millisecond, and waiting a round trip for it would lengthen every steady batch. `announce`:
+    the batch's `scheduled` events, stored after the reply has left and before any launch (if
+    they cannot be, nothing is launched and the batch ends failed)."""
+    if flush_first:
+        try:
+            await deps.bus.nc.flush()
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            log.warning("flush before launching a batch failed (%s); launching anyway", exc)
+    if announce is not None and not await announce():
+        for launch in launches:
+            launch.close()  # never started: nothing of the batch reaches a node
+        return
     await asyncio.gather(*launches)
 
 
@@ -305,7 +336,7 @@ async def _restore(deps: Deps, record: SandboxRecord) -> CreateReply:
     """A new sandbox from `record`'s latest checkpoint: its spec, on its checkpoint's layers,
     wherever placement finds room (the lost node takes nothing)."""
     spec = msgspec.structs.replace(record.spec, layers=list(record.checkpoint), host_view=False)
-    placed = await _place(deps, spec, 1, restored_from=record.id)
+    placed, _ = await _place(deps, spec, 1, restored_from=record.id)
     ((node_id, stored),) = placed.items()
     (result,) = await _launch_on(deps, node_id, stored)
     if not result.ok:

@@ -1,9 +1,9 @@
 """The booking ledger every placement replica shares (KV `node-bookings`, one key per node).
 
 A replica plans on its view, then books each node's share with a revision-checked update
-of that node's key (one for all the requests waiting, see `book`); if another replica booked
-the node meanwhile the update fails, the replica re-reads the key and plans again, so two
-replicas never hand out the same room. A batch that cannot be booked whole gives back what it booked. The same key carries
+of that node's key (one for all the requests waiting, every node's in one burst, see `book`);
+if another replica booked the node meanwhile the update fails, the replica re-reads the key
+and plans again, so two replicas never hand out the same room. A batch that cannot be booked whole gives back what it booked. The same key carries
 the mark of a lost node: the replica whose update sets `lost` fails that node's sandboxes.
 """
 
@@ -21,7 +21,9 @@ import nats.js.errors
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
+from sandfleet import errors
 from sandfleet.bus import Bus, decode, encode
+from sandfleet.jetstream import BatchedJetStream
 from schemas.node import BOOKINGS_BUCKET, NodeBooking
 from schemas.sandbox import SandboxSpec
 from services.placement.policy import NoCapacity, NodeView, NoEligibleNode, UnknownNode, booked, released
@@ -29,6 +31,7 @@ from services.placement.policy import NoCapacity, NodeView, NoEligibleNode, Unkn
 log = logging.getLogger("sandfleet.placement")
 
 ATTEMPTS = 8
+WRITE_TIMEOUT_S = 5.0  # as nats-py's request timeout the single writes had
 
 
 @dataclass
@@ -42,9 +45,10 @@ class _Request:
 
 
 class Ledger:
-    def __init__(self, kv: KeyValue, view: NodeView) -> None:
+    def __init__(self, kv: KeyValue, view: NodeView, jetstream: BatchedJetStream) -> None:
         self.kv = kv
         self.view = view
+        self.jetstream = jetstream  # a round's writes, one burst
         self.revisions: dict[str, int] = {}  # node → revision of the booking in the view
         self._booking = asyncio.Lock()
         self._waiting: list[_Request] = []
@@ -54,7 +58,7 @@ class Ledger:
         kv = await bus.js.create_key_value(
             KeyValueConfig(bucket=BOOKINGS_BUCKET, history=1, storage=StorageType.FILE, description="placement bookings")
         )
-        return cls(kv, view)
+        return cls(kv, view, BatchedJetStream(bus))
 
     def seen(self, node_id: str, booking: NodeBooking | None, revision: int) -> None:
         """A booking from the watch or a read; an older revision than one we hold is ignored."""
@@ -91,6 +95,23 @@ class Ledger:
             return False
         self.seen(node_id, booking, new)
         return True
+
+    async def _write_many(self, writes: dict[str, tuple[NodeBooking, int]]) -> dict[str, bool]:
+        """`_write` for a round's nodes, sent as one burst with one wait for the acks (not one
+        request each through nats-py): node → whether its write won."""
+        nodes = list(writes)
+        try:
+            revisions, _ = await self.jetstream.kv_write_many(
+                BOOKINGS_BUCKET, [(n, encode(b), revision) for n, (b, revision) in writes.items()], WRITE_TIMEOUT_S)
+        except (errors.ServiceError, errors.SandfleetError, nats.errors.Error):
+            revisions = [0] * len(nodes)  # unanswered: planned again on a fresh read, like a lost race
+        for node_id, revision in zip(nodes, revisions):
+            if revision:
+                self.seen(node_id, writes[node_id][0], revision)
+                continue
+            with contextlib.suppress(nats.errors.Error, nats.js.errors.Error):
+                await self.refresh(node_id)
+        return {n: bool(revision) for n, revision in zip(nodes, revisions)}
 
     async def book(self, spec: SandboxSpec, count: int, now: float, node: str | None = None) -> dict[str, int]:
         """Book `count` sandboxes over the nodes (only `node` if given), all or nothing; returns node → count.
@@ -149,8 +170,7 @@ class Ledger:
             revisions = {n: self.revisions.get(n, 0) for n in totals}
             for node_id in totals:
                 self.view.set_booking(node_id, bases.get(node_id))
-            written = dict(zip(totals, await asyncio.gather(
-                *(self._write(n, b, revisions[n]) for n, b in totals.items()))))
+            written = await self._write_many({n: (b, revisions[n]) for n, b in totals.items()}) if totals else {}
             left = []
             for r, plan in planned:
                 if plan and all(written[n] for n in plan):
