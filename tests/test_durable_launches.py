@@ -26,6 +26,7 @@ from sandfleet.layers_client import Layers
 from schemas import events
 from schemas import node as node_schema
 from schemas.node import ConfinedList, Empty
+from schemas.sandbox import CREATE_MANY, CreateManyReply, CreateManyRequest, SandboxSpec
 from services.launcher import clients
 from services.launcher.clients import RestartingService, ServiceDown
 from tests.conftest import NODE_ID, assert_nothing_left, start_platform, stop_platform
@@ -159,10 +160,10 @@ async def _confined(fleet, node_id: str) -> set[str]:
     return set(reply.sandbox_ids)
 
 
-async def _batch_through_a_kill(fleet, plat, service: str, **spec) -> tuple[list, int]:
-    """`fleet.create_many(BATCH)`, with `service` killed (-9) at the batch's first `started`
-    event; returns the batch's sandboxes (create_many raises if any failed) and how many had
-    started when the kill landed."""
+async def _batch_through_a_kill(fleet, plat, service: str, make=None, **spec) -> tuple[list, int]:
+    """`fleet.create_many(BATCH)` (or `make()`), with `service` killed (-9) at the batch's first
+    `started` event; returns the batch's sandboxes (create_many raises if any failed) and how
+    many had started when the kill landed."""
     started: set[str] = set()
     first = asyncio.Event()
 
@@ -172,7 +173,7 @@ async def _batch_through_a_kill(fleet, plat, service: str, **spec) -> tuple[list
 
     sub = await fleet.bus.nc.subscribe(events.sandbox_subject("*", "started"), cb=seen)
     await fleet.bus.nc.flush()
-    batch = asyncio.create_task(fleet.create_many(BATCH, **spec))
+    batch = asyncio.create_task(make() if make else fleet.create_many(BATCH, **spec))
     try:
         await asyncio.wait_for(first.wait(), 120)
         old = plat.service_pid(service)
@@ -226,4 +227,20 @@ async def test_layer_cache_killed_mid_batch_builds_all_of_it_once(fleet, plat, b
     assert ran < BATCH, "the kill landed after the whole batch had started"
     for b in boxes[:5]:  # roots composed before and after the kill both read
         assert (await b.exec(["cat", "/etc/hostname"])).stdout == b"base\n"
+    await _each_once_then_nothing(fleet, plat, boxes)
+
+
+async def test_a_waited_batch_whose_launcher_was_killed_under_it_is_answered_with_what_runs(fleet, plat):
+    """A caller waiting for the launch (`wait=True`, as a single create does) never hears back
+    from the killed launcher; placement then answers with what the records say once the
+    restarted launcher has built them: all of them, none reported failed while it runs."""
+    async def waited() -> list:
+        request = CreateManyRequest(count=BATCH, spec=SandboxSpec(**SMALL), wait=True)
+        reply = await fleet.bus.request(CREATE_MANY, request, CreateManyReply, timeout=120)
+        assert (reply.failed, reply.errors) == (0, []), reply.errors
+        return [await fleet.sandbox(s.id) for s in reply.sandboxes]
+
+    boxes, ran = await _batch_through_a_kill(fleet, plat, "launcher", make=waited)
+    print(f"launcher killed under a waited batch with {ran} of {BATCH} started")
+    assert ran < BATCH, "the kill landed after the whole batch had started"
     await _each_once_then_nothing(fleet, plat, boxes)

@@ -107,6 +107,9 @@ class RestartingService:
         lost = asyncio.ensure_future(gone.wait())
         try:
             await asyncio.wait((request, lost), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the caller was cancelled: so is its request
+            request.cancel()
+            raise
         finally:
             lost.cancel()
         if request.done():
