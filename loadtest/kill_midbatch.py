@@ -55,7 +55,8 @@ async def one_batch(fleet: sandfleet.Fleet, data_dir: Path, node_id: str, servic
     label = f"kill-{service or 'none'}-{time.time_ns()}"
     started = time.perf_counter()
     batch = asyncio.create_task(fleet.create_many(args.n, isolation=args.isolation, layers=[LAYER], memory_mb=32,
-                                                  cpu=0.01, labels={"bench": label}))
+                                                  cpu=0.01, labels={"bench": label},
+                                                  request_timeout_s=args.settle_s))
     killed_at = None
     if service is not None:
         await asyncio.sleep(args.kill_after)
@@ -120,6 +121,7 @@ def main() -> int:
     ap.add_argument("--kill-after", type=float, default=1.0, help="seconds from the request to the kill")
     ap.add_argument("--isolation", default="process", choices=["process", "container"])
     ap.add_argument("--services", nargs="+", default=list(SERVICES), choices=list(SERVICES))
+    ap.add_argument("--settle-s", type=float, default=600.0, help="how long a batch may take to settle")
     ap.add_argument("--node-id", default=os.environ.get("SANDFLEET_NODE_ID", "bench-kill"))
     ap.add_argument("--out", type=Path, default=Path("results/kill_midbatch.json"))
     args = ap.parse_args()

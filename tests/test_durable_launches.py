@@ -88,6 +88,18 @@ async def test_calls_sent_before_the_service_is_found_gone_ask_again_without_wai
     assert held.asked == 2
 
 
+async def test_a_probe_finding_the_service_gone_frees_calls_that_all_wait(monkeypatch):
+    """Every call waits on a lost request (no new call comes to find the service gone): the
+    probe sent while they wait finds it for them."""
+    monkeypatch.setattr(clients, "PROBE_EVERY_S", 0.01)
+    probe = FlakyService(errors.Timeout("busy"), errors.NoResponders("gone"), *["there"] * 1000)
+    calls = RestartingService("the node agent", probe=probe.ask)
+    held = [FlakyService("hang", f"confined {n}") for n in range(3)]
+    answers = await asyncio.wait_for(asyncio.gather(*(calls.call(h.ask, budget=HANG_GUARD_S) for h in held)),
+                                     HANG_GUARD_S)
+    assert answers == ["confined 0", "confined 1", "confined 2"] and probe.asked >= 2
+
+
 async def test_a_call_gives_up_past_its_bound_with_a_typed_error():
     service = FlakyService(*[errors.NoResponders("gone")] * 1000)
     with pytest.raises(ServiceDown, match="did not answer within 0.3s") as raised:

@@ -32,7 +32,7 @@ from schemas.layers import (
     ReleaseRootfsRequest,
     Rootfs,
 )
-from schemas.node import Confinement, ConfineRequest, ReleaseReply, ReleaseRequest
+from schemas.node import Confinement, ConfinedList, ConfineRequest, Empty, ReleaseReply, ReleaseRequest
 from schemas.sandbox import SandboxSpec
 
 AGENT_TIMEOUT_S = 10.0
@@ -45,6 +45,7 @@ LAYERS_TIMEOUT_S = 30.0
 HEARTBEAT_LISTING_TIMEOUT_S = 1.0  # a heartbeat must not wait on a busy layer-cache
 RESTART_WAIT_S = 30.0  # past the request's own timeout: the supervisor's longest back-off is 5 s
 FIRST_RETRY_S, LONGEST_RETRY_S = 0.1, 1.0
+PROBE_EVERY_S = 0.5  # while calls wait: a service restarts in a second or more, so most restarts are seen
 
 T = TypeVar("T")
 
@@ -59,10 +60,15 @@ class RestartingService:
     A request whose service died is never answered, and would wait out its whole timeout. The
     moment any call finds nobody subscribed, every call sent before it is known to be lost (its
     service is gone and its successor never saw it): they stop waiting and ask again at once,
-    instead of each waiting out its timeout."""
+    instead of each waiting out its timeout. When every call is waiting (a launch's slots all
+    held by lost requests) no new call would find that out, so `probe`, if given (a cheap
+    request to the same service), is sent now and then while calls wait, to find it out for them."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, probe: Callable[[], Awaitable[object]] | None = None) -> None:
         self.what = what
+        self._probe = probe
+        self._waiting = 0  # attempts in flight
+        self._prober: asyncio.Task[None] | None = None
         self._gone = asyncio.Event()  # set (and replaced) when the service is found gone
         # Since when nobody has answered (loop time; None: it answered last). A service gone
         # longer than a restart takes is not coming back soon: calls then fail at once.
@@ -101,21 +107,41 @@ class RestartingService:
         self._gone.set()
         self._gone = asyncio.Event()
 
-    @staticmethod
-    async def _attempt(ask: Callable[[], Awaitable[T]], gone: asyncio.Event) -> T:
+    async def _attempt(self, ask: Callable[[], Awaitable[T]], gone: asyncio.Event) -> T:
         request = asyncio.ensure_future(ask())
         lost = asyncio.ensure_future(gone.wait())
+        self._waiting += 1
+        if self._probe is not None and self._prober is None:
+            self._prober = asyncio.ensure_future(self._watch(self._probe))
         try:
             await asyncio.wait((request, lost), return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # the caller was cancelled: so is its request
             request.cancel()
             raise
         finally:
+            self._waiting -= 1
             lost.cancel()
         if request.done():
             return request.result()
         request.cancel()
         raise _Lost
+
+
+    async def _watch(self, probe: Callable[[], Awaitable[object]]) -> None:
+        """Probe the service while calls wait; nobody subscribed frees them all (`found_gone`)."""
+        try:
+            while self._waiting:
+                await asyncio.sleep(PROBE_EVERY_S)
+                if not self._waiting:
+                    break
+                try:
+                    await probe()
+                except errors.NoResponders:
+                    self.found_gone()
+                except errors.SandfleetError:
+                    pass  # busy, or answering with an error: there, either way
+        finally:
+            self._prober = None
 
 
 class _Lost(Exception):
@@ -127,7 +153,10 @@ class NodeAgent:
         self.bus = bus
         self._confine = node_schema.subject(node_id, node_schema.CONFINE)
         self._release = node_schema.subject(node_id, node_schema.RELEASE)
-        self._service = RestartingService(f"the node agent of {node_id}")
+        listing = node_schema.subject(node_id, node_schema.AGENT_LIST)  # its cheapest answer: the held ids
+        self._service = RestartingService(
+            f"the node agent of {node_id}",
+            probe=lambda: self.bus.request(listing, Empty(), ConfinedList, timeout=PROBE_EVERY_S * 2))
 
     async def confine(self, sandbox_id: str, spec: SandboxSpec) -> Confinement:
         """The sandbox's confinement, made (or, for one that has it already, found again)."""
