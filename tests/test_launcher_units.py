@@ -55,9 +55,18 @@ def test_a_sandbox_whose_init_died_is_lost_on_restart():
     assert plan == decisions.Ending(State.FAILED, Reason.LOST_ON_RESTART, "was running")
 
 
+@pytest.mark.parametrize("alive", [True, False])
 @pytest.mark.parametrize("state", [State.SCHEDULED, State.STARTING])
-def test_a_sandbox_a_crash_caught_before_it_ran_is_lost_even_with_a_live_init(state):
-    plan = decisions.after_restart(record(state), True, LEVELS, ROOTS)
+def test_a_launch_a_crash_cut_short_is_built_again_whatever_init_it_left(state, alive):
+    """Issue 16 §2: the node finishes what placement handed it; an init the cut launch left is
+    not on record, so it is never adopted (recovery kills it with its confinement)."""
+    assert decisions.after_restart(record(state), alive, LEVELS, ROOTS) == decisions.Relaunch()
+    assert decisions.after_restart(record(state), alive, LEVELS, {}) == decisions.Relaunch()  # its root comes anew
+
+
+@pytest.mark.parametrize("state", [State.SCHEDULED, State.STARTING])
+def test_a_launch_of_a_level_the_node_no_longer_runs_is_lost(state):
+    plan = decisions.after_restart(record(state, isolation="container"), False, ["process"], ROOTS)
     assert plan == decisions.Ending(State.FAILED, Reason.LOST_ON_RESTART, f"was {state.value}")
 
 

@@ -89,7 +89,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
             launcher = Launcher(store=await SandboxStore.open(bus), node_id=config.node_id, drivers=drivers,
                                 agent=NodeAgent(bus, config.node_id), layers=LayerCache(bus, config.node_id),
                                 settings=settings, default_layers=config.default_layers)
-            await recovery.recover(launcher)
+            interrupted = await recovery.recover(launcher)
             metrics.RUNNING.set_function(lambda: len(launcher.live))
             metrics.CAPACITY.set_function(lambda: config.capacity)
             metrics.LAUNCH_QUEUE.set_function(lambda: len(launcher.launching) - launcher.building)
@@ -101,12 +101,15 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
                      asyncio.create_task(launcher.expire_loop()),
                      asyncio.create_task(fencing.fence_loop(launcher, settings.fence_s)),
                      asyncio.create_task(procs.sweep_loop())]
+            # Not among `tasks`: never cancelled mid-build; a stop ends what it has not built yet.
+            relaunching = asyncio.create_task(recovery.relaunch(launcher, interrupted))
             log.info("launcher serving node %s with %s (%d sandboxes re-adopted)", config.node_id, launcher.isolation,
                      len(launcher.live))
             await stop.wait()
             for task in reversed(tasks):
                 task.cancel()
             await launcher.destroy_all(Reason.NODE_SHUTDOWN)
+            await relaunching
             procs.close()
             await forwarding.close()
             await heartbeat.withdraw(bus, config.node_id)

@@ -25,6 +25,14 @@ class Readopt:
 
 
 @dataclass(frozen=True)
+class Relaunch:
+    """Build it again from its spec: placement handed it to this node and a crash cut its
+    launch short. Nothing of it ran for anyone (`running` was never written, so no caller has
+    it), and nothing of what the cut launch made is on record: an init it may have spawned is
+    killed with its confinement and the sandbox is built whole, never adopted half-made."""
+
+
+@dataclass(frozen=True)
 class Ending:
     """End the sandbox's record this way once its remains are stopped and released."""
 
@@ -35,10 +43,14 @@ class Ending:
 
 
 def after_restart(record: SandboxRecord, alive: bool, levels: Iterable[str],
-                  roots: Mapping[str, object] | None) -> Readopt | Ending:
+                  roots: Mapping[str, object] | None) -> Readopt | Relaunch | Ending:
     """What to do with one of the node's records found at start. `alive`: its recorded instance
     still runs; `roots`: the roots the layer-cache holds, by sandbox (None if it did not answer,
-    then every root counts as kept)."""
+    then every root counts as kept). A launch a crash interrupted is the node's to finish: it
+    is built again, and ends `failed` only if that build fails."""
+    levels = list(levels)
+    if record.state in (State.SCHEDULED, State.STARTING) and record.spec.isolation in levels:
+        return Relaunch()
     usable = record.state in (State.RUNNING, State.PAUSED) and alive and record.spec.isolation in levels
     if usable and not record.spec.host_view and roots is not None and record.id not in roots:
         return ending_after_restart(record, why="the layer-cache no longer holds its root")

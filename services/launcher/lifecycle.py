@@ -178,10 +178,10 @@ class Launcher:
 
     async def _release(self, sandbox_id: str, spec: SandboxSpec) -> None:
         """Give back the confinement and the composed root; the sandbox's processes are gone."""
-        await asyncio.gather(self._release_confinement(sandbox_id),
+        await asyncio.gather(self.release_confinement(sandbox_id),
                              *([] if spec.host_view else [self.release_rootfs(sandbox_id)]))
 
-    async def _release_confinement(self, sandbox_id: str) -> None:
+    async def release_confinement(self, sandbox_id: str) -> None:
         try:
             await self.agent.release(sandbox_id)
         except errors.SandfleetError as exc:

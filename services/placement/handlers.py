@@ -265,7 +265,40 @@ async def _launch_on(deps: Deps, node_id: str, stored: list[Stored], waited: boo
             await deps.ledger.release({node_id: len(records)}, records[0].spec)  # it surely took none
         await asyncio.gather(*(_fail(deps, r.id, f"node {node_id}: {exc}", Reason.LAUNCH_FAILED, only_scheduled=True)
                                for r in records))
+        if waited and isinstance(exc, errors.Timeout):
+            return await _settled_without_reply(deps, node_id, records, str(exc))
         return [node_schema.LaunchResult(id=r.id, ok=False, error=str(exc)) for r in records]
+
+
+SETTLE_WITHOUT_REPLY_S = 20.0  # past the launch's timeout (30 s and more), within the SDK's create (60 s)
+
+
+async def _settled_without_reply(deps: Deps, node_id: str, records: list[SandboxRecord], why: str
+                                 ) -> list[node_schema.LaunchResult]:
+    """A waited launch whose reply never came: its node's launcher may have died under the
+    request and, restarted, built the sandboxes it had taken (a record it had claimed is the
+    node's to finish: `starting` is never failed here). The caller is told what their records
+    say once each has settled, so a sandbox that runs is never reported failed to its creator."""
+    deadline = time.monotonic() + SETTLE_WITHOUT_REPLY_S
+    while True:
+        try:
+            now = await deps.store.read_many([r.id for r in records])
+        except (ServiceError, errors.SandfleetError) as exc:
+            log.warning("cannot read the outcome of a launch on %s: %s", node_id, exc, extra={NODE_ID: node_id})
+            now = {}
+        pending = [i for i, (r, _) in now.items() if r.state in (State.SCHEDULED, State.STARTING)]
+        if not pending or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    results = []
+    for r in records:
+        record = now[r.id][0] if r.id in now else None
+        if record is not None and record.state is State.RUNNING:
+            results.append(node_schema.LaunchResult(id=r.id, ok=True))
+        else:
+            detail = record.detail if record is not None and record.detail else why
+            results.append(node_schema.LaunchResult(id=r.id, ok=False, error=detail))
+    return results
 
 
 async def _fail(deps: Deps, sandbox_id: str, detail: str, reason: Reason, only_scheduled: bool = False) -> bool:
