@@ -3,8 +3,9 @@
 A replica plans on its view, then books each node's share with a revision-checked update
 of that node's key (one for all the requests waiting, every node's in one burst, see `book`);
 if another replica booked the node meanwhile the update fails, the replica re-reads the key
-and plans again, so two replicas never hand out the same room. A batch that cannot be booked whole gives back what it booked. The same key carries
-the mark of a lost node: the replica whose update sets `lost` fails that node's sandboxes.
+and plans again, so two replicas never hand out the same room. A batch that cannot be booked
+whole gives back what it booked. The same key carries the mark of a lost node: the replica
+whose update sets `lost` fails that node's sandboxes.
 """
 
 from __future__ import annotations
