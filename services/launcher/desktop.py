@@ -32,7 +32,7 @@ from schemas.errors import ErrorCode
 from schemas.sandbox import DesktopSpec
 from services.launcher import framebuffer
 from services.launcher.driver_errors import translated
-from services.launcher.drivers.base import Command, Driver, ExecFailed, Instance, Unsupported
+from services.launcher.drivers.base import Command, Driver, ExecFailed, Instance, RunningCommand, Unsupported
 from services.launcher.keys import LOGGER, about, tag
 from services.launcher.lifecycle import Launcher
 from services.launcher.state import Live
@@ -83,35 +83,35 @@ class XDisplay:
         self.driver, self.instance, self.sandbox_id = driver, instance, sandbox_id
         self.width, self.height = spec.width, spec.height
         self.starting = asyncio.Lock()
-        self.up = False
-        self.running: list = []  # the RunningCommands of its server and window manager
-        self.server_output = bytearray()
-        self.server_ended: int | None = None  # its wait status, once it has ended
+        self.adopted = False  # a display that answered before this launcher started one (a restart)
+        self.server: _Server | None = None  # the display server this launcher started, and its window manager
 
     # -- the display's processes ---------------------------------------------------------
 
     async def start(self) -> None:
         async with self.starting:
-            if self.up and self.server_ended is None:
+            if (self.server is not None and self.server.ended is None) or (self.server is None and self.adopted):
+                return  # it runs (a failed input is no reason to restart it under the sandbox's programs)
+            self._close()
+            if await self._geometry() == (self.width, self.height):
+                self.adopted = True
                 return
-            if not self.running and await self._geometry() == (self.width, self.height):
-                self.up = True  # started before this launcher did (a restart): it is the sandbox's
-                return
-            await self._close_running()
-            self.server_output.clear()
-            self.server_ended = None
+            server = self.server = _Server()
             argv = [SERVER, self.display, "-screen", "0", f"{self.width}x{self.height}x24", "-fbdir", FB_DIR,
                     "-nolisten", "tcp", "-noreset"]
-            self.running.append(await self._spawn(argv, self._server_said, self._server_exited))
-            await self._wait_for_server()
+            try:
+                server.running.append(await self._spawn(argv, server.said, server.exited))
+                await self._wait_for(server)
+            except BaseException:
+                self._close()
+                raise
             try:  # without it, windows open where their program says: usable, so a failure is only logged
-                self.running.append(await self._spawn(WINDOW_MANAGER, lambda _s, _d: None, lambda _w: None))
+                server.running.append(await self._spawn(WINDOW_MANAGER, lambda _s, _d: None, lambda _w: None))
             except Unsupported as exc:
                 log.warning("sandbox %s: no window manager (%s)", self.sandbox_id, exc, extra=about(self.sandbox_id))
-            self.up = True
 
     async def _spawn(self, argv: list[str], on_output: Callable[[int, bytes], None],
-                     on_exit: Callable[[int], None]):
+                     on_exit: Callable[[int], None]) -> RunningCommand:
         command = Command(argv=argv, env={"DISPLAY": self.display}, cwd="/", max_output=2 * TAIL)
         try:
             return await self.driver.spawn(self.instance, command, on_output, on_exit)
@@ -119,20 +119,12 @@ class XDisplay:
             raise Unsupported(f"cannot start {argv[0]} in the sandbox ({exc}): its layers need the desktop "
                               "stack (`sandfleet desktop layer`)") from None
 
-    def _server_said(self, _stream: int, data: bytes) -> None:
-        self.server_output += data
-        del self.server_output[:-TAIL]
-
-    def _server_exited(self, wait_status: int) -> None:
-        self.server_ended = wait_status
-        self.up = False
-
-    async def _wait_for_server(self) -> None:
+    async def _wait_for(self, server: _Server) -> None:
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
-            if self.server_ended is not None:
-                said = self.server_output.decode(errors="replace").strip().splitlines()[-3:]
-                raise Unsupported(f"the display server ended at its start (status {self.server_ended}): "
+            if server.ended is not None:
+                said = server.output.decode(errors="replace").strip().splitlines()[-3:]
+                raise Unsupported(f"the display server ended at its start (status {server.ended}): "
                                   f"{' / '.join(said) or 'nothing said'}; the sandbox's layers need the desktop "
                                   "stack (`sandfleet desktop layer`)")
             if await self._geometry() is not None:
@@ -148,14 +140,15 @@ class XDisplay:
             return None
         return int(words[0]), int(words[1])
 
-    async def _close_running(self) -> None:
-        for running in reversed(self.running):
-            running.close()
-        self.running.clear()
+    def _close(self) -> None:
+        self.adopted = False
+        if self.server is not None:
+            for running in reversed(self.server.running):
+                running.close()
+            self.server = None
 
     async def end(self) -> None:
-        self.up = False
-        await self._close_running()
+        self._close()
 
     # -- what the caller sees and does ---------------------------------------------------
 
@@ -164,11 +157,11 @@ class XDisplay:
             region.x, region.y, region.width, region.height)
         if x + w > self.width or y + h > self.height:
             raise ValueError(f"region {w}x{h} at ({x}, {y}) is not within the {self.width}x{self.height} screen")
-        data = await asyncio.to_thread(self.driver.read_file, self.instance, FB_FILE,
-                                       framebuffer.file_limit(self.width, self.height))
         try:
+            data = await asyncio.to_thread(self.driver.read_file, self.instance, FB_FILE,
+                                           framebuffer.file_limit(self.width, self.height))
             png = await asyncio.to_thread(_encode, data, self.width, self.height, x, y, w, h, level)
-        except ValueError as exc:  # the sandbox's own file: its to break, not the caller's request
+        except (ValueError, OSError) as exc:  # the sandbox's own file: its to break, not the caller's request
             raise ServiceError(ErrorCode.CONFLICT, f"the sandbox's screen is unreadable: {exc}") from None
         if len(png) > MAX_PNG:
             raise ServiceError(ErrorCode.CAPACITY, f"the screenshot is {len(png)} bytes, over the bus's limit: "
@@ -206,9 +199,25 @@ class XDisplay:
         if out.timed_out:
             raise TimeoutError(f"{argv[0]} {argv[1]} did not finish within {timeout_s:g} s")
         if out.exit_code != 0 or "No such key" in said or "Invalid" in said:
-            self.up = False  # the next request looks at the display again (and starts it if it is gone)
+            self.adopted = False  # a display this launcher did not start is looked at again next time
             raise ServiceError(ErrorCode.CONFLICT, f"the display refused {argv[1]}: {said[-300:] or out.exit_code}")
         return out
+
+
+class _Server:
+    """One start of the display server: its processes, the tail of what it said, how it ended."""
+
+    def __init__(self) -> None:
+        self.running: list[RunningCommand] = []
+        self.output = bytearray()
+        self.ended: int | None = None  # its wait status, once it has ended
+
+    def said(self, _stream: int, data: bytes) -> None:
+        self.output += data
+        del self.output[:-TAIL]
+
+    def exited(self, wait_status: int) -> None:
+        self.ended = wait_status
 
 
 def _encode(data: bytes, width: int, height: int, x: int, y: int, w: int, h: int, level: int) -> bytes:
