@@ -24,7 +24,8 @@ async def screen_info(sb: Sandbox) -> wire.ScreenInfo:
     return await sb._fleet.bus.request(sb._subject(wire.SCREEN_INFO), req, wire.ScreenInfo, timeout=TIMEOUT_S)
 
 
-async def screenshot(sb: Sandbox, region: tuple[int, int, int, int] | None, compression: int) -> tuple[wire.Screenshot, bytes]:
+async def screenshot(sb: Sandbox, region: tuple[int, int, int, int] | None,
+                     compression: int) -> tuple[wire.Screenshot, bytes]:
     raw = dict(sandbox_id=sb.id, compression=compression)
     if region is not None:
         x, y, width, height = region

@@ -78,8 +78,8 @@ def chord_keysyms(chord: str) -> str:
     elif key.lower() in KEYS:
         keysym = KEYS[key.lower()]
     else:
-        raise ValueError(f"key chord {chord!r}: unknown key name {key!r} (a letter, a digit, or one of "
-                         "Return Tab Escape BackSpace Delete Home End Page_Up Page_Down Left Right Up Down F1..F24 ...)")
+        raise ValueError(f"key chord {chord!r}: unknown key name {key!r} (a letter, a digit, or one of Return "
+                         "Tab Escape BackSpace Delete Home End Page_Up Page_Down Left Right Up Down F1..F24 ...)")
     return "+".join([*(MODIFIERS[m.lower()] for m in mods), keysym])
 
 

@@ -52,11 +52,11 @@ PAGE = """<!doctype html><html><body style="margin:0;overflow:hidden">
 # -- without a platform: the framebuffer decoder, PNG, key chords -----------------------------
 
 
-def _xwd(width: int, height: int, pixel: bytes, *, order: str = ">", byte_order: int = 0, masks=(0xFF0000, 0xFF00, 0xFF),
-         ncolors: int = 2, **override) -> bytes:
+def _xwd(width: int, height: int, pixel: bytes, *, order: str = ">", byte_order: int = 0,
+         masks=(0xFF0000, 0xFF00, 0xFF), ncolors: int = 2, **override) -> bytes:
     """An XWD file as Xvfb keeps its screen (header, window name, colormap, pixels), every pixel `pixel`."""
-    fields = dict(header_size=104, version=7, fmt=2, depth=24, width=width, height=height, xoff=0, byte_order=byte_order,
-                  unit=32, bit_order=0, pad=32, bpp=32, stride=width * 4, visual=4, red=masks[0], green=masks[1],
+    fields = dict(header_size=104, version=7, fmt=2, depth=24, width=width, height=height, xoff=0,
+                  byte_order=byte_order, unit=32, bit_order=0, pad=32, bpp=32, stride=width * 4, visual=4, red=masks[0], green=masks[1],
                   blue=masks[2], bits_rgb=8, entries=256, ncolors=ncolors, ww=width, wh=height, wx=0, wy=0, border=0)
     fields.update(override)
     header = struct.pack(f"{order}25I", *fields.values()) + b"Xvfb"
@@ -98,7 +98,8 @@ def test_a_forged_framebuffer_file_is_refused_never_read_past():
     forged = {
         "short": good[:50], "truncated pixels": good[:-1], "not xwd": b"\0" * 400,
         "another size": _xwd(9, 8, b"\0" * 4), "16 bits a pixel": _xwd(8, 8, b"\0" * 4, bpp=16),
-        "huge header": _xwd(8, 8, b"\0" * 4, header_size=1 << 30), "huge colormap": _xwd(8, 8, b"\0" * 4, ncolors=1 << 31),
+        "huge header": _xwd(8, 8, b"\0" * 4, header_size=1 << 30),
+        "huge colormap": _xwd(8, 8, b"\0" * 4, ncolors=1 << 31),
         "huge rows": _xwd(8, 8, b"\0" * 4, stride=1 << 30), "narrow rows": _xwd(8, 8, b"\0" * 4, stride=8),
         "overlapping masks": _xwd(8, 8, b"\0" * 4, masks=(0xFF, 0xFF, 0xFF00)),
         "odd mask": _xwd(8, 8, b"\0" * 4, masks=(0xF0F0, 0xFF00, 0xFF)),
@@ -115,7 +116,8 @@ def test_a_forged_framebuffer_file_is_refused_never_read_past():
 
 
 def test_key_chords_name_known_keys_or_are_refused_before_anything_is_sent():
-    assert [wire.chord_keysyms(c) for c in ("ctrl+L", "Return", "shift+tab", "alt+F4", "ctrl+shift+t", "a", "A", "/")] == [
+    chords = ("ctrl+L", "Return", "shift+tab", "alt+F4", "ctrl+shift+t", "a", "A", "/")
+    assert [wire.chord_keysyms(c) for c in chords] == [
         "ctrl+l", "Return", "shift+Tab", "alt+F4", "ctrl+shift+t", "a", "A", "slash"]
     for bad in ("", "+", "ctrl+", "ctrl++", "hyper+a", "foo", "ctrl+foo", "é", "Return Tab", "ctrl+a+b"):
         with pytest.raises(ValueError):
@@ -189,7 +191,8 @@ async def test_chromium_on_the_sandbox_screen_changes_when_clicked_typed_into_an
     # Clicked on the left, looked at on the right: the pointer (drawn into the framebuffer), the
     # button's label and the typed text stay clear of where the colour is read.
     w, h = SCREEN.width, SCREEN.height
-    button, button_seen, field, field_seen = (w // 4, h // 4), (w * 7 // 8, h // 8), (w // 4, h * 3 // 4), (w * 7 // 8, h * 7 // 8)
+    button, button_seen = (w // 4, h // 4), (w * 7 // 8, h // 8)
+    field, field_seen = (w // 4, h * 3 // 4), (w * 7 // 8, h * 7 // 8)
     await _until(desk, *button_seen, BLUE)  # the page is up
     whole = await desk.screenshot()
     assert _decode_png(whole)[:2] == (w, h)

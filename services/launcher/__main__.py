@@ -17,7 +17,8 @@ from schemas import node as node_schema
 from schemas import process as proc_schema
 from schemas.node import MAX_FILE_BYTES
 from schemas.sandbox import Reason
-from services.launcher import desktop, fencing, files, handlers, health, heartbeat, pausing, processes, ptys, recovery, tunnels
+from services.launcher import fencing, files, handlers, health, heartbeat, pausing, processes, ptys, recovery, tunnels
+from services.launcher import desktop
 from services.launcher.clients import LayerCache, NodeAgent
 from services.launcher.drivers import Drivers
 from services.launcher.keys import LOGGER

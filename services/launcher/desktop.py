@@ -22,7 +22,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from sandfleet.bus import Endpoint, Raw
 from sandfleet.errors import ServiceError
@@ -34,8 +34,10 @@ from services.launcher import framebuffer
 from services.launcher.driver_errors import translated
 from services.launcher.drivers.base import Command, Driver, ExecFailed, Instance, RunningCommand, Unsupported
 from services.launcher.keys import LOGGER, about, tag
-from services.launcher.lifecycle import Launcher
-from services.launcher.state import Live
+
+if TYPE_CHECKING:  # not at run time: the launch path (lifecycle) may call `ensure` without a cycle
+    from services.launcher.lifecycle import Launcher
+    from services.launcher.state import Live
 
 log = logging.getLogger(LOGGER)
 
@@ -242,8 +244,8 @@ async def ensure(launcher: Launcher, sandbox_id: str) -> Screen:
         raise ServiceError(ErrorCode.UNSUPPORTED, f"sandbox {sandbox_id} has no desktop: create it with "
                                                   "desktop=DesktopSpec(width, height) over the desktop layer")
     if live.quarantined or live.paused:
-        raise ServiceError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {'quarantined' if live.quarantined else 'paused'}: "
-                                               "its screen does not change")
+        state = "quarantined" if live.quarantined else "paused"
+        raise ServiceError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {state}: its screen does not change")
     screen = live.attached.get(NAME)
     if screen is None:
         screen = live.attached[NAME] = _screen_of(live)  # type: ignore[assignment]

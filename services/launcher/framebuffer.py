@@ -49,7 +49,8 @@ def parse_xwd(data: bytes, width: int, height: int) -> Framebuffer:
     if (pix_width, pix_height) != (width, height):
         raise ValueError(f"the framebuffer is {pix_width}x{pix_height}, not the screen's {width}x{height}")
     if pixmap_format != Z_PIXMAP or bits_per_pixel != 32:
-        raise ValueError(f"the framebuffer has format {pixmap_format} at {bits_per_pixel} bits a pixel, not ZPixmap at 32")
+        raise ValueError(f"the framebuffer has format {pixmap_format} at {bits_per_pixel} bits a pixel, "
+                         "not ZPixmap at 32")
     if not HEADER_FIELDS * 4 <= header_size <= MAX_HEADER or ncolors > MAX_COLORS:
         raise ValueError(f"the framebuffer's header is {header_size} bytes with {ncolors} colours")
     if not width * 4 <= stride <= width * 4 + 64:
