@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
+import subprocess
+import sys
 import time
 import zlib
 
@@ -33,6 +35,7 @@ from schemas import sandbox
 from schemas.errors import ErrorCode
 from schemas.sandbox import DesktopSpec
 from services.launcher import framebuffer
+from tests.conftest import ROOT
 from tests.kernel import require
 from tests.layer_trees import busybox_layer
 
@@ -249,3 +252,18 @@ async def test_bad_screen_input_is_refused_typed_and_changes_nothing(fleet, desk
             await bare.screen_info()
     finally:
         await bare.destroy()
+
+
+async def test_the_cli_writes_a_screenshot_and_presses_keys(platform, desk, tmp_path):
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        # `python -m sandfleet.cli_desktop` is `sandfleet desktop` before the main CLI registers it.
+        return subprocess.run([sys.executable, "-m", "sandfleet.cli_desktop", "desktop", *args, "--nats", platform.url],
+                              env=platform.env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+    shot = await asyncio.to_thread(cli, "shot", desk.id, "-o", str(tmp_path / "s.png"), "--region", "0,0,64,32")
+    assert shot.returncode == 0, shot.stderr
+    assert _decode_png((tmp_path / "s.png").read_bytes())[:2] == (64, 32)
+    pressed = await asyncio.to_thread(cli, "keys", desk.id, "Escape")
+    assert pressed.returncode == 0 and "duration_ms" in pressed.stdout, pressed.stderr
+    refused = await asyncio.to_thread(cli, "keys", desk.id, "ctrl+nokey")
+    assert refused.returncode == 2 and "InvalidRequest" in refused.stderr, refused.stderr
