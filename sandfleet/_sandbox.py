@@ -6,7 +6,7 @@ from __future__ import annotations
 import secrets
 from typing import TYPE_CHECKING
 
-from sandfleet import _files, _health, _processes, _pty, errors
+from sandfleet import _desktop, _files, _health, _processes, _pty, errors
 from sandfleet._ports import Forward
 from sandfleet._processes import OutputCallback, Process
 from sandfleet._requests import _convert
@@ -15,6 +15,8 @@ from schemas.sandbox import SandboxRecord
 
 if TYPE_CHECKING:
     import os
+
+    from schemas.desktop import InputDone, Screenshot, ScreenInfo
 
     from sandfleet.client import Fleet
     from schemas.files import TransferDone
@@ -190,3 +192,35 @@ class Sandbox:
     def terminal(self, pid: int) -> _pty.Terminal:
         """A handle on terminal `pid` (from this client or any other); `process(pid)` works too."""
         return _pty.Terminal(self, pid)
+
+    # -- computer use: the sandbox's screen (sandfleet/_desktop.py) --------------------------
+
+    async def screen_info(self) -> ScreenInfo:
+        """Its screen's DISPLAY (for the programs it runs) and size, the display started if it was
+        not yet. `Unsupported` for a sandbox created without `desktop=DesktopSpec(...)`."""
+        return await _desktop.screen_info(self)
+
+    async def screenshot(self, region: tuple[int, int, int, int] | None = None, *, compression: int = 1) -> bytes:
+        """The screen now, as PNG bytes (8-bit RGB); `region` (x, y, width, height) for a part of it
+        (`InvalidRequest` if it is not on the screen). `compression` is zlib's level, 0..9."""
+        return (await _desktop.screenshot(self, region, compression))[1]
+
+    async def screenshot_with_info(self, region: tuple[int, int, int, int] | None = None, *,
+                                   compression: int = 1) -> tuple[Screenshot, bytes]:
+        """`screenshot`, with where on the screen the image lies and the screen's size."""
+        return await _desktop.screenshot(self, region, compression)
+
+    async def mouse(self, x: int, y: int, button: str = "left", action: str = "click") -> InputDone:
+        """Move the pointer to (x, y) and act there: `click`, `double`, `down`, `up` with `button`
+        (left, middle, right, wheel_up, wheel_down), or only `move`. `InvalidRequest` off the screen."""
+        return await _desktop.mouse(self, x, y, button, action)
+
+    async def keys(self, *chords: str) -> InputDone:
+        """Press key chords one after another: `keys("ctrl+l")`, `keys("ctrl+a", "Delete", "Return")`.
+        A chord is modifiers (ctrl, alt, shift, super, meta) and one key: a letter, a digit or a name
+        of schemas.desktop.KEYS, case-insensitive; anything else is `InvalidRequest`."""
+        return await _desktop.keys(self, chords)
+
+    async def type(self, text: str, *, delay_ms: int = 5) -> InputDone:
+        """Type `text` (any Unicode) as a keyboard would, `delay_ms` between keystrokes."""
+        return await _desktop.type_text(self, text, delay_ms)

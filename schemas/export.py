@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 
 from schemas import errors, events, files, health, layers, node, reclaim, sandbox, security, violations
-from schemas import ports
+from schemas import desktop, ports
 from schemas import process as proc
 from schemas import pty
 
@@ -135,6 +135,14 @@ MESSAGES: dict[str, object] = {
     "reclaim.NodeSavings": reclaim.NodeSavings,
     "pty.PtySpawnRequest": pty.PtySpawnRequest,
     "pty.ResizeRequest": pty.ResizeRequest,
+    "desktop.ScreenInfoRequest": desktop.ScreenInfoRequest,
+    "desktop.ScreenInfo": desktop.ScreenInfo,
+    "desktop.ScreenshotRequest": desktop.ScreenshotRequest,
+    "desktop.Screenshot": desktop.Screenshot,
+    "desktop.MouseRequest": desktop.MouseRequest,
+    "desktop.KeysRequest": desktop.KeysRequest,
+    "desktop.TypeRequest": desktop.TypeRequest,
+    "desktop.InputDone": desktop.InputDone,
 }
 
 

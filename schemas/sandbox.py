@@ -30,6 +30,15 @@ NodeId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9]
 MAX_BATCH = 32_000
 
 
+class DesktopSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A virtual screen of this size (pixels, 24-bit colour) for the sandbox's programs, driven
+    from outside it with the `screen.*` subjects (schemas/desktop.py). Its programs come from
+    the sandbox's layers (`sandfleet desktop layer` builds a stack that has them)."""
+
+    width: Annotated[int, Meta(ge=320, le=2560)] = 1280
+    height: Annotated[int, Meta(ge=200, le=1600)] = 800
+
+
 class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What a trainer asks for; the body of `sandbox.v1.create`."""
 
@@ -47,10 +56,15 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # True: the host's system directories read-only instead of layers (process only, for tests).
     # False with no layers: the node's default layers (`sandfleet up --default-layers`).
     host_view: bool = False
+    # A screen for computer use (a display server and window manager started in the sandbox as
+    # its own processes); None: no screen, and the `screen.*` subjects answer `unsupported`.
+    desktop: DesktopSpec | None = None
 
     def __post_init__(self) -> None:
         if self.host_view and self.layers:
             raise ValueError("host_view=True takes no layers")
+        if self.host_view and self.desktop is not None:
+            raise ValueError("a desktop runs from the sandbox's layers: host_view=True takes no desktop")
 
 
 class CreateRequest(SandboxSpec, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from sandfleet import errors
 from sandfleet.bus import META, Bus, decode
-from schemas import files, health, layers, node, ports, pty, reclaim, sandbox, security
+from schemas import desktop, files, health, layers, node, ports, pty, reclaim, sandbox, security
 from schemas import process as proc_schema
 from schemas.errors import ErrorBody, ErrorCode
 
@@ -121,6 +121,12 @@ SUBJECTS = [
     # launcher: terminals (schemas/pty.py)
     Subject("launcher", pty.PTY_SPAWN, pty.PtySpawnRequest, NOWHERE | {"argv": ["sh"]}),
     Subject("launcher", pty.PTY_RESIZE, pty.ResizeRequest, NOWHERE | {"pid": 1, "cols": 80, "rows": 24}),
+    # launcher: screens (schemas/desktop.py)
+    Subject("launcher", desktop.SCREEN_INFO, desktop.ScreenInfoRequest, NOWHERE),
+    Subject("launcher", desktop.SCREENSHOT, desktop.ScreenshotRequest, NOWHERE),
+    Subject("launcher", desktop.MOUSE, desktop.MouseRequest, NOWHERE | {"x": 1, "y": 1}),
+    Subject("launcher", desktop.KEYS_PRESS, desktop.KeysRequest, NOWHERE | {"keys": ["Return"]}),
+    Subject("launcher", desktop.TYPE_TEXT, desktop.TypeRequest, NOWHERE | {"text": "x"}),
     # node agent
     Subject("agent", node.CONFINE, node.ConfineRequest, {}),
     Subject("agent", node.RELEASE, node.ReleaseRequest, NOWHERE),

@@ -18,6 +18,7 @@ from schemas import process as proc_schema
 from schemas.node import MAX_FILE_BYTES
 from schemas.sandbox import Reason
 from services.launcher import fencing, files, handlers, health, heartbeat, pausing, processes, ptys, recovery, tunnels
+from services.launcher import desktop
 from services.launcher.clients import LayerCache, NodeAgent
 from services.launcher.drivers import Drivers
 from services.launcher.keys import LOGGER
@@ -53,6 +54,7 @@ def endpoints(launcher: Launcher, procs: processes.ProcessTable, forwarding: tun
         *tunnels.endpoints(forwarding),
         *files.endpoints(launcher),
         *ptys.endpoints(launcher.node_id, procs),
+        *desktop.endpoints(launcher),
     ]
 
 
