@@ -21,16 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-import msgspec
 
 import sandfleet
 from loadtest.platform import running_platform
 from loadtest.report import percentiles, print_table, write_json
-from sandfleet._requests import _spec
 from sandfleet._sandbox import Sandbox
 from sandfleet.cli_desktop import CHROMIUM, PACKAGES
 from sandfleet.layers_client import Layers
-from schemas import sandbox
 from schemas.sandbox import DesktopSpec
 
 LAYER = "bench-desktop"
@@ -43,11 +40,8 @@ ENV = {"SANDFLEET_LOG_LEVEL": "WARNING", "SANDFLEET_CPU_PSI_LIMIT": "0", "SANDFL
 
 
 async def _desktop_sandbox(fleet: sandfleet.Fleet, layer: str, screen: DesktopSpec) -> Sandbox:
-    # `fleet.create` gains `desktop=` with the lead's merge; until then the same request by hand.
-    req = msgspec.structs.replace(_spec(isolation="container", layers=[layer], memory_mb=2048, pids=4096,
-                                        labels={"bench": "screenshot"}), desktop=screen)
-    reply = await fleet.bus.request(sandbox.CREATE, req, sandbox.CreateReply, timeout=120)
-    return Sandbox(fleet, reply.id, reply.node)
+    return await fleet.create(isolation="container", layers=[layer], memory_mb=2048, pids=4096,
+                              labels={"bench": "screenshot"}, desktop=screen, request_timeout_s=120)
 
 
 async def _painted(sb: Sandbox, timeout_s: float = 180.0) -> None:

@@ -11,6 +11,6 @@ supervisor); the node's Linux library is `linuxnode`, which imports nothing of t
 from __future__ import annotations
 
 from sandfleet import errors
-from sandfleet.client import BatchProgress, ExecResult, Fleet, RolloutChange, Sandbox, connect
+from sandfleet.client import BatchProgress, DesktopSpec, ExecResult, Fleet, RolloutChange, Sandbox, connect
 
-__all__ = ["BatchProgress", "ExecResult", "Fleet", "RolloutChange", "Sandbox", "connect", "errors"]
+__all__ = ["BatchProgress", "DesktopSpec", "ExecResult", "Fleet", "RolloutChange", "Sandbox", "connect", "errors"]

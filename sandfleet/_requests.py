@@ -24,11 +24,13 @@ def _spec(
     allow: list[str] | None = None,
     disk_mb: int = 1024,
     host_view: bool = False,
+    desktop: sandbox.DesktopSpec | None = None,
 ) -> sandbox.CreateRequest:
     # Build through JSON so a bad value raises InvalidRequest here, as the service would.
     raw = dict(
         isolation=isolation, cpu=cpu, memory_mb=memory_mb, pids=pids, timeout_s=timeout_s,
         labels=labels or {}, layers=layers or [], allow=allow or [], disk_mb=disk_mb, host_view=host_view,
+        desktop=msgspec.to_builtins(desktop),
     )
     try:
         spec = msgspec.convert(raw, sandbox.CreateRequest)

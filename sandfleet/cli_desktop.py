@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from sandfleet import client, errors
+from sandfleet import client
 from sandfleet.layers_client import connect
 
 LAYER = "desktop"
@@ -125,18 +125,3 @@ def _shot(args: argparse.Namespace) -> int:
         return 0
 
     return asyncio.run(go())
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sandfleet")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except errors.SandfleetError as exc:
-        print(f"sandfleet: {type(exc).__name__}: {exc.message}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -29,7 +29,7 @@ from sandfleet.bus import Bus, decode, kv_values
 from sandfleet.config import nats_url
 from schemas import events, node, sandbox
 from schemas.events import AnySandboxEvent
-from schemas.sandbox import Isolation, SandboxRecord
+from schemas.sandbox import DesktopSpec, Isolation, SandboxRecord
 
 __all__ = ["QUIET_S", "SERVICES", "BatchProgress", "ExecResult", "Fleet", "RolloutChange", "Sandbox", "connect"]
 
@@ -84,9 +84,12 @@ class Fleet(_FleetRollout, _FleetSecurity):
         allow: list[str] | None = None,
         disk_mb: int = 1024,
         host_view: bool = False,
+        desktop: DesktopSpec | None = None,
         request_timeout_s: float = 60.0,
     ) -> Sandbox:
-        spec = _spec(isolation, cpu, memory_mb, pids, timeout_s, labels, layers, allow, disk_mb, host_view)
+        """`desktop`: a virtual screen for the sandbox's programs, driven with `sb.screenshot`,
+        `sb.mouse`, `sb.keys`, `sb.type` (its layers bring the display: `sandfleet desktop layer`)."""
+        spec = _spec(isolation, cpu, memory_mb, pids, timeout_s, labels, layers, allow, disk_mb, host_view, desktop)
         with telemetry.tracer("sandfleet.sdk").start_as_current_span("sandbox.create", kind=SpanKind.INTERNAL) as span:
             reply = await self.bus.request(sandbox.CREATE, spec, sandbox.CreateReply, timeout=request_timeout_s)
             span.set_attributes({telemetry.SANDBOX_ID: reply.id, telemetry.NODE_ID: reply.node})

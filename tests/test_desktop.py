@@ -25,7 +25,6 @@ import msgspec
 import pytest
 
 from sandfleet import errors
-from sandfleet._requests import _spec
 from sandfleet._sandbox import Sandbox
 from sandfleet.cli_desktop import CHROMIUM, PACKAGES
 from sandfleet.layers_client import Layers
@@ -143,10 +142,7 @@ def test_a_desktop_spec_has_bounds_and_needs_layers():
 
 
 async def _create(fleet, desktop: DesktopSpec | None, **spec) -> Sandbox:
-    """A sandbox with a desktop, created as `fleet.create(..., desktop=...)` sends it."""
-    req = msgspec.structs.replace(_spec(**spec), desktop=desktop)
-    reply = await fleet.bus.request(sandbox.CREATE, req, sandbox.CreateReply, timeout=120)
-    return Sandbox(fleet, reply.id, reply.node)
+    return await fleet.create(desktop=desktop, request_timeout_s=120, **spec)
 
 
 @pytest.fixture(scope="module")
@@ -256,8 +252,7 @@ async def test_bad_screen_input_is_refused_typed_and_changes_nothing(fleet, desk
 
 async def test_the_cli_writes_a_screenshot_and_presses_keys(platform, desk, tmp_path):
     def cli(*args: str) -> subprocess.CompletedProcess:
-        # `python -m sandfleet.cli_desktop` is `sandfleet desktop` before the main CLI registers it.
-        return subprocess.run([sys.executable, "-m", "sandfleet.cli_desktop", "desktop", *args, "--nats", platform.url],
+        return subprocess.run([sys.executable, "-m", "sandfleet.cli", "desktop", *args, "--nats", platform.url],
                               env=platform.env, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
     shot = await asyncio.to_thread(cli, "shot", desk.id, "-o", str(tmp_path / "s.png"), "--region", "0,0,64,32")

@@ -21,7 +21,7 @@ from schemas.errors import ErrorCode
 from schemas.layers import Rootfs
 from schemas.node import Confinement, LaunchItem, LaunchResult
 from schemas.sandbox import Reason, SandboxRecord, SandboxSpec, State
-from services.launcher import decisions, records
+from services.launcher import decisions, desktop, records
 from services.launcher.clients import LayerCache, NodeAgent
 from services.launcher.drivers import Drivers
 from services.launcher.drivers.base import Anchor, LaunchRefused, StartFailed
@@ -154,7 +154,17 @@ class Launcher:
         except ServiceError as exc:  # destroyed while starting
             await self.destroy(item.id, Reason.REQUESTED)
             return LaunchResult(id=item.id, ok=False, error=exc.message)
+        if spec.desktop is not None:
+            await self._start_display(item.id)
         return LaunchResult(id=item.id, ok=True)
+
+    async def _start_display(self, sandbox_id: str) -> None:
+        """A desktop's display is up when its create returns, so its programs find it; one that
+        cannot start (layers without Xvfb) is said again, typed, by the first screen request."""
+        try:
+            await desktop.ensure(self, sandbox_id)
+        except ServiceError as exc:
+            log.warning("the display of %s did not start: %s", sandbox_id, exc.message, extra=about(sandbox_id))
 
     async def _compose(self, sandbox_id: str, spec: SandboxSpec) -> Rootfs | None:
         if spec.host_view:
