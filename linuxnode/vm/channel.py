@@ -25,6 +25,10 @@ from linuxnode.vm.frames import Answer, Data, Done, Exited, Failed, GuestProtoco
 REPLY_TIMEOUT_S = 30.0  # a request's answer: ms when quiet, seconds for a TCG guest on a loaded node
 
 
+def _kind(answer: Answer) -> str:
+    return str(answer.__struct_config__.tag)
+
+
 class CommandFailed(OSError):
     """The agent could not start the command (no such program, not executable...)."""
 
@@ -89,6 +93,9 @@ class AgentChannel:
         except asyncio.CancelledError:
             self._break("the channel was closed")
             raise
+        except Exception as exc:  # a bug of ours: the channel still ends, and says so
+            self._break(f"the node's reader failed: {type(exc).__name__}: {exc}")
+            raise
 
     def _dispatch(self, answer: Answer) -> None:
         if isinstance(answer, Hello):
@@ -99,7 +106,7 @@ class AgentChannel:
         if isinstance(answer, (Output, Exited)):
             command = self._commands.get(answer.id)
             if command is None or not command.pid:
-                raise GuestProtocolError(f"{answer.kind} for command {answer.id}, which is not running")
+                raise GuestProtocolError(f"{_kind(answer)} for command {answer.id}, which is not running")
             if isinstance(answer, Output):
                 command.on_output(answer.stream, answer.data)
             else:
@@ -109,7 +116,7 @@ class AgentChannel:
             return
         waiting = self._waiting.pop(answer.id, None)
         if waiting is None:
-            raise GuestProtocolError(f"{answer.kind} for request {answer.id}, which nobody asked")
+            raise GuestProtocolError(f"{_kind(answer)} for request {answer.id}, which nobody asked")
         if isinstance(answer, Started) and answer.id in self._commands:
             self._commands[answer.id].pid = answer.pid  # before its output, which may be in this read
         waiting.set_result(answer)
@@ -242,7 +249,7 @@ class AgentChannel:
                 return bytes(out)
 
     def _lie(self, answer: Answer, expected: str) -> GuestBroken:
-        self._break(f"the guest answered {answer.kind} where {expected} was due")
+        self._break(f"the guest answered {_kind(answer)} where {expected} was due")
         return GuestBroken(self.broken)
 
     def close(self) -> None:
