@@ -36,6 +36,7 @@ from linuxnode.vm.runtime import MicroVMs, RunningVM, Shape, VMStartError
 from schemas.layers import Rootfs
 from schemas.node import Confinement
 from schemas.sandbox import SandboxSpec
+from services.launcher.keys import LOGGER, about
 from services.launcher.drivers.base import (
     Anchor,
     Command,
@@ -54,7 +55,7 @@ from services.launcher.drivers.base import (
     Usage,
 )
 
-log = logging.getLogger("sandfleet.launcher")
+log = logging.getLogger(LOGGER)
 T = TypeVar("T")
 
 KILL_GRACE_S = 10.0  # a timed-out command's SIGKILL to its exit, in the guest
@@ -133,7 +134,7 @@ class MicroVMDriver:
 
     def _broken(self, holder: list[VMSandbox], sandbox_id: str, why: str) -> None:
         """The guest broke the protocol or went silent: kill it; the watch fails the sandbox."""
-        log.warning("sandbox %s: killing its microVM: %s", sandbox_id, why, extra={"sandbox.id": sandbox_id})
+        log.warning("sandbox %s: killing its microVM: %s", sandbox_id, why, extra=about(sandbox_id))
         if holder:
             sandbox = holder[0]
             sandbox.killed = why
@@ -180,7 +181,7 @@ class MicroVMDriver:
                 pass
             if sandbox.killed:
                 log.warning("sandbox %s: its microVM was killed: %s", sandbox.sandbox_id, sandbox.killed,
-                            extra={"sandbox.id": sandbox.sandbox_id})
+                            extra=about(sandbox.sandbox_id))
             on_exit()
 
         try:
