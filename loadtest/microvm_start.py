@@ -72,7 +72,7 @@ async def main(args: argparse.Namespace) -> None:
     for side, r in results.items():
         rows.append([side, r["n"], r["failed"], r["first_create_ms"], r["create"]["p50"], r["create"]["p99"],  # type: ignore[index]
                      r["exec"]["p50"], r["destroy"]["p50"], r["cycle"]["p50"], r["cycle"]["p99"]])  # type: ignore[index]
-    print(f"microvm on: {results['restored']['status']}")
+    print(f"microvm {results['restored']['status']}")
     print_table("microvm create → exec true → destroy (ms)",
                 ["start", "n", "failed", "first create", "create p50", "create p99", "exec p50", "destroy p50",
                  "cycle p50", "cycle p99"], rows)
