@@ -133,6 +133,32 @@ async def test_the_agents_port_is_not_the_sandboxs_and_a_dead_qemu_fails_it(flee
     assert await _gone(platform, sb.id) == []
 
 
+async def test_a_microvm_outlives_a_launcher_crash(fleet, platform, guest):
+    """The restarted launcher re-adopts the VM from its record: a new channel to the same QEMU,
+    whose agent ends what it ran for the dead launcher."""
+    sb = await fleet.create(isolation="microvm", layers=[LAYER], memory_mb=MEMORY_MB)
+    try:
+        await sb.write_file("/workspace/kept", b"before the crash")
+        running = await sb.spawn(["sleep", "300"])
+        old = platform.service_pid("launcher")
+        os.kill(old, 9)
+        await platform.restarted(fleet, "launcher", old)
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:
+            try:
+                r = await sb.exec(["cat", "/workspace/kept"])
+                break
+            except errors.NotFound:  # not re-adopted yet
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.2)
+        assert r.stdout == b"before the crash"
+        assert (await sb.exec(["sh", "-c", "ps | grep -c 'sleep 30[0]' || true"])).stdout == b"0\n"
+        del running
+    finally:
+        await sb.destroy()
+    assert await _gone(platform, sb.id) == []
+
+
 async def test_what_a_microvm_cannot_have_is_refused_typed(fleet, guest):
     with pytest.raises(errors.Unsupported, match="allow rules"):
         await fleet.create(isolation="microvm", layers=[LAYER], allow=["example.com:443"])

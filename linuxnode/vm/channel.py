@@ -56,6 +56,9 @@ class AgentChannel:
         self.reply_timeout = reply_timeout
         self.broken = ""
         self._closing = False  # closed by the node: not the guest's doing
+        # A channel to a guest an earlier launcher spoke to: until `reset` is answered, output
+        # and exits of that launcher's commands may still arrive, and are dropped.
+        self._resetting = False
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Answer]] = {}
         self._commands: dict[int, GuestCommand] = {}
@@ -105,6 +108,8 @@ class AgentChannel:
             return
         if isinstance(answer, (Output, Exited)):
             command = self._commands.get(answer.id)
+            if command is None and self._resetting:
+                return
             if command is None or not command.pid:
                 raise GuestProtocolError(f"{_kind(answer)} for command {answer.id}, which is not running")
             if isinstance(answer, Output):
@@ -115,6 +120,8 @@ class AgentChannel:
                 command.on_exit(answer.status)
             return
         waiting = self._waiting.pop(answer.id, None)
+        if waiting is None and self._resetting:
+            return  # an answer to the earlier launcher
         if waiting is None:
             raise GuestProtocolError(f"{_kind(answer)} for request {answer.id}, which nobody asked")
         if isinstance(answer, Started) and answer.id in self._commands:
@@ -179,6 +186,16 @@ class AgentChannel:
         if not isinstance(answer, Pong):
             raise self._lie(answer, "pong")
         return answer.release
+
+    async def reset(self) -> int:
+        """After a launcher restart: the guest kills what it ran for the old one; how many."""
+        self._resetting = True
+        request_id = next(self._ids)
+        answer = await self._ask(request_id, frames.request(frames.Op.RESET, request_id))
+        if not isinstance(answer, Done):
+            raise self._lie(answer, "done")
+        self._resetting = False
+        return answer.count
 
     async def setup(self, disk_mb: int) -> None:
         request_id = next(self._ids)

@@ -127,7 +127,9 @@ class MicroVMs:
     async def reconnect(self, sandbox_id: str, on_broken: Callable[[str], None]) -> AgentChannel:
         """A new channel to a VM that outlived the launcher (QEMU takes the next client)."""
         channel = await self._channel(self.vms_dir / sandbox_id, on_broken)
-        await channel.ping()
+        killed = await channel.reset()
+        if killed:
+            log.info("sandbox %s: its guest ended %d command(s) of the launcher before", sandbox_id, killed)
         return channel
 
     # -- saved machine states ---------------------------------------------------------------------

@@ -40,7 +40,7 @@
 #define MAX_PROCS 64
 
 enum { OP_EXEC = 1, OP_STDIN = 2, OP_CLOSE_STDIN = 3, OP_SIGNAL = 4, OP_WRITE_FILE = 5,
-       OP_READ_FILE = 6, OP_PING = 7, OP_SETUP = 8 };
+       OP_READ_FILE = 6, OP_PING = 7, OP_SETUP = 8, OP_RESET = 9 };
 
 struct proc {
     uint32_t id;
@@ -254,6 +254,20 @@ static void do_setup(uint32_t id, struct cursor *c) {
     send_done(id, disk_mb);
 }
 
+/* A new node end (the launcher restarted): what ran for the old one is killed and forgotten,
+ * since nobody waits for its output or exit any more. */
+static void do_reset(uint32_t id) {
+    uint32_t killed = 0;
+    for (int i = 0; i < MAX_PROCS; i++) {
+        struct proc *pr = &procs[i];
+        if (pr->pid <= 0) continue;
+        if (!pr->reaped) { kill(-pr->pid, SIGKILL); kill(pr->pid, SIGKILL); waitpid(pr->pid, NULL, 0); killed++; }
+        close_fd(&pr->in); close_fd(&pr->out); close_fd(&pr->err);
+        memset(pr, 0, sizeof *pr);
+    }
+    send_done(id, killed);
+}
+
 static void handle(const unsigned char *p, uint32_t n) {
     struct cursor c = {p, n, 0};
     if (n < 5) return;
@@ -279,6 +293,7 @@ static void handle(const unsigned char *p, uint32_t n) {
     case OP_WRITE_FILE: do_write_file(id, &c); break;
     case OP_READ_FILE: do_read_file(id, &c); break;
     case OP_SETUP: do_setup(id, &c); break;
+    case OP_RESET: do_reset(id); break;
     case OP_PING: {
         struct utsname u; uname(&u);
         begin("pong", 2); mp_uint(id); mp_str(u.release); send_frame();
