@@ -83,6 +83,15 @@ async def test_a_microvm_runs_the_guest_kernel_and_leaves_nothing(fleet, platfor
             await sb.read_file("/no/such/file")
         with pytest.raises(errors.NotFound):
             await sb.exec(["true"], cwd="/no/such/dir")
+        streamed = await sb.spawn(["sh", "-c", "echo a; sleep 0.3; echo b >&2; exit 4"])
+        chunks = [(o.stream, o.data) async for o in streamed.output()]
+        assert (await streamed.wait(timeout_s=30)).exit_code == 4
+        assert ("stdout", b"a\n") in chunks and ("stderr", b"b\n") in chunks
+        fed = await sb.spawn(["cat"], stdin=True)
+        await fed.send_stdin(b"through stdin")
+        await fed.close_stdin()
+        assert (await fed.wait(timeout_s=30)).exit_code == 0
+        assert b"".join([o.data async for o in fed.output()]) == b"through stdin"
         timed = await sb.exec(["sleep", "30"], timeout_s=1)
         assert timed.timed_out
         assert (await sb.exec(["true"])).exit_code == 0
