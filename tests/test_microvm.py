@@ -73,6 +73,12 @@ async def test_a_microvm_runs_the_guest_kernel_and_leaves_nothing(fleet, platfor
         assert r.exit_code == 0, r
         assert r.stdout.decode().strip() == guest.release != os.uname().release
         assert (await sb.exec(["cat", "/etc/hostname"])).stdout == b"vm\n"  # the layer is the root
+        qemu = (await sb.info()).init_pid
+        with open(f"/proc/{qemu}/status") as f:
+            uids = next(line.split()[1:] for line in f if line.startswith("Uid:"))
+        assert "0" not in uids, uids  # QEMU dropped root once set up
+        with open(f"/proc/{qemu}/cgroup") as f:
+            assert f"/{sb.id}" in f.read()  # and runs in the sandbox's cgroups
         r = await sb.exec(["sh", "-c", "cat; echo err >&2; exit 3"], stdin=b"piped in")
         assert (r.exit_code, r.stdout, r.stderr) == (3, b"piped in", b"err\n")
         assert await sb.write_file("/workspace/data.bin", bytes(range(256)) * 4096, mode=0o600) == 1 << 20

@@ -17,6 +17,7 @@ import fcntl
 import os
 import re
 import shutil
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,14 @@ QEMU_OVERHEAD_MB = 160
 MIN_GUEST_MB = 96
 FIRST_LAYER_SLOT = 4  # PCI slot of the bottom layer's disk; the port's controller sits at 3
 STATE_FD = 3
+# QEMU drops root once it has opened everything (-runas): to a uid of its own per VM, from a
+# range no host user has, so a compromised QEMU is an unprivileged process that shares its uid
+# with no other sandbox's (barring a hash collision in 2**24) and can signal or trace none.
+VM_UID_BASE = 0x5F000000
+
+
+def vm_uid(name: str) -> int:
+    return VM_UID_BASE + (zlib.crc32(name.encode()) & 0xFFFFFF)
 KVM_GET_API_VERSION = 0xAE00
 
 
@@ -85,6 +94,7 @@ class MachineSpec:
     run_dir: Path  # this machine's sockets
     disk_mb: int = 1024  # the writable layer's size at boot (a restored guest is re-sized)
     incoming: bool = False  # the state comes in on fd STATE_FD
+    uid: int = 0  # what QEMU runs as once set up (0: stays root)
     console: str = ""  # a file for the guest console (debugging: a guest can fill it), else none
     extra: tuple[str, ...] = field(default=())
 
@@ -108,7 +118,10 @@ class MachineSpec:
             "-smp", str(self.vcpus), "-m", str(self.memory_mb),
             "-nodefaults", "-no-user-config", "-nographic", "-no-reboot", "-monitor", "none",
             "-serial", f"file:{self.console}" if self.console else "none",
-            "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+            # elevateprivileges=allow lets -runas drop root (deny would kill QEMU at its setuid);
+            # after the drop no set*id call can regain anything.
+            "-sandbox", f"on,obsolete=deny,elevateprivileges={'allow' if self.uid else 'deny'},spawn=deny,"
+                        "resourcecontrol=deny",
             "-kernel", str(self.guest.kernel), "-initrd", str(self.guest.initramfs),
             "-append", f"console=ttyS0 {'' if self.console else 'quiet loglevel=0 '}panic=-1 sandfleet.disk_mb={self.disk_mb}",
             "-device", "virtio-serial-pci,id=ports,addr=3",
@@ -121,6 +134,8 @@ class MachineSpec:
                      "-device", f"virtio-blk-pci,drive=layer{i},addr={FIRST_LAYER_SLOT + i}"]
         if self.incoming:
             argv += ["-incoming", f"fd:{STATE_FD}"]
+        if self.uid:
+            argv += ["-runas", f"{self.uid}:{self.uid}"]
         return argv + list(self.extra)
 
 

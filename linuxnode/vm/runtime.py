@@ -98,11 +98,15 @@ class MicroVMs:
         run_dir = self.vms_dir / sandbox_id
         run_dir.mkdir()
         spec = MachineSpec(self.guest, self.accelerator, shape.vcpus, shape.memory_mb, tuple(map(str, images)),
-                           Path("."), disk_mb=disk_mb, incoming=state is not None)
-        vm: RunningVM | None = None
-        pid = machine.spawn(spec, self.qemu, cgroup_procs, netns, state, cwd=run_dir)
+                           Path("."), disk_mb=disk_mb, incoming=state is not None, uid=machine.vm_uid(sandbox_id))
         try:
-            stat = procfs.read_stat(pid)
+            pid = machine.spawn(spec, self.qemu, cgroup_procs, netns, state, cwd=run_dir)
+        except OSError as exc:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise VMStartError(f"QEMU could not be started: {exc}") from None
+        stat = procfs.read_stat(pid)
+        channel: AgentChannel | None = None
+        try:
             if stat is None:
                 raise VMStartError(f"QEMU ended at once: {machine.stderr_tail(run_dir)}")
             channel = await self._channel(run_dir, on_broken)
@@ -112,12 +116,13 @@ class MicroVMs:
             else:
                 await channel.hello(BOOT_TIMEOUT_S[self.accelerator.name])
             await channel.setup(disk_mb)
-        except (GuestBroken, OSError, TimeoutError) as exc:
+        except BaseException as exc:
             why = machine.stderr_tail(run_dir) or str(exc) or type(exc).__name__
+            if channel is not None:
+                channel.close()  # before QEMU goes: its end is ours, not the guest's doing
             await self.stop(sandbox_id, InitProcess(pid, stat.start_time) if stat else None)
-            raise VMStartError(f"the microVM did not start: {why}") from None
-        except BaseException:
-            await self.stop(sandbox_id, InitProcess(pid, stat.start_time) if stat else None)
+            if isinstance(exc, (GuestBroken, OSError, TimeoutError)):
+                raise VMStartError(f"the microVM did not start: {why}") from None
             raise
         return vm
 
@@ -150,7 +155,7 @@ class MicroVMs:
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir()
         spec = MachineSpec(self.guest, self.accelerator, shape.vcpus, shape.memory_mb, tuple(map(str, images)),
-                           Path("."))
+                           Path("."), uid=machine.vm_uid(key))
         pid = machine.spawn(spec, self.qemu, [], "", None, cwd=run_dir)
         stat = procfs.read_stat(pid)
         partial = state.with_suffix(".part")
