@@ -259,3 +259,46 @@ async def test_a_silent_guest_is_cut_off_and_a_flood_of_output_stays_bounded():
     finally:
         channel.close()
         guest_end.close()
+
+
+# -- pure pieces, no VM ------------------------------------------------------------------------------
+
+def test_the_layer_disks_are_the_image_files_under_the_overlay_bottom_first():
+    from linuxnode.vm.layer_disks import NoLayerImages, images_under
+
+    mountinfo = "\n".join([
+        "30 1 0:40 / /cache/layers/aa ro,relatime - erofs /cache/images/aa.erofs ro,user_xattr",
+        "31 1 0:41 / /cache/layers/b\\072b ro,relatime - erofs /cache/lazy/bb.erofs ro",
+        "40 1 0:50 / /roots/sb-1/rootfs rw - overlay overlay rw,lowerdir=/cache/layers/b\\:b:/cache/layers/aa,"
+        "upperdir=/roots/sb-1/upper,workdir=/roots/sb-1/work",
+        "41 1 0:51 / /roots/sb-2/rootfs rw - overlay overlay rw,lowerdir=/tmp/plain,upperdir=/u,workdir=/w",
+        "42 1 0:52 / /tmp/plain rw - tmpfs tmpfs rw",
+    ])
+    assert [str(p) for p in images_under("/roots/sb-1/rootfs", mountinfo)] == [
+        "/cache/images/aa.erofs", "/cache/lazy/bb.erofs"]
+    with pytest.raises(NoLayerImages, match="not an EROFS mount"):
+        images_under("/roots/sb-2/rootfs", mountinfo)
+    with pytest.raises(NoLayerImages, match="not an overlay"):
+        images_under("/roots/sb-3/rootfs", mountinfo)
+
+
+def test_requests_the_node_cannot_frame_are_refused_and_shapes_key_their_states():
+    from linuxnode.vm import machine
+    from linuxnode.vm.machine import Accelerator
+    from linuxnode.vm.runtime import Shape
+
+    with pytest.raises(ValueError, match="NUL"):
+        frames.exec_request(1, ["sh", "-c", "a\0b"], {}, "/")
+    with pytest.raises(ValueError, match="empty argv"):
+        frames.exec_request(1, [], {}, "/")
+    with pytest.raises(ValueError, match="frame size"):
+        frames.request(frames.Op.STDIN, 1, b"x" * frames.MAX_FRAME)
+    assert machine.guest_memory_mb(512) == 512 - machine.QEMU_OVERHEAD_MB
+    with pytest.raises(ValueError, match="memory_mb >= "):
+        machine.guest_memory_mb(200)
+    guest = GuestImage(kernel=None, initramfs=None, release="r", digest="d")  # type: ignore[arg-type]
+    tcg = Accelerator("tcg", "why")
+    keys = {Shape(1, 352, ("a", "b")).key(guest, tcg), Shape(1, 352, ("b", "a")).key(guest, tcg),
+            Shape(2, 352, ("a", "b")).key(guest, tcg), Shape(1, 353, ("a", "b")).key(guest, tcg),
+            Shape(1, 352, ("a", "b")).key(guest, Accelerator("kvm"))}
+    assert len(keys) == 5  # a state restores only into the very same machine and disks
