@@ -265,6 +265,11 @@ class AgentChannel:
             if answer.eof:
                 return bytes(out)
 
+    def fail(self, why: str) -> GuestBroken:
+        """The node found the guest wanting (a killed command that never ended): cut it off."""
+        self._break(why)
+        return GuestBroken(self.broken)
+
     def _lie(self, answer: Answer, expected: str) -> GuestBroken:
         self._break(f"the guest answered {_kind(answer)} where {expected} was due")
         return GuestBroken(self.broken)

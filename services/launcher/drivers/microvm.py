@@ -248,7 +248,10 @@ class MicroVMDriver:
             except TimeoutError:
                 timed_out = True
                 sandbox.channel.signal(running, signal.SIGKILL)
-                status = await asyncio.wait_for(asyncio.shield(running.exited), KILL_GRACE_S)
+                try:
+                    status = await asyncio.wait_for(asyncio.shield(running.exited), KILL_GRACE_S)
+                except TimeoutError:
+                    raise sandbox.channel.fail(f"a SIGKILLed command did not end in {KILL_GRACE_S:g} s") from None
         except asyncio.CancelledError:
             if not sandbox.channel.broken:
                 sandbox.channel.signal(running, signal.SIGKILL)
