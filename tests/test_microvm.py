@@ -81,6 +81,8 @@ async def test_a_microvm_runs_the_guest_kernel_and_leaves_nothing(fleet, platfor
             assert f"/{sb.id}" in f.read()  # and runs in the sandbox's cgroups
         r = await sb.exec(["sh", "-c", "cat; echo err >&2; exit 3"], stdin=b"piped in")
         assert (r.exit_code, r.stdout, r.stderr) == (3, b"piped in", b"err\n")
+        r = await sb.exec(["sh", "-c", "sleep 1; wc -c"], stdin=b"x" * (1 << 20))  # 16 pipes' worth, read late
+        assert r.stdout.split() == [b"1048576"], r
         assert await sb.write_file("/workspace/data.bin", bytes(range(256)) * 4096, mode=0o600) == 1 << 20
         assert await sb.read_file("/workspace/data.bin") == bytes(range(256)) * 4096
         r = await sb.exec(["sh", "-c", "ls -l /workspace/data.bin | cut -c1-10"])

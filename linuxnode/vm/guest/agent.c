@@ -42,11 +42,16 @@
 enum { OP_EXEC = 1, OP_STDIN = 2, OP_CLOSE_STDIN = 3, OP_SIGNAL = 4, OP_WRITE_FILE = 5,
        OP_READ_FILE = 6, OP_PING = 7, OP_SETUP = 8, OP_RESET = 9 };
 
+#define MAX_PENDING (16u << 20) /* stdin a command has not read yet, held here for it */
+
 struct proc {
     uint32_t id;
     pid_t pid;
     int in, out, err; /* -1 once closed */
     int reaped, status;
+    unsigned char *pending; /* stdin waiting for room in the pipe */
+    uint32_t pending_len;
+    int close_in; /* close stdin once pending is written */
 };
 
 static struct proc procs[MAX_PROCS];
@@ -254,6 +259,30 @@ static void do_setup(uint32_t id, struct cursor *c) {
     send_done(id, disk_mb);
 }
 
+/* Write what the pipe takes now; keep the rest for when it has room (poll says POLLOUT), so a
+ * command that reads slowly gets all of its stdin and the agent never blocks on it. */
+static void flush_stdin(struct proc *pr) {
+    while (pr->pending_len && pr->in >= 0) {
+        ssize_t w = write(pr->in, pr->pending, pr->pending_len);
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0 && errno == EAGAIN) return;
+        if (w <= 0) { pr->pending_len = 0; break; } /* EPIPE: it closed its stdin */
+        memmove(pr->pending, pr->pending + w, pr->pending_len - w);
+        pr->pending_len -= w;
+    }
+    if (!pr->pending_len && pr->close_in) { close_fd(&pr->in); pr->close_in = 0; }
+}
+
+static void queue_stdin(struct proc *pr, const unsigned char *p, uint32_t n) {
+    if (n > MAX_PENDING - pr->pending_len) n = MAX_PENDING - pr->pending_len; /* beyond: cut */
+    unsigned char *grown = realloc(pr->pending, pr->pending_len + n);
+    if (!grown) return;
+    pr->pending = grown;
+    memcpy(pr->pending + pr->pending_len, p, n);
+    pr->pending_len += n;
+    flush_stdin(pr);
+}
+
 /* A new node end (the launcher restarted): what ran for the old one is killed and forgotten,
  * since nobody waits for its output or exit any more. */
 static void do_reset(uint32_t id) {
@@ -263,6 +292,7 @@ static void do_reset(uint32_t id) {
         if (pr->pid <= 0) continue;
         if (!pr->reaped) { kill(-pr->pid, SIGKILL); kill(pr->pid, SIGKILL); waitpid(pr->pid, NULL, 0); killed++; }
         close_fd(&pr->in); close_fd(&pr->out); close_fd(&pr->err);
+        free(pr->pending);
         memset(pr, 0, sizeof *pr);
     }
     send_done(id, killed);
@@ -278,13 +308,14 @@ static void handle(const unsigned char *p, uint32_t n) {
     switch (op) {
     case OP_EXEC: do_exec(id, &c); break;
     case OP_STDIN:
-        if ((pr = find(id)) && pr->in >= 0) {
-            /* the node sends at most what the pipe takes; the rest would block us, so drop it */
-            ssize_t w;
-            do w = write(pr->in, c.p, c.left); while (w < 0 && errno == EINTR);
+        if ((pr = find(id)) && pr->in >= 0 && !pr->close_in) queue_stdin(pr, c.p, c.left);
+        break;
+    case OP_CLOSE_STDIN:
+        if ((pr = find(id))) {
+            if (pr->pending_len) pr->close_in = 1;
+            else close_fd(&pr->in);
         }
         break;
-    case OP_CLOSE_STDIN: if ((pr = find(id))) close_fd(&pr->in); break;
     case OP_SIGNAL: {
         uint32_t sig = get_u32(&c);
         if ((pr = find(id)) && !pr->reaped && !c.bad) kill(-pr->pid, (int)sig);
@@ -342,6 +373,7 @@ static void finish_ended(void) {
         if (pr->pid <= 0 || !pr->reaped || pr->out >= 0 || pr->err >= 0) continue;
         close_fd(&pr->in);
         begin("exited", 2); mp_uint(pr->id); mp_int(pr->status); send_frame();
+        free(pr->pending);
         memset(pr, 0, sizeof *pr);
     }
 }
@@ -374,8 +406,8 @@ int main(void) {
     struct utsname u; uname(&u);
     begin("hello", 1); mp_str(u.release); send_frame();
     for (;;) {
-        struct pollfd fds[2 + 2 * MAX_PROCS];
-        struct proc *owner[2 + 2 * MAX_PROCS];
+        struct pollfd fds[2 + 3 * MAX_PROCS];
+        struct proc *owner[2 + 3 * MAX_PROCS];
         int nfds = 0;
         fds[nfds++] = (struct pollfd){.fd = port, .events = POLLIN};
         fds[nfds++] = (struct pollfd){.fd = sfd, .events = POLLIN};
@@ -384,6 +416,7 @@ int main(void) {
             if (pr->pid <= 0) continue;
             if (pr->out >= 0) { owner[nfds] = pr; fds[nfds++] = (struct pollfd){.fd = pr->out, .events = POLLIN}; }
             if (pr->err >= 0) { owner[nfds] = pr; fds[nfds++] = (struct pollfd){.fd = pr->err, .events = POLLIN}; }
+            if (pr->in >= 0 && pr->pending_len) { owner[nfds] = pr; fds[nfds++] = (struct pollfd){.fd = pr->in, .events = POLLOUT}; }
         }
         if (poll(fds, nfds, -1) < 0) continue;
         if (fds[1].revents) {
@@ -396,6 +429,7 @@ int main(void) {
             struct proc *pr = owner[i];
             if (fds[i].fd == pr->out) pump(pr, &pr->out, 1);
             else if (fds[i].fd == pr->err) pump(pr, &pr->err, 2);
+            else if (fds[i].fd == pr->in) flush_stdin(pr);
         }
         finish_ended();
         if (fds[0].revents & POLLIN) {
