@@ -404,6 +404,8 @@ def _status(args: argparse.Namespace) -> int:
             print(f"service {name:<10} {'up' if ok else 'DOWN'}")
         for n in await fleet.nodes():
             print(f"node    {n.id:<10} isolation={','.join(n.isolation)} running={n.running}/{n.capacity}")
+            if n.microvm:
+                print(f"        {'microvm':<14} {n.microvm}")
             try:
                 mechanisms = (await fleet.security(n.id)).mechanisms
             except errors.SandfleetError as exc:

@@ -76,6 +76,7 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     accepted_memory_mb: int = 0
     simulated: bool = False  # a load-test node (loadtest/): it accepts launches and creates nothing
     criu: str = ""  # process-level checkpoint: "on: <criu version>", or "off: <why>" (`criu check` is run at start)
+    microvm: str = ""  # the `microvm` level: "on: tcg (no usable KVM: ...), ..." or "off: <why>"
 
 
 BOOKINGS_BUCKET = "node-bookings"

@@ -86,6 +86,28 @@ def lazy_daemons() -> list[str]:
     return found
 
 
+QEMU_COMM = "qemu-system-x86"  # a microVM's QEMU (its comm, cut to 15 characters)
+
+
+def microvm_left(data_dir: str, sandbox_id: str) -> list[str]:
+    """What of one microVM sandbox is still on the machine: its QEMU (found by its pid's
+    cgroup, which names the sandbox, or its working directory, the VM's directory) and the
+    VM's directory under the launcher's state (its sockets and QEMU's log)."""
+    run_dir = os.path.join(data_dir, "launcher", "microvm", "vms", sandbox_id)
+    left = [f"vm dir {run_dir}"] if os.path.exists(run_dir) else []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        stat = _stat(pid)
+        if stat is None or stat[0] != QEMU_COMM:
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            cwd = ""
+        if cwd == run_dir or f"/{sandbox_id}" in _read(f"/proc/{pid}/cgroup").decode(errors="replace"):
+            left.append(f"qemu {pid}:{stat[1]}")
+    return left
+
+
 def _links() -> list[str]:
     """Links the platform made (its veths and dummy links carry a `sandfleet` alias)."""
     found = []
@@ -128,7 +150,7 @@ class Snapshot:
             mounts=frozenset(_mounts()),
             cgroups=frozenset(_cgroups()),
             netns=frozenset(n for n in netns if n.startswith("sf-")),
-            processes=frozenset(_processes({"catatonit", "nats-server", "crun"}) + lazy_daemons()),
+            processes=frozenset(_processes({"catatonit", "nats-server", "crun", QEMU_COMM}) + lazy_daemons()),
             links=frozenset(_links()),
             nft_tables=frozenset(_nft_tables()),
         )

@@ -107,7 +107,9 @@ async def write_file(launcher: Launcher, req: WriteFileRequest) -> WriteFileRepl
     tag(launcher.node_id, req.sandbox_id)
     live = _unfrozen(launcher, req.sandbox_id)
     with translated(req.path):
-        size = live.driver.write_file(live.instance, req.path, req.data, req.mode)
+        # Off the loop: a file of a VM level is a round trip to its guest agent, which the
+        # driver makes on this loop from the worker thread.
+        size = await asyncio.to_thread(live.driver.write_file, live.instance, req.path, req.data, req.mode)
     return WriteFileReply(size=size)
 
 
@@ -115,7 +117,7 @@ async def read_file(launcher: Launcher, req: ReadFileRequest) -> ReadFileReply:
     tag(launcher.node_id, req.sandbox_id)
     live = launcher.get_live(req.sandbox_id)
     with translated(req.path):
-        data = live.driver.read_file(live.instance, req.path, MAX_FILE_BYTES)
+        data = await asyncio.to_thread(live.driver.read_file, live.instance, req.path, MAX_FILE_BYTES)
     return ReadFileReply(data=data)
 
 

@@ -54,6 +54,7 @@ def node_info(launcher: Launcher, config: ServiceConfig, memory_mb: int, layers:
         accepted_cpu=intake.accepted_cpu,
         accepted_memory_mb=intake.accepted_memory_mb,
         criu=criu,
+        microvm=launcher.drivers.microvm,
     )
 
 

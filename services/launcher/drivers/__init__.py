@@ -1,19 +1,25 @@
 """The drivers this node has, by isolation level: `process` always, `container` where crun was
-found to work at start. See drivers/base.py for the interface and how a level plugs in."""
+found to work at start, `microvm` where QEMU and a built guest are (linuxnode/vm). See
+drivers/base.py for the interface and how a level plugs in."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from linuxnode import process as process_runtime
 from services.launcher.drivers.base import Anchor, Driver, LaunchRefused
 from services.launcher.drivers.container import ContainerDriver, detect_crun
+from services.launcher.drivers.microvm import detect_microvm
 from services.launcher.drivers.process import ProcessDriver
+
+log = logging.getLogger("sandfleet.launcher")
 
 
 class Drivers:
-    def __init__(self, drivers: dict[str, Driver]) -> None:
+    def __init__(self, drivers: dict[str, Driver], microvm: str = "") -> None:
         self.drivers = drivers
+        self.microvm = microvm  # the node's status line for the level: `on: tcg (...)` or `off: <why>`
 
     @classmethod
     async def open(cls, state_dir: Path) -> Drivers:
@@ -23,7 +29,11 @@ class Drivers:
         crun = await detect_crun(state_dir)  # `container` only where crun really runs here
         if crun is not None:
             drivers["container"] = ContainerDriver(crun)
-        return cls(drivers)
+        microvm, microvm_status = await detect_microvm(state_dir)
+        if microvm is not None:
+            drivers["microvm"] = microvm
+        log.info("microvm: %s", microvm_status)
+        return cls(drivers, microvm_status)
 
     def close(self) -> None:
         for driver in reversed(list(self.drivers.values())):

@@ -1,0 +1,281 @@
+"""The node's end of a guest agent's port (a unix socket QEMU serves for the virtserialport):
+requests out, typed answers in (frames.py), and the rules that make a guest's word harmless.
+
+A guest is trusted for nothing. Its answers must be one of the protocol's messages, for a
+request or command the node made and still waits on, in an order that makes sense (output
+only between `started` and `exited`); every request must be answered within `reply_timeout`.
+The first breach ends the channel for good: `broken` says why, `on_broken(why)` is called once
+(the driver kills the VM and fails the sandbox with that reason), and everything waiting on it
+raises `GuestBroken`. A command's output is the command's business (as much as a process
+sandbox's): it is handed on as it comes, each frame bounded, and what a caller keeps is the
+caller's cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from linuxnode.vm import frames
+from linuxnode.vm.frames import Answer, Data, Done, Exited, Failed, GuestProtocolError, Hello, Output, Pong, Started
+
+REPLY_TIMEOUT_S = 30.0  # a request's answer: ms when quiet, seconds for a TCG guest on a loaded node
+
+
+def _kind(answer: Answer) -> str:
+    return str(answer.__struct_config__.tag)
+
+
+class CommandFailed(OSError):
+    """The agent could not start the command (no such program, not executable...)."""
+
+
+class GuestBroken(Exception):
+    """The guest broke the protocol, went silent or went away; the channel is closed."""
+
+
+@dataclass
+class GuestCommand:
+    """A command the agent runs: its output and exit arrive through the callbacks."""
+
+    id: int
+    on_output: Callable[[int, bytes], None]
+    on_exit: Callable[[int], None]
+    pid: int = 0
+    exited: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class AgentChannel:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 on_broken: Callable[[str], None], reply_timeout: float = REPLY_TIMEOUT_S) -> None:
+        self._reader, self._writer = reader, writer
+        self._on_broken = on_broken
+        self.reply_timeout = reply_timeout
+        self.broken = ""
+        self._closing = False  # closed by the node: not the guest's doing
+        # A channel to a guest an earlier launcher spoke to: until `reset` is answered, output
+        # and exits of that launcher's commands may still arrive, and are dropped.
+        self._resetting = False
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[Answer]] = {}
+        self._commands: dict[int, GuestCommand] = {}
+        self._hello: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._frames = frames.FrameReader()
+        self._pump = asyncio.ensure_future(self._read())
+
+    @classmethod
+    async def connect(cls, path: str, on_broken: Callable[[str], None], timeout: float = 10.0,
+                      reply_timeout: float = REPLY_TIMEOUT_S) -> AgentChannel:
+        """Connect to the socket QEMU serves (it appears a moment after QEMU starts)."""
+        async with asyncio.timeout(timeout):
+            while True:
+                try:
+                    reader, writer = await asyncio.open_unix_connection(path, limit=frames.MAX_FRAME)
+                    break
+                except (FileNotFoundError, ConnectionRefusedError):
+                    await asyncio.sleep(0.01)
+        return cls(reader, writer, on_broken, reply_timeout)
+
+    # -- reading --------------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                data = await self._reader.read(1 << 16)
+                if not data:
+                    raise GuestBroken("the guest's port closed (QEMU ended)")
+                for answer in self._frames.feed(data):
+                    self._dispatch(answer)
+        except (GuestProtocolError, GuestBroken) as exc:
+            self._break(str(exc))
+        except (ConnectionError, OSError) as exc:
+            self._break(f"the guest's port failed: {exc}")
+        except asyncio.CancelledError:
+            self._break("the channel was closed")
+            raise
+        except Exception as exc:  # a bug of ours: the channel still ends, and says so
+            self._break(f"the node's reader failed: {type(exc).__name__}: {exc}")
+            raise
+
+    def _dispatch(self, answer: Answer) -> None:
+        if isinstance(answer, Hello):
+            if self._hello.done():
+                raise GuestProtocolError("a second hello")
+            self._hello.set_result(answer.release)
+            return
+        if isinstance(answer, (Output, Exited)):
+            command = self._commands.get(answer.id)
+            if command is None and self._resetting:
+                return
+            if command is None or not command.pid:
+                raise GuestProtocolError(f"{_kind(answer)} for command {answer.id}, which is not running")
+            if isinstance(answer, Output):
+                command.on_output(answer.stream, answer.data)
+            else:
+                del self._commands[answer.id]
+                command.exited.set_result(answer.status)
+                command.on_exit(answer.status)
+            return
+        waiting = self._waiting.pop(answer.id, None)
+        if waiting is None and self._resetting:
+            return  # an answer to the earlier launcher
+        if waiting is None:
+            raise GuestProtocolError(f"{_kind(answer)} for request {answer.id}, which nobody asked")
+        if isinstance(answer, Started) and answer.id in self._commands:
+            self._commands[answer.id].pid = answer.pid  # before its output, which may be in this read
+        waiting.set_result(answer)
+
+    def _break(self, why: str) -> None:
+        if self.broken:
+            return
+        self.broken = why
+        with contextlib.suppress(Exception):
+            self._writer.close()
+        for waiting in self._waiting.values():
+            if not waiting.done():
+                waiting.set_exception(GuestBroken(why))
+        self._waiting.clear()
+        for command in self._commands.values():
+            if not command.exited.done():
+                command.exited.set_exception(GuestBroken(why))
+                command.exited.exception()  # retrieved: nobody may be waiting on it
+        self._commands.clear()
+        if not self._hello.done():
+            self._hello.set_exception(GuestBroken(why))
+            self._hello.exception()
+        if not self._closing:
+            self._on_broken(why)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def _send(self, frame: bytes) -> None:
+        if self.broken:
+            raise GuestBroken(self.broken)
+        self._writer.write(frame)
+
+    async def _ask(self, request_id: int, frame: bytes, timeout: float | None = None) -> Answer:
+        waiting: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = waiting
+        try:
+            self._send(frame)
+            async with asyncio.timeout(timeout or self.reply_timeout):
+                return await asyncio.shield(waiting)
+        except TimeoutError:
+            self._waiting.pop(request_id, None)
+            waiting.cancel()
+            self._break(f"the guest agent did not answer in {timeout or self.reply_timeout:g} s")
+            raise GuestBroken(self.broken) from None
+        finally:
+            self._waiting.pop(request_id, None)
+
+    async def hello(self, timeout: float) -> str:
+        """The release a cold-booted guest's agent greets with, once it runs."""
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(self._hello)
+        except TimeoutError:
+            self._break(f"the guest did not boot within {timeout:g} s")
+            raise GuestBroken(self.broken) from None
+
+    async def ping(self, timeout: float | None = None) -> str:
+        request_id = next(self._ids)
+        answer = await self._ask(request_id, frames.request(frames.Op.PING, request_id), timeout)
+        if not isinstance(answer, Pong):
+            raise self._lie(answer, "pong")
+        return answer.release
+
+    async def reset(self) -> int:
+        """After a launcher restart: the guest kills what it ran for the old one; how many."""
+        self._resetting = True
+        request_id = next(self._ids)
+        answer = await self._ask(request_id, frames.request(frames.Op.RESET, request_id))
+        if not isinstance(answer, Done):
+            raise self._lie(answer, "done")
+        self._resetting = False
+        return answer.count
+
+    async def setup(self, disk_mb: int) -> None:
+        request_id = next(self._ids)
+        answer = await self._ask(request_id, frames.setup_request(request_id, disk_mb))
+        if isinstance(answer, Failed):
+            raise OSError(answer.errno, f"the guest could not size its writable layer ({answer.what})")
+        if not isinstance(answer, Done):
+            raise self._lie(answer, "done")
+
+    async def start(self, argv: list[str], env: dict[str, str], cwd: str,
+                    on_output: Callable[[int, bytes], None], on_exit: Callable[[int], None]) -> GuestCommand:
+        """A command running in the guest; OSError (its errno) if it could not start there."""
+        request_id = next(self._ids)
+        command = GuestCommand(request_id, on_output, on_exit)
+        self._commands[request_id] = command  # its output may follow `started` in the same read
+        try:
+            answer = await self._ask(request_id, frames.exec_request(request_id, argv, env, cwd))
+        except BaseException:
+            self._commands.pop(request_id, None)
+            raise
+        if isinstance(answer, Failed):
+            self._commands.pop(request_id, None)
+            if answer.what == "chdir":
+                raise OSError(answer.errno, f"chdir {cwd}")  # FileNotFoundError for ENOENT...
+            raise CommandFailed(answer.errno, f"cannot run {argv[0]!r} in the guest")
+        if not isinstance(answer, Started):
+            raise self._lie(answer, "started")
+        return command
+
+    def stdin(self, command: GuestCommand, data: bytes) -> None:
+        for at in range(0, len(data), frames.CHUNK):
+            self._send(frames.request(frames.Op.STDIN, command.id, data[at:at + frames.CHUNK]))
+
+    def close_stdin(self, command: GuestCommand) -> None:
+        self._send(frames.request(frames.Op.CLOSE_STDIN, command.id))
+
+    def signal(self, command: GuestCommand, number: int) -> None:
+        self._send(frames.signal_request(command.id, number))
+
+    async def write_file(self, path: str, data: bytes, mode: int) -> int:
+        written, step = 0, frames.MAX_READ
+        for at in range(0, max(len(data), 1), step):
+            request_id = next(self._ids)
+            answer = await self._ask(request_id, frames.write_request(request_id, path, data[at:at + step], mode,
+                                                                      append=at > 0))
+            if isinstance(answer, Failed):
+                raise OSError(answer.errno, f"{answer.what}: {path}")
+            if not isinstance(answer, Done) or answer.count != len(data[at:at + step]):
+                raise self._lie(answer, "done")
+            written += answer.count
+        return written
+
+    async def read_file(self, path: str, max_bytes: int) -> bytes:
+        """The file's first `max_bytes` bytes; ValueError when it is longer."""
+        out = bytearray()
+        while True:
+            request_id = next(self._ids)
+            want = min(frames.MAX_READ, max_bytes + 1 - len(out))
+            answer = await self._ask(request_id, frames.read_request(request_id, path, len(out), want))
+            if isinstance(answer, Failed):
+                raise OSError(answer.errno, f"{answer.what}: {path}")
+            if not isinstance(answer, Data) or len(answer.data) > want:
+                raise self._lie(answer, "data")
+            out += answer.data
+            if len(out) > max_bytes:
+                raise ValueError(f"larger than {max_bytes} bytes")
+            if answer.eof:
+                return bytes(out)
+
+    def fail(self, why: str) -> GuestBroken:
+        """The node found the guest wanting (a killed command that never ended): cut it off."""
+        self._break(why)
+        return GuestBroken(self.broken)
+
+    def _lie(self, answer: Answer, expected: str) -> GuestBroken:
+        self._break(f"the guest answered {_kind(answer)} where {expected} was due")
+        return GuestBroken(self.broken)
+
+    def close(self) -> None:
+        self._closing = True
+        self._pump.cancel()
+        with contextlib.suppress(Exception):
+            self._writer.close()

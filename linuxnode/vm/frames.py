@@ -1,0 +1,172 @@
+"""The wire between the node and a microVM's guest agent (guest/agent.c), over one
+virtio-serial port: frames of a 4-byte big-endian length and a payload, both ways.
+
+Requests (node → guest) are fixed binary layouts, `u8 op | u32 id | fields`, strings as
+`u32 length | bytes`: the guest parses them in a few lines of C. Answers (guest → node) are
+msgpack arrays, `[kind, id, ...]`, decoded here into one tagged union of frozen Structs whose
+every field is typed and bounded. Nothing a guest sends is trusted: a frame over MAX_FRAME, a
+payload that is not one of these messages, or a field out of its bounds is a `GuestProtocolError`,
+and the node then kills the VM (see channel.py). No answer names a path or a command the host
+acts on; the host only ever copies their bytes to the sandbox's caller.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import IntEnum
+from typing import Annotated, Literal, Union
+
+import msgspec
+from msgspec import Meta
+
+MAX_FRAME = (1 << 20) + 64  # the agent's own cap on a frame, plus its msgpack header
+CHUNK = 64 << 10  # what the agent reads from a command's pipe at once
+MAX_READ = 8 * CHUNK  # the most one read-file answer carries
+_LEN = struct.Struct(">I")
+
+
+class GuestProtocolError(Exception):
+    """The guest sent something the protocol does not allow: it is killed, its sandbox fails."""
+
+
+class Op(IntEnum):
+    EXEC = 1
+    STDIN = 2
+    CLOSE_STDIN = 3
+    SIGNAL = 4
+    WRITE_FILE = 5
+    READ_FILE = 6
+    PING = 7
+    SETUP = 8
+    RESET = 9
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+def _string(value: str | bytes) -> bytes:
+    data = value.encode() if isinstance(value, str) else value
+    return _LEN.pack(len(data)) + data
+
+
+def request(op: Op, request_id: int, body: bytes = b"") -> bytes:
+    payload = bytes([op]) + _LEN.pack(request_id) + body
+    if len(payload) > MAX_FRAME - 64:
+        raise ValueError(f"a request of {len(payload)} bytes is over the agent's frame size")
+    return _LEN.pack(len(payload)) + payload
+
+
+def exec_request(request_id: int, argv: list[str], env: dict[str, str], cwd: str) -> bytes:
+    if not argv:
+        raise ValueError("an empty argv")
+    for s in (*argv, cwd, *env, *env.values()):
+        if "\0" in s:
+            raise ValueError("a NUL byte in an argument, the environment or the cwd")
+    body = _LEN.pack(len(argv)) + _LEN.pack(len(env))
+    body += b"".join(_string(a) for a in argv) + b"".join(_string(f"{k}={v}") for k, v in env.items())
+    return request(Op.EXEC, request_id, body + _string(cwd))
+
+
+def write_request(request_id: int, path: str, data: bytes, mode: int, append: bool) -> bytes:
+    return request(Op.WRITE_FILE, request_id, _LEN.pack(int(append)) + _LEN.pack(mode) + _string(_path(path)) + data)
+
+
+def read_request(request_id: int, path: str, offset: int, max_bytes: int) -> bytes:
+    body = _LEN.pack(offset >> 32) + _LEN.pack(offset & 0xFFFFFFFF) + _LEN.pack(min(max_bytes, MAX_READ))
+    return request(Op.READ_FILE, request_id, body + _string(_path(path)))
+
+
+def signal_request(request_id: int, number: int) -> bytes:
+    return request(Op.SIGNAL, request_id, _LEN.pack(number))
+
+
+def setup_request(request_id: int, disk_mb: int) -> bytes:
+    return request(Op.SETUP, request_id, _LEN.pack(disk_mb))
+
+
+def _path(path: str) -> str:
+    if not path or "\0" in path:
+        raise ValueError(f"{path!r} is not a path")
+    return path
+
+
+# -- answers --------------------------------------------------------------------------------------
+
+RequestId = Annotated[int, Meta(ge=0, le=0xFFFFFFFF)]
+Release = Annotated[str, Meta(max_length=64)]
+
+
+class _Answer(msgspec.Struct, frozen=True, array_like=True, tag_field="kind"):
+    pass
+
+
+class Hello(_Answer, tag="hello"):
+    """Sent once when the agent starts (a cold boot); a restored guest sends none."""
+
+    release: Release
+
+
+class Pong(_Answer, tag="pong"):
+    id: RequestId
+    release: Release
+
+
+class Started(_Answer, tag="started"):
+    id: RequestId
+    pid: Annotated[int, Meta(ge=1, le=1 << 22)]
+
+
+class Output(_Answer, tag="out"):
+    id: RequestId
+    stream: Literal[1, 2]
+    data: Annotated[bytes, Meta(max_length=CHUNK)]
+
+
+class Exited(_Answer, tag="exited"):
+    id: RequestId
+    status: Annotated[int, Meta(ge=0, le=0xFFFF)]  # a wait status
+
+
+class Failed(_Answer, tag="failed"):
+    id: RequestId
+    errno: Annotated[int, Meta(ge=1, le=4095)]
+    what: Annotated[str, Meta(max_length=256)]
+
+
+class Data(_Answer, tag="data"):
+    id: RequestId
+    data: Annotated[bytes, Meta(max_length=MAX_READ)]
+    eof: bool
+
+
+class Done(_Answer, tag="done"):
+    id: RequestId
+    count: Annotated[int, Meta(ge=0, le=0xFFFFFFFF)]
+
+
+Answer = Union[Hello, Pong, Started, Output, Exited, Failed, Data, Done]
+_decoder = msgspec.msgpack.Decoder(Answer)
+
+
+class FrameReader:
+    """Bytes from the guest in, whole answers out; a violation raises GuestProtocolError and the
+    reader is useless afterwards (the guest is killed, there is nothing to resynchronise with)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[Answer]:
+        self._buffer += data
+        answers: list[Answer] = []
+        while len(self._buffer) >= 4:
+            (size,) = _LEN.unpack_from(self._buffer)
+            if size > MAX_FRAME:
+                raise GuestProtocolError(f"a frame of {size} bytes (at most {MAX_FRAME})")
+            if len(self._buffer) < 4 + size:
+                break
+            payload = bytes(self._buffer[4:4 + size])
+            del self._buffer[:4 + size]
+            try:
+                answers.append(_decoder.decode(payload))
+            except msgspec.DecodeError as exc:  # ValidationError is one
+                raise GuestProtocolError(f"an answer that is not one: {str(exc)[:200]}") from None
+        return answers

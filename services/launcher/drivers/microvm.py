@@ -1,0 +1,409 @@
+"""The `microvm` level: a QEMU machine per sandbox (linuxnode.vm), its root the sandbox's layer
+stack as read-only disks, everything inside reached through the guest agent.
+
+The hypervisor is the boundary: QEMU runs in the sandbox's cgroups (so freeze is pause, the
+memory limit holds guest RAM and QEMU together, kill is destroy) and network namespace, with
+its seccomp sandbox on and no network device. The composed overlay the layer-cache makes for
+every sandbox is not entered: its mounts only say which image files to attach
+(linuxnode/vm/layer_disks.py). A guest that breaks the agent protocol, floods it with what it
+does not allow or stops answering is killed on the spot; the launcher then sees QEMU end and
+fails the sandbox (`process_exited`), and the log says why.
+
+Not yet at this level (each a typed Unsupported): egress allow rules (no network at all),
+port forwards, chunked transfers and the file tree, watches, terminals, checkpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import signal
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sandfleet import errors
+from linuxnode import cgroups
+from linuxnode import process as process_runtime
+from linuxnode.process import InitProcess
+from linuxnode.vm import layer_disks, machine
+from linuxnode.vm.channel import AgentChannel, CommandFailed, GuestBroken, GuestCommand
+from linuxnode.vm.guest_image import GuestImage, default_dir
+from linuxnode.vm.runtime import MicroVMs, RunningVM, Shape, VMStartError
+from schemas.layers import Rootfs
+from schemas.node import Confinement
+from schemas.sandbox import SandboxSpec
+from services.launcher.keys import LOGGER, about
+from services.launcher.drivers.base import (
+    Anchor,
+    Command,
+    CpuWeight,
+    DriverFailure,
+    ExecFailed,
+    ExecOutcome,
+    Instance,
+    LaunchRefused,
+    NoWritableLayer,
+    RunningCommand,
+    SandboxGone,
+    StartFailed,
+    StdinClosed,
+    Unsupported,
+    Usage,
+)
+
+log = logging.getLogger(LOGGER)
+T = TypeVar("T")
+
+KILL_GRACE_S = 10.0  # a timed-out command's SIGKILL to its exit, in the guest
+
+
+@dataclass
+class VMSandbox:
+    sandbox_id: str
+    vm: RunningVM
+    confinement: Confinement
+    loop: asyncio.AbstractEventLoop
+    frozen: bool = False
+    killed: str = ""  # why the node killed the guest
+    commands: set[GuestCommand] = field(default_factory=set)
+
+    @property
+    def anchor(self) -> Anchor:
+        return Anchor(self.vm.pid, self.vm.start_time)
+
+    @property
+    def channel(self) -> AgentChannel:
+        return self.vm.channel
+
+
+def _own(instance: Instance) -> VMSandbox:
+    if not isinstance(instance, VMSandbox):
+        raise TypeError(f"not a microvm sandbox: {type(instance).__name__}")
+    return instance
+
+
+def _init(anchor: Anchor) -> InitProcess:
+    return InitProcess(pid=anchor.pid, start_time=anchor.start_time)
+
+
+def _unsupported(what: str) -> Unsupported:
+    return Unsupported(f"{what} is not supported for isolation 'microvm' yet")
+
+
+def _exit_code(status: int) -> int:
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+class MicroVMDriver:
+    def __init__(self, vms: MicroVMs) -> None:
+        self.vms = vms
+        self.live: dict[str, VMSandbox] = {}
+
+    # -- start and end ----------------------------------------------------------------------
+
+    async def start(self, sandbox_id: str, spec: SandboxSpec, confinement: Confinement,
+                    rootfs: Rootfs | None) -> Instance:
+        if rootfs is None:
+            raise LaunchRefused("a microvm has no host view: name its layers, e.g. layers=['base']")
+        if spec.allow:
+            raise errors.Unsupported("a microvm has no network yet: egress allow rules are not supported at this level")
+        try:
+            guest_mb = machine.guest_memory_mb(spec.memory_mb)
+        except ValueError as exc:
+            raise LaunchRefused(str(exc)) from None
+        try:
+            images = await asyncio.to_thread(layer_disks.images_under, rootfs.path)
+        except layer_disks.NoLayerImages as exc:
+            raise StartFailed(f"no layer images to attach: {exc}") from None
+        shape = Shape(vcpus=max(1, math.ceil(spec.cpu)), memory_mb=guest_mb, layers=tuple(rootfs.layers))
+        holder: list[VMSandbox] = []
+        try:
+            vm = await self.vms.start(sandbox_id, shape, images, spec.disk_mb, confinement.cgroup_procs,
+                                      confinement.netns, lambda why: self._broken(holder, sandbox_id, why))
+        except VMStartError as exc:
+            raise StartFailed(str(exc)) from None
+        sandbox = VMSandbox(sandbox_id, vm, confinement, asyncio.get_running_loop())
+        holder.append(sandbox)
+        self.live[sandbox_id] = sandbox
+        return sandbox
+
+    def _broken(self, holder: list[VMSandbox], sandbox_id: str, why: str) -> None:
+        """The guest broke the protocol or went silent: kill it; the watch fails the sandbox."""
+        log.warning("sandbox %s: killing its microVM: %s", sandbox_id, why, extra=about(sandbox_id))
+        if holder:
+            sandbox = holder[0]
+            sandbox.killed = why
+            asyncio.ensure_future(process_runtime.kill_async(sandbox.vm.process))
+
+    async def stop(self, sandbox_id: str, anchor: Anchor | None) -> None:
+        sandbox = self.live.pop(sandbox_id, None)
+        if sandbox is not None:
+            sandbox.channel.close()
+        process = _init(anchor) if anchor is not None else self.vms.qemu_of(sandbox_id)
+        await self.vms.stop(sandbox_id, process)
+
+    def alive(self, anchor: Anchor) -> bool:
+        return process_runtime.is_alive(_init(anchor))
+
+    async def adopt(self, sandbox_id: str, anchor: Anchor, spec: SandboxSpec, confinement: Confinement,
+                    rootfs: Rootfs | None) -> Instance:
+        holder: list[VMSandbox] = []
+        try:
+            channel = await self.vms.reconnect(sandbox_id, lambda why: self._broken(holder, sandbox_id, why))
+        except (GuestBroken, OSError, TimeoutError) as exc:
+            raise StartFailed(f"the microVM's agent cannot be reached again: {exc}") from None
+        vm = RunningVM(sandbox_id, anchor.pid, anchor.start_time, self.vms.vms_dir / sandbox_id, channel, False)
+        sandbox = VMSandbox(sandbox_id, vm, confinement, asyncio.get_running_loop())
+        holder.append(sandbox)
+        self.live[sandbox_id] = sandbox
+        return sandbox
+
+    def watch(self, instance: Instance, on_exit: Callable[[], None]) -> Callable[[], None]:
+        sandbox = _own(instance)
+        loop = asyncio.get_running_loop()
+        watching: list[int] = []
+
+        def unwatch() -> None:
+            if watching:
+                loop.remove_reader(watching[0])
+                os.close(watching.pop())
+
+        def exited() -> None:
+            unwatch()
+            try:
+                os.waitpid(sandbox.vm.pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            if sandbox.killed:
+                log.warning("sandbox %s: its microVM was killed: %s", sandbox.sandbox_id, sandbox.killed,
+                            extra=about(sandbox.sandbox_id))
+            on_exit()
+
+        try:
+            pidfd = os.pidfd_open(sandbox.vm.pid)
+        except ProcessLookupError:
+            return loop.call_soon(exited).cancel
+        watching.append(pidfd)
+        loop.add_reader(pidfd, exited)
+        return unwatch
+
+    async def leftovers(self, keep: set[str]) -> list[str]:
+        """VMs a crash left (QEMU still in its directory, or the directory alone) that no kept
+        sandbox owns, and boot VMs a crash interrupted."""
+        await asyncio.to_thread(self.vms.clear_boots)
+        gone = sorted(self.vms.recorded() - keep)
+        for sandbox_id in gone:
+            await self.vms.stop(sandbox_id, self.vms.qemu_of(sandbox_id))
+        return gone
+
+    def close(self) -> None:
+        for sandbox in self.live.values():
+            sandbox.channel.close()
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def _usable(self, instance: Instance) -> VMSandbox:
+        sandbox = _own(instance)
+        if sandbox.killed or sandbox.channel.broken:
+            raise SandboxGone(f"the microVM is gone: {sandbox.killed or sandbox.channel.broken}")
+        if sandbox.frozen:
+            raise Unsupported("the microVM is paused: resume it first")
+        return sandbox
+
+    async def _start_command(self, sandbox: VMSandbox, command: Command, on_output: Callable[[int, bytes], None],
+                             on_exit: Callable[[int], None]) -> GuestCommand:
+        try:
+            return await sandbox.channel.start(list(command.argv), dict(command.env), command.cwd, on_output, on_exit)
+        except CommandFailed as exc:
+            raise ExecFailed(f"{exc.strerror}: {os.strerror(exc.errno or 0)}") from None
+        except GuestBroken as exc:
+            raise SandboxGone(f"the microVM is gone: {exc}") from None
+
+    async def exec(self, instance: Instance, command: Command) -> ExecOutcome:
+        sandbox = self._usable(instance)
+        out, err = bytearray(), bytearray()
+        truncated = False
+
+        def on_output(stream: int, data: bytes) -> None:
+            nonlocal truncated
+            buffer = out if stream == 1 else err
+            room = command.max_output - len(out) - len(err)
+            if len(data) > room:
+                truncated = True
+            buffer += data[:max(room, 0)]
+
+        running = await self._start_command(sandbox, command, on_output, lambda status: None)
+        timed_out = False
+        try:
+            if command.stdin:
+                sandbox.channel.stdin(running, command.stdin)
+            sandbox.channel.close_stdin(running)
+            try:
+                status = await asyncio.wait_for(asyncio.shield(running.exited), command.timeout_s)
+            except TimeoutError:
+                timed_out = True
+                sandbox.channel.signal(running, signal.SIGKILL)
+                try:
+                    status = await asyncio.wait_for(asyncio.shield(running.exited), KILL_GRACE_S)
+                except TimeoutError:
+                    raise sandbox.channel.fail(f"a SIGKILLed command did not end in {KILL_GRACE_S:g} s") from None
+        except asyncio.CancelledError:
+            if not sandbox.channel.broken:
+                sandbox.channel.signal(running, signal.SIGKILL)
+            raise
+        except (GuestBroken, TimeoutError) as exc:
+            raise SandboxGone(f"the microVM is gone: {sandbox.killed or exc}") from None
+        return ExecOutcome(_exit_code(status), bytes(out), bytes(err), timed_out, truncated)
+
+    async def spawn(self, instance: Instance, command: Command, on_output: Callable[[int, bytes], None],
+                    on_exit: Callable[[int], None]) -> RunningCommand:
+        sandbox = self._usable(instance)
+        running = await self._start_command(sandbox, command, on_output, on_exit)
+        return _GuestBackground(sandbox, running)
+
+    # -- files: small whole files through the agent --------------------------------------------
+
+    def _on_loop(self, sandbox: VMSandbox, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run an agent request from a worker thread (the launcher calls file operations off the
+        event loop); the loop's own thread cannot wait for its own loop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # a worker thread, as it should be
+        else:
+            raise DriverFailure("a microvm file operation was called on the event loop's thread")
+        try:
+            return asyncio.run_coroutine_threadsafe(make(), sandbox.loop).result()
+        except GuestBroken as exc:
+            raise SandboxGone(f"the microVM is gone: {exc}") from None
+
+    def read_file(self, instance: Instance, path: str, max_bytes: int) -> bytes:
+        sandbox = self._usable(instance)
+        return self._on_loop(sandbox, lambda: sandbox.channel.read_file(path, max_bytes))
+
+    def write_file(self, instance: Instance, path: str, data: bytes, mode: int) -> int:
+        sandbox = self._usable(instance)
+        return self._on_loop(sandbox, lambda: sandbox.channel.write_file(path, data, mode))
+
+    # -- the machine from outside: pause, CPU weight, usage --------------------------------------
+
+    async def freeze(self, instance: Instance) -> None:
+        sandbox = _own(instance)
+        try:
+            await asyncio.to_thread(cgroups.set_frozen, sandbox.confinement.cgroup_v2, True)
+        except cgroups.CgroupError as exc:
+            raise DriverFailure(str(exc)) from None
+        sandbox.frozen = True
+
+    async def thaw(self, instance: Instance) -> None:
+        sandbox = _own(instance)
+        try:
+            await asyncio.to_thread(cgroups.set_frozen, sandbox.confinement.cgroup_v2, False)
+        except cgroups.CgroupError as exc:
+            raise DriverFailure(str(exc)) from None
+        sandbox.frozen = False
+
+    def set_cpu_weight(self, instance: Instance, idle: bool) -> CpuWeight:
+        sandbox = _own(instance)
+        found = cgroups.cpu_weight_file(sandbox.confinement.cgroup_v2, sandbox.confinement.cgroup_procs)
+        if found is None:
+            raise Unsupported(f"sandbox {sandbox.sandbox_id} has no cpu.weight or cpu.shares to change")
+        return CpuWeight(file=found.path, value=found.write(idle))
+
+    def writable_layer(self, instance: Instance) -> Path:
+        raise NoWritableLayer(f"sandbox {_own(instance).sandbox_id} is a microvm: its writable layer is in guest "
+                              "RAM, and checkpoints of microvms are not supported yet")
+
+    async def usage(self, instance: Instance) -> Usage:
+        """QEMU's cgroup (guest RAM and QEMU together); what the guest does inside is not read yet."""
+        sandbox = _own(instance)
+        try:
+            used = await asyncio.to_thread(cgroups.read_usage, sandbox.confinement.cgroup_v2,
+                                           sandbox.confinement.cgroup_procs)
+        except FileNotFoundError:
+            raise SandboxGone("the sandbox's cgroup is gone") from None
+        if not process_runtime.is_alive(sandbox.vm.process):
+            raise SandboxGone("the microVM is gone")
+        return Usage(cpu_s=used.cpu_usec / 1e6 if used.cpu_usec >= 0 else -1.0, memory_bytes=used.memory_bytes,
+                     memory_peak_bytes=used.memory_peak_bytes, memory_limit_bytes=used.memory_limit_bytes,
+                     disk_bytes=-1, processes=used.processes, interfaces=[])
+
+    # -- not at this level yet -------------------------------------------------------------------
+
+    async def connect_port(self, instance: Instance, host: str, port: int):
+        raise _unsupported("port forwarding")
+
+    def port_listens(self, instance: Instance, host: str, port: int) -> bool:
+        raise _unsupported("port forwarding")
+
+    def open_upload(self, instance: Instance, path: str, kind: str, mode: int, depth: int):
+        raise _unsupported("chunked uploads")
+
+    def open_download(self, instance: Instance, path: str, chunk: int, depth: int):
+        raise _unsupported("chunked downloads")
+
+    def file_op(self, instance: Instance, op: str, *args) -> object:
+        raise _unsupported(f"the file operation {op!r}")
+
+    def open_watch(self, instance: Instance, path: str, recursive: bool, max_dirs: int):
+        raise _unsupported("watching files")
+
+    async def spawn_terminal(self, instance: Instance, command: Command, cols: int, rows: int,
+                             on_output: Callable[[int, bytes], None], on_exit: Callable[[int], None]):
+        raise _unsupported("terminals")
+
+
+class _GuestBackground:
+    """A background command in the guest, as the seam's RunningCommand."""
+
+    def __init__(self, sandbox: VMSandbox, running: GuestCommand) -> None:
+        self.sandbox, self.running = sandbox, running
+        self.stdin_open = True
+
+    @property
+    def os_pid(self) -> int | None:
+        return self.running.pid
+
+    async def write(self, data: bytes) -> int:
+        if not self.stdin_open or self.running.exited.done():
+            raise StdinClosed("its stdin is closed")
+        try:
+            self.sandbox.channel.stdin(self.running, data)
+        except GuestBroken as exc:
+            raise StdinClosed(str(exc)) from None
+        return len(data)
+
+    def close_stdin(self) -> None:
+        if self.stdin_open and not self.sandbox.channel.broken:
+            self.sandbox.channel.close_stdin(self.running)
+        self.stdin_open = False
+
+    def signal(self, number: int) -> bool:
+        if self.running.exited.done() or self.sandbox.channel.broken:
+            return False
+        self.sandbox.channel.signal(self.running, number)
+        return True
+
+    def close(self) -> None:
+        self.signal(signal.SIGKILL)
+
+
+async def detect_microvm(state_dir: Path) -> tuple[MicroVMDriver | None, str]:
+    """The driver, if QEMU and a built guest are here, and the node's status line for the level
+    (`on: tcg (no usable KVM: ...)`, `off: <why>`)."""
+    qemu = machine.qemu_binary()
+    if qemu is None:
+        return None, f"off: no {machine.QEMU} (Debian's qemu-system-x86)"
+    guest = await asyncio.to_thread(GuestImage.find, default_dir())
+    if isinstance(guest, str):
+        return None, f"off: {guest}"
+    accelerator = await asyncio.to_thread(machine.detect_accelerator)
+    snapshots = os.environ.get("SANDFLEET_MICROVM_SNAPSHOTS", "1") != "0"
+    vms = MicroVMs(guest, accelerator, qemu, state_dir / "microvm", snapshots=snapshots)
+    start = "restored from saved machine states" if snapshots else "cold-booted (SANDFLEET_MICROVM_SNAPSHOTS=0)"
+    return MicroVMDriver(vms), f"on: {accelerator.describe()}, guest {guest.release}, {start}"
