@@ -33,6 +33,8 @@ class ProcessSpec:
     workspace_size_mb: int = 1024
     hostname: str = "sandbox"
     rootfs_dir: str | None = None  # a composed root (see linuxnode.layered_root); None: the host view
+    # The host uid/gid that is root inside (linuxnode.userns); 0: no user namespace, root is the host's.
+    id_host: int = 0
 
 
 @dataclass(frozen=True)
