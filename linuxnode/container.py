@@ -46,7 +46,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from linuxnode import cgroups, landlock, layered_root, netns, procfs, seccomp
+from linuxnode import cgroups, landlock, layered_root, netns, procfs, seccomp, userns
 from linuxnode import syscalls as linux
 from linuxnode.container_exec import (
     DetachedHelpers,
@@ -77,6 +77,9 @@ class ContainerSpec:
     cgroup_procs: list[str]
     netns: str
     tmp_size_mb: int = 256
+    # The host uid/gid of its root (linuxnode.userns): crun gives it a user namespace mapping
+    # 0..65535 there, the range the layer-cache idmapped its layers to. 0: no user namespace.
+    id_host: int = 0
     hostname: str = "sandbox"
 
 
@@ -119,6 +122,13 @@ def bundle_config(spec: ContainerSpec, shim: tuple[str, list[str]] | None = None
             "seccomp": seccomp.oci_seccomp(),
         },
     }
+    if spec.id_host:
+        # crun makes the user namespace first, so the container's other namespaces are owned by
+        # it (the node agent's netns stays the host's: /sys is then bound, not mounted, by crun).
+        ids = [{"containerID": 0, "hostID": spec.id_host, "size": userns.RANGE}]
+        config["linux"]["namespaces"].insert(0, {"type": "user"})
+        config["linux"]["uidMappings"] = ids
+        config["linux"]["gidMappings"] = ids
     if shim is not None:
         config["mounts"].append({"destination": landlock.SHIM_PATH, "type": "bind", "source": shim[0],
                                  "options": ["bind", "ro", "nosuid", "nodev"]})
@@ -229,7 +239,7 @@ class Crun:
         bundle = self.bundles / spec.sandbox_id
         bundle.mkdir(parents=True, exist_ok=False)
         try:
-            layered_root.ensure_dir(spec.rootfs, "workspace")
+            layered_root.ensure_owned_dir(spec.rootfs, "workspace", spec.id_host)
             shim = (self.shim, self._confine(spec.rootfs, spec.cgroup_procs)) if self.shim else None
             await self._run_bundle(spec.sandbox_id, bundle, bundle_config(spec, shim), spec.rootfs, spec.netns,
                                    spec.cgroup_procs)

@@ -81,7 +81,7 @@ def ensure_dir(root: str, rel: str, mode: int = 0o755) -> None:
     os.close(open_in_root(root, rel, create="dir", mode=mode))
 
 
-def _ensure_owned_dir(root: str, rel: str, id_host: int) -> None:
+def ensure_owned_dir(root: str, rel: str, id_host: int) -> None:
     """`ensure_dir`, and one this made (owned by the host's root) given to the sandbox's root."""
     fd = open_in_root(root, rel, create="dir")
     try:
@@ -197,7 +197,7 @@ def plan(rootfs_dir: str, tmp_size_mb: int, hostname: str, stage: str, id_host: 
 
     add("mount /tmp", _mount_in, stage, "tmp", "tmp", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
         f"size={tmp_size_mb}m,mode=1777" + ids)
-    add("make /workspace", _ensure_owned_dir, stage, "workspace", id_host)
+    add("make /workspace", ensure_owned_dir, stage, "workspace", id_host)
     add(f"bind the init at {INIT_BINARY}", _bind_file_ro, stage, INIT_BINARY, INIT_BINARY)
 
     add("set hostname", socket.sethostname, hostname)

@@ -227,20 +227,47 @@ def attach(mount_fd: int, target: str) -> None:
                  ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH)), f"move_mount {target}")
 
 
+def mount_idmapped(fstype: str, source: str, options: str, attr: int, userns_fd: int, target: str) -> None:
+    """Mount a new `fstype` from `source` on `target`, idmapped through `userns_fd` from its first
+    moment (fsopen/fsmount make it detached, where mount_setattr may idmap it; it is attached
+    only then, so nothing ever sees it unmapped). `options` as mount(2)'s data string, `attr`
+    MOUNT_ATTR_* flags. EINVAL from mount_setattr: the file system cannot be idmapped."""
+    fs = _check(_call("fsopen", os.fsencode(fstype), ctypes.c_uint(FSOPEN_CLOEXEC)), f"fsopen {fstype}")
+    try:
+        _fsconfig(fs, FSCONFIG_SET_STRING, b"source", os.fsencode(source))
+        for item in filter(None, options.split(",")):
+            key, eq, value = item.partition("=")
+            if eq:
+                _fsconfig(fs, FSCONFIG_SET_STRING, key.encode(), value.encode())
+            else:
+                _fsconfig(fs, FSCONFIG_SET_FLAG, key.encode(), None)
+        _fsconfig(fs, FSCONFIG_CMD_CREATE, None, None)
+        mnt = _check(_call("fsmount", ctypes.c_int(fs), ctypes.c_uint(FSMOUNT_CLOEXEC), ctypes.c_uint(attr)),
+                     f"fsmount {fstype}")
+    finally:
+        os.close(fs)
+    try:
+        set_attributes(mnt, MOUNT_ATTR_IDMAP, userns_fd)
+        attach(mnt, target)
+    finally:
+        os.close(mnt)
+
+
+def _fsconfig(fs: int, cmd: int, key: bytes | None, value, aux: int = 0) -> None:
+    _check(_syscall(ctypes.c_long(_NR["fsconfig"]), ctypes.c_int(fs), ctypes.c_uint(cmd), key, value,
+                    ctypes.c_int(aux)), f"fsconfig {(key or b'create').decode()}")
+
+
 def overlay(lower_fds_top_first: list[int], upper: str, work: str, attr: int = 0) -> int:
     """A detached overlay whose lower layers are given as mount fds ("lowerdir+" by fd, Linux
     6.13+), so they may be idmapped clones no path leads to."""
     fs = _check(_call("fsopen", b"overlay", ctypes.c_uint(FSOPEN_CLOEXEC)), "fsopen overlay")
     try:
-        def config(cmd: int, key: bytes, value, aux: int = 0) -> None:
-            _check(_syscall(ctypes.c_long(_NR["fsconfig"]), ctypes.c_int(fs), ctypes.c_uint(cmd), key, value,
-                            ctypes.c_int(aux)), f"overlay {(key or b'create').decode()}")
-
         for fd in lower_fds_top_first:
-            config(FSCONFIG_SET_FD, b"lowerdir+", None, fd)
-        config(FSCONFIG_SET_STRING, b"upperdir", os.fsencode(upper))
-        config(FSCONFIG_SET_STRING, b"workdir", os.fsencode(work))
-        config(FSCONFIG_CMD_CREATE, None, None)
+            _fsconfig(fs, FSCONFIG_SET_FD, b"lowerdir+", None, fd)
+        _fsconfig(fs, FSCONFIG_SET_STRING, b"upperdir", os.fsencode(upper))
+        _fsconfig(fs, FSCONFIG_SET_STRING, b"workdir", os.fsencode(work))
+        _fsconfig(fs, FSCONFIG_CMD_CREATE, None, None)
         return _check(_call("fsmount", ctypes.c_int(fs), ctypes.c_uint(FSMOUNT_CLOEXEC), ctypes.c_uint(attr)),
                       "fsmount overlay")
     finally:

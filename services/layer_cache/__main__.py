@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 
+from linuxnode import userns
 from sandfleet import metrics, runner
 from sandfleet.bus import Endpoint
 from sandfleet.config import ServiceConfig
@@ -47,7 +48,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
         lazy = LazyLayers(layout.root, layout.images, bus.js)
         images = ImageCache(layout.images, budget, store.fetch_image, lambda digest: composer.before_evict(digest),
                             lazy=lazy, fetch_mode=config.layer_fetch)
-        composer = RootfsComposer(layout, images, LayerMounts(layout.mnt))
+        composer = RootfsComposer(layout, images, LayerMounts(layout.mnt, userns.node_range()))
         images.scan()
         metrics.LAYER_CACHE_BYTES.set_function(lambda: sum(i.fetched_bytes for i in list(images.images.values())),
                                                kind="fetched")

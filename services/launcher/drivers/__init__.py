@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from linuxnode import process as process_runtime
+from linuxnode import userns
 from services.launcher.drivers.base import Anchor, Driver, LaunchRefused
 from services.launcher.drivers.container import ContainerDriver, detect_crun
 from services.launcher.drivers.process import ProcessDriver
@@ -17,12 +18,14 @@ class Drivers:
 
     @classmethod
     async def open(cls, state_dir: Path) -> Drivers:
-        """Every level this node can run, each ready for its first sandbox."""
+        """Every level this node can run, each ready for its first sandbox, their roots the host
+        ids SANDFLEET_USERNS gives (linuxnode.userns; read here, once per launcher)."""
         process_runtime.warm_up()  # the forking helper takes ~50 ms to start; not on the first create
-        drivers: dict[str, Driver] = {"process": ProcessDriver()}
+        ids = userns.node_range()
+        drivers: dict[str, Driver] = {"process": ProcessDriver(ids)}
         crun = await detect_crun(state_dir)  # `container` only where crun really runs here
         if crun is not None:
-            drivers["container"] = ContainerDriver(crun)
+            drivers["container"] = ContainerDriver(crun, ids)
         return cls(drivers)
 
     def close(self) -> None:
