@@ -7,7 +7,7 @@ so each layer stays one idmapped EROFS mount per node; sandboxes are kept apart 
 other by their pid, mount and network namespaces, as before.
 
 The kernel pieces are here too, called through ctypes: a user namespace with a given mapping
-is made by a short-lived child that unshares one and whose maps we write (`make`); the new
+is made by a short-lived helper that unshares one and whose maps we write (`make`); the new
 mount API (open_tree, mount_setattr with MOUNT_ATTR_IDMAP, fsopen/fsconfig/fsmount,
 move_mount) lets a layer's one EROFS mount be seen through a sandbox's mapping without a
 second superblock, page cache or copy: an idmapped mount is a new vfsmount of the same
@@ -141,40 +141,46 @@ def mapped_root(pid: int) -> int:
 
 # -- the namespace ----------------------------------------------------------------------------------
 
-def make(ids: IdRange) -> int:
+def make(ids: IdRange, timeout_s: float = 5.0) -> int:
     """An fd of a new user namespace mapping `ids` (uids and gids), owned by the host's root.
-    A forked child unshares it and waits; we write its maps and keep a reference to the
-    namespace, which outlives the child (~0.5 ms, most of it the fork)."""
-    ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
-    done_r, done_w = os.pipe2(os.O_CLOEXEC)
-    pid = os.fork()
-    if pid == 0:  # only syscalls here: the parent may have threads
-        code = 0
-        try:
-            os.close(ready_r)
-            os.close(done_w)
-            code = 1 if _unshare(CLONE_NEWUSER) else 0
-            os.write(ready_w, b"x")
-            os.read(done_r, 1)
-        finally:
-            os._exit(code)
-    os.close(ready_w)
-    os.close(done_r)
+    util-linux `unshare --user` makes it and waits on its stdin (`cat`); we write its maps,
+    keep a reference to the namespace, which outlives the helper, and let the helper go. A
+    process, not a fork of ours: the callers are services on an event loop (uvloop) whose
+    forked copies are not safe to run, and the spawner needs one per mapping for its life."""
+    import subprocess  # not at the top: the spawner imports this module and rarely needs it
+    import time
+
+    helper = subprocess.Popen(["unshare", "--user", "cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, close_fds=True)
     try:
-        os.read(ready_r, 1)
+        own = os.readlink("/proc/self/ns/user")
+        deadline = time.monotonic() + timeout_s
+        while True:  # until it has unshared (it then execs cat, which waits)
+            try:
+                if os.readlink(f"/proc/{helper.pid}/ns/user") != own:
+                    break
+            except FileNotFoundError:
+                pass
+            if helper.poll() is not None or time.monotonic() > deadline:
+                why = helper.stderr.read().decode(errors="replace").strip() if helper.poll() is not None else "timed out"
+                raise OSError(errno.EPERM, f"unshare --user: {why or 'failed'}", "user namespace")
+            time.sleep(0.0005)
         for name in ("uid_map", "gid_map"):
-            fd = os.open(f"/proc/{pid}/{name}", os.O_WRONLY | os.O_CLOEXEC)
+            fd = os.open(f"/proc/{helper.pid}/{name}", os.O_WRONLY | os.O_CLOEXEC)
             try:
                 os.write(fd, ids.uid_map().encode())
             finally:
                 os.close(fd)
-        return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        return os.open(f"/proc/{helper.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
     finally:
-        os.close(ready_r)
-        os.close(done_w)
-        _, status = os.waitpid(pid, 0)
-        if status:
-            raise OSError(errno.EPERM, "unshare(CLONE_NEWUSER) failed in the helper child", "user namespace")
+        helper.stdin.close()
+        if helper.poll() is None:
+            try:
+                helper.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                helper.kill()
+                helper.wait()
+        helper.stderr.close()
 
 
 def enter(userns_fd: int) -> None:
