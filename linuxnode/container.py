@@ -63,6 +63,10 @@ from linuxnode.process import DEFAULT_ENV, InitProcess, kill_async
 log = logging.getLogger("sandfleet.container")
 
 INIT_HOST = "/usr/bin/catatonit"
+# Where, in crun's own mount namespace only, containers' roots are attached and the shim is
+# bound: a path every id may pass (see make_crun_namespace), which the node's data dir is not.
+ROOTS_DIR = "/run/sandfleet/crun-roots"
+SHIM_EXPOSED = f"{ROOTS_DIR}/sandfleet-confine"
 INIT_PATH = "/dev/init"
 
 
@@ -146,7 +150,9 @@ class Crun:
         self.bundles = state_dir / "bundles"
         self.binary = binary
         # Sandbox mounts a restarted launcher finds on the host (roots, layers, netns) are of no use to crun.
-        self._crun_mnt = make_crun_namespace(hybrid_v2, prune=(str(state_dir.parent), netns.RUN_DIR))
+        # The mount point on the host stays an empty directory; each Crun has its own tmpfs on it.
+        os.makedirs(ROOTS_DIR, mode=0o755, exist_ok=True)
+        self._crun_mnt = make_crun_namespace(hybrid_v2, prune=(str(state_dir.parent), netns.RUN_DIR), roots=ROOTS_DIR)
         self._helpers = DetachedHelpers()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="crun-run", initializer=enter_namespace, initargs=(self._crun_mnt,))
@@ -154,7 +160,9 @@ class Crun:
         self.shim: str | None = None  # the Landlock exec shim; None: containers run without Landlock
         if self._landlock:
             try:
-                self.shim = landlock.build_shim(str(state_dir))
+                built = landlock.build_shim(str(state_dir))
+                self._pool.submit(_expose, built, SHIM_EXPOSED).result()
+                self.shim = SHIM_EXPOSED
             except OSError as exc:
                 log.warning("container sandboxes run without Landlock: %s", exc.strerror)
 
@@ -196,7 +204,8 @@ class Crun:
         `<bundle>/rootfs` meanwhile. The cgroup.procs files come as fds opened on the host: in
         crun's namespace the v2 hierarchy is not mounted. Returns crun's exit code and the
         helpers it left running."""
-        target = str(bundle / "rootfs")
+        target = f"{ROOTS_DIR}/{sandbox_id}"
+        os.mkdir(target, 0o755)
         attach_tree(tree, target)
         try:
             run = self._crun(f"--log={bundle}/crun.log", "run", "--detach", "--pid-file",
@@ -207,19 +216,19 @@ class Crun:
             helpers = detached_helpers(proc.pid)
         finally:
             linux.umount2(target, linux.MNT_DETACH)  # the container's namespace has its own copy now
+            os.rmdir(target)
         return code, helpers
 
     async def _run_bundle(self, sandbox_id: str, bundle: Path, config: dict, rootfs: str, netns_path: str | None,
                           cgroup_procs: list[str]) -> None:
         """Write the bundle (its root at `<bundle>/rootfs`, its netns named through our fd) and run it."""
-        (bundle / "rootfs").mkdir()
         fds: list[int] = []
         try:
             fds.append(tree := clone_tree(rootfs))
             fds.append(netns_fd := os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC) if netns_path else -1)
             cgroup_fds = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in cgroup_procs]
             fds += cgroup_fds
-            config["root"]["path"] = str(bundle / "rootfs")
+            config["root"]["path"] = f"{ROOTS_DIR}/{sandbox_id}"  # attached there by _run_detached
             if netns_fd >= 0:
                 config["linux"]["namespaces"][-1] = {"type": "network", "path": f"/proc/{os.getpid()}/fd/{netns_fd}"}
             (bundle / "config.json").write_text(json.dumps(config))
@@ -310,6 +319,13 @@ class Crun:
 
 
 _DETACHED = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+
+
+def _expose(host_file: str, at: str) -> None:
+    """Bind a host file read-only at `at` on crun's roots tmpfs (from a pool thread, in crun's namespace)."""
+    os.close(os.open(at, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o755))
+    linux.mount(host_file, at, None, linux.MS_BIND)
+    linux.mount(None, at, None, linux.MS_REMOUNT | linux.MS_BIND | linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV)
 
 
 def _tail(log_file: Path) -> str:

@@ -162,9 +162,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 
-def make_crun_namespace(hybrid_v2: str | None, prune: tuple[str, ...]) -> int:
+def make_crun_namespace(hybrid_v2: str | None, prune: tuple[str, ...], roots: str) -> int:
     """A private copy of the host's mount namespace (without cgroup v2 on hybrid hosts, and
-    without the mounts beneath the `prune` directories), made by a short-lived thread;
+    without the mounts beneath the `prune` directories), with a tmpfs of its own on `roots`
+    (where containers' roots are attached for `crun run`), made by a short-lived thread;
     returns an fd that keeps it."""
     made: list[int | BaseException] = []
 
@@ -177,6 +178,10 @@ def make_crun_namespace(hybrid_v2: str | None, prune: tuple[str, ...]) -> int:
             for point in _mounts_beneath(prune):
                 with contextlib.suppress(OSError):  # already gone with a parent
                     linux.umount2(point, linux.MNT_DETACH)
+            # crun resolves a root and its mount sources as the container's root once it has a
+            # user namespace: an unprivileged host id, which may not pass the node's data dir
+            # (under /root or pytest's 0700 directories). Here, every parent may be passed.
+            linux.mount("crun-roots", roots, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "size=64k,mode=0711")
             made.append(os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             made.append(exc)
