@@ -73,8 +73,10 @@ import os, sys
 sys.path.insert(0, sys.argv[1])
 from linuxnode import userns, syscalls as linux
 tree = userns.clone_tree(sys.argv[3])  # a detached mount of the host file, taken before leaving the host
-linux.setns(os.open(f"/proc/{sys.argv[2]}/ns/mnt", os.O_RDONLY), linux.CLONE_NEWNS)
-os.close(os.open(sys.argv[4], os.O_WRONLY | os.O_CREAT, 0o600))
+root = userns.mapped_root(int(sys.argv[2]))
+linux.setns(os.open(f"/proc/{sys.argv[2]}/ns/mnt", os.O_RDONLY), linux.CLONE_NEWNS)  # not its user namespace
+with userns.acting_as(root):  # a container's /tmp knows no host uid 0
+    os.close(os.open(sys.argv[4], os.O_WRONLY | os.O_CREAT, 0o600))
 userns.attach(tree, sys.argv[4])
 """
 
