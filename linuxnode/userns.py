@@ -9,9 +9,8 @@ other by their pid, mount and network namespaces, as before.
 The kernel pieces are here too, called through ctypes: a user namespace with a given mapping
 is made by a short-lived helper that unshares one and whose maps we write (`make`); the new
 mount API (open_tree, mount_setattr with MOUNT_ATTR_IDMAP, fsopen/fsconfig/fsmount,
-move_mount) lets a layer's one EROFS mount be seen through a sandbox's mapping without a
-second superblock, page cache or copy: an idmapped mount is a new vfsmount of the same
-superblock. Only the namespace's *mapping* is used: every other namespace of a sandbox stays
+move_mount) mounts a layer's one EROFS mount idmapped to the node's range from its first
+moment, so its root-owned files are the sandboxes' root's without a copy or a chown. Only the namespace's *mapping* is used: every other namespace of a sandbox stays
 owned by the host's user namespace and every capability is still dropped, so inside root
 gains nothing but a different owner on the host.
 """
@@ -31,8 +30,6 @@ DEFAULT_BASE = 1 << 20  # first host id handed out: above any subuid range usera
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
-_unshare = _libc.unshare
-_unshare.argtypes = [ctypes.c_int]
 
 CLONE_NEWUSER = 0x10000000
 # The new mount API's numbers are the same on every architecture (allocated after the unification).
@@ -50,7 +47,6 @@ FSOPEN_CLOEXEC = 1
 FSMOUNT_CLOEXEC = 1
 FSCONFIG_SET_FLAG = 0
 FSCONFIG_SET_STRING = 1
-FSCONFIG_SET_FD = 5
 FSCONFIG_CMD_CREATE = 6
 PIDFD_GET_USER_NAMESPACE = 0xFF09  # _IO(PIDFS_IOCTL_MAGIC 0xFF, 9): the user namespace of a pidfd's process
 
@@ -82,11 +78,6 @@ class IdRange:
 
     def uid_map(self) -> str:
         return f"0 {self.host} {self.count}\n"
-
-    def to_host(self, inside: int) -> int:
-        if not 0 <= inside < self.count:
-            raise ValueError(f"id {inside} is outside the sandbox's range of {self.count}")
-        return self.host + inside
 
 
 def node_range(setting: str | None = None) -> IdRange | None:
@@ -216,17 +207,6 @@ def set_attributes(mount_fd: int, attr_set: int, userns_fd: int = 0, attr_clr: i
                  ctypes.c_size_t(ctypes.sizeof(attr))), "mount_setattr")
 
 
-def idmapped(path: str | int, userns_fd: int, extra: int = 0) -> int:
-    """A detached mount of what is mounted at `path`, its ids shifted by the namespace's map."""
-    fd = clone_tree(path)
-    try:
-        set_attributes(fd, MOUNT_ATTR_IDMAP | extra, userns_fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def attach(mount_fd: int, target: str) -> None:
     """move_mount(2) a detached mount onto `target`."""
     _check(_call("move_mount", ctypes.c_int(mount_fd), b"", ctypes.c_int(-100), os.fsencode(target),
@@ -262,19 +242,3 @@ def mount_idmapped(fstype: str, source: str, options: str, attr: int, userns_fd:
 def _fsconfig(fs: int, cmd: int, key: bytes | None, value, aux: int = 0) -> None:
     _check(_syscall(ctypes.c_long(_NR["fsconfig"]), ctypes.c_int(fs), ctypes.c_uint(cmd), key, value,
                     ctypes.c_int(aux)), f"fsconfig {(key or b'create').decode()}")
-
-
-def overlay(lower_fds_top_first: list[int], upper: str, work: str, attr: int = 0) -> int:
-    """A detached overlay whose lower layers are given as mount fds ("lowerdir+" by fd, Linux
-    6.13+), so they may be idmapped clones no path leads to."""
-    fs = _check(_call("fsopen", b"overlay", ctypes.c_uint(FSOPEN_CLOEXEC)), "fsopen overlay")
-    try:
-        for fd in lower_fds_top_first:
-            _fsconfig(fs, FSCONFIG_SET_FD, b"lowerdir+", None, fd)
-        _fsconfig(fs, FSCONFIG_SET_STRING, b"upperdir", os.fsencode(upper))
-        _fsconfig(fs, FSCONFIG_SET_STRING, b"workdir", os.fsencode(work))
-        _fsconfig(fs, FSCONFIG_CMD_CREATE, None, None)
-        return _check(_call("fsmount", ctypes.c_int(fs), ctypes.c_uint(FSMOUNT_CLOEXEC), ctypes.c_uint(attr)),
-                      "fsmount overlay")
-    finally:
-        os.close(fs)

@@ -14,7 +14,7 @@ import pytest
 
 from linuxnode import userns
 from tests.kernel import require
-from tests.layer_trees import busybox_layer, level_sandbox
+from tests.layer_trees import APPLETS, busybox_layer, level_sandbox
 
 LEVELS = ["process", "container"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +22,7 @@ IDS = userns.node_range()  # the platform's: the test's environment is the platf
 
 
 async def _base(fleet, tmp_path_factory) -> str:
-    return await busybox_layer(fleet, tmp_path_factory, "userns-base", hostname="ct")
+    return await busybox_layer(fleet, tmp_path_factory, "userns-base", hostname="ct", applets=(*APPLETS, "mkdir"))
 
 
 @pytest.fixture(params=LEVELS)
@@ -126,3 +126,43 @@ async def test_each_layer_stays_one_idmapped_mount_for_every_sandbox_on_it(fleet
     finally:
         for b in boxes:
             await b.destroy()
+
+
+async def test_a_checkpoint_keeps_the_sandbox_roots_files_its_own_after_restore(fleet, tmp_path_factory):
+    """The upper dir holds host ids (1048576+); the checkpoint layer holds them as the sandbox saw
+    them, so the restored sandbox, mapped like any, owns what it wrote and may change it."""
+    require(IDS is not None, "SANDFLEET_USERNS is not off")
+    sb = await fleet.create(memory_mb=64, layers=[await _base(fleet, tmp_path_factory)])
+    restored = None
+    try:
+        code, _, err = await _sh(sb, "mkdir /workspace/d && echo one > /workspace/d/f && chmod 600 /workspace/d/f")
+        assert code == 0, err
+        restored = await fleet.restore(await sb.checkpoint())
+        code, out, err = await _sh(restored, "ls -ln /workspace/d/f; echo two >> /workspace/d/f && cat /workspace/d/f")
+        assert code == 0, err
+        assert out.splitlines()[0].split()[:4] == ["-rw-------", "1", "0", "0"]
+        assert out.splitlines()[1:] == ["one", "two"]
+    finally:
+        for box in (sb, restored):
+            if box is not None:
+                await box.destroy()
+
+
+def test_a_directory_build_gives_the_sandbox_ranges_host_ids_back_their_inside_ids(tmp_path):
+    from services.layer_cache.build import unmap_ids
+
+    ids = userns.IdRange(userns.DEFAULT_BASE)
+    (tmp_path / "d").mkdir(mode=0o2755)
+    (tmp_path / "d" / "f").write_text("x")
+    os.symlink("f", tmp_path / "d" / "l")
+    (tmp_path / "other").write_text("y")
+    os.chown(tmp_path, ids.host, ids.host)
+    os.chown(tmp_path / "d", ids.host + 1000, ids.host + 1000)
+    os.chmod(tmp_path / "d", 0o2755)
+    os.chown(tmp_path / "d" / "f", ids.host, ids.host + 5)
+    os.lchown(tmp_path / "d" / "l", ids.host + 7, ids.host + 7)
+    os.chown(tmp_path / "other", 1234, ids.host + ids.count)  # outside the range: left as it is
+    assert unmap_ids(tmp_path, ids) == 4
+    owners = {p: (os.lstat(tmp_path / p).st_uid, os.lstat(tmp_path / p).st_gid) for p in ("", "d", "d/f", "d/l", "other")}
+    assert owners == {"": (0, 0), "d": (1000, 1000), "d/f": (0, 5), "d/l": (7, 7), "other": (1234, ids.host + ids.count)}
+    assert os.stat(tmp_path / "d").st_mode & 0o7777 == 0o2755  # the setgid bit chown cleared is back
