@@ -132,6 +132,9 @@ def _make_in(root: str, dir_rel: str, kind: str, entries: tuple) -> None:
         for name, value in entries:
             if kind == "device":
                 os.mknod(name, 0o666 | stat.S_IFCHR, value, dir_fd=directory)
+                # 0666 whatever the umask: they are the host root's, and with a user namespace
+                # the sandbox's root is only "others" to them
+                os.chmod(name, 0o666, dir_fd=directory)
             else:
                 os.symlink(value, name, dir_fd=directory)
     finally:

@@ -120,6 +120,8 @@ def plan(tmp_size_mb: int, workspace_size_mb: int, hostname: str, id_host: int =
     mount("mount /dev tmpfs", "dev", f"{r}/dev", "tmpfs", linux.MS_NOSUID | linux.MS_NOEXEC, "size=64k,mode=0755" + ids)
     for name, rdev in facts["devices"]:
         add(f"mknod /dev/{name}", os.mknod, f"{r}/dev/{name}", 0o666 | stat.S_IFCHR, rdev)
+        # 0666 whatever the umask: with a user namespace the sandbox's root is "others" to them
+        add(f"chmod /dev/{name}", os.chmod, f"{r}/dev/{name}", 0o666)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2")):
         add(f"symlink /dev/{name}", os.symlink, target, f"{r}/dev/{name}")
