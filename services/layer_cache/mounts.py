@@ -207,7 +207,19 @@ class LayerMounts:
         if digest in self.mounted:
             return target
         target.mkdir(parents=True, exist_ok=True)
-        mount_erofs(image, target, self._userns)
+        try:
+            mount_erofs(image, target, self._userns)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or self._userns < 0:
+                raise
+            # A kernel whose EROFS cannot be idmapped (before Linux 6.12?): mount every layer as it
+            # is from now on; roots composed after this say id_host 0 and their sandboxes run
+            # as the host's uid 0, as before user namespaces (the README's fallback).
+            log.error("EROFS refuses idmapped mounts here (mount_setattr: EINVAL): layers are mounted "
+                      "unmapped and sandboxes on them run without a user namespace")
+            os.close(self._userns)
+            self._userns, self.ids = -1, None
+            mount_erofs(image, target)
         self.mounted.add(digest)
         return target
 

@@ -3,6 +3,8 @@ found to work at start. See drivers/base.py for the interface and how a level pl
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 from linuxnode import process as process_runtime
@@ -10,6 +12,20 @@ from linuxnode import userns
 from services.launcher.drivers.base import Anchor, Driver, LaunchRefused
 from services.launcher.drivers.container import ContainerDriver, detect_crun
 from services.launcher.drivers.process import ProcessDriver
+
+log = logging.getLogger("sandfleet.launcher")
+
+
+def _usable(ids: userns.IdRange | None) -> userns.IdRange | None:
+    """The node's range if this kernel makes user namespaces for it, else None (said in the log):
+    sandboxes then run as the host's uid 0, as before user namespaces."""
+    if ids is not None:
+        try:
+            os.close(userns.make(ids))
+        except OSError as exc:
+            log.error("no user namespace for sandbox roots here (%s): they run as the host's uid 0", exc)
+            return None
+    return ids
 
 
 class Drivers:
@@ -21,7 +37,7 @@ class Drivers:
         """Every level this node can run, each ready for its first sandbox, their roots the host
         ids SANDFLEET_USERNS gives (linuxnode.userns; read here, once per launcher)."""
         process_runtime.warm_up()  # the forking helper takes ~50 ms to start; not on the first create
-        ids = userns.node_range()
+        ids = _usable(userns.node_range())
         drivers: dict[str, Driver] = {"process": ProcessDriver(ids)}
         crun = await detect_crun(state_dir)  # `container` only where crun really runs here
         if crun is not None:
