@@ -55,6 +55,7 @@ from linuxnode.container_exec import (
     detached_helpers,
     start_time_of as _start_time,
     enter_namespace,
+    mount_sysfs_in,
     joined,
     make_crun_namespace,
 )
@@ -63,6 +64,7 @@ from linuxnode.process import DEFAULT_ENV, InitProcess, kill_async
 log = logging.getLogger("sandfleet.container")
 
 INIT_HOST = "/usr/bin/catatonit"
+SYS_MASKED = ("firmware", "fs/selinux", "dev/block")  # under /sys: hidden, as crun's default masks them
 # Where, in crun's own mount namespace only, containers' roots are attached and the shim is
 # bound: a path every id may pass (see make_crun_namespace), which the node's data dir is not.
 ROOTS_DIR = "/run/sandfleet/crun-roots"
@@ -121,14 +123,17 @@ def bundle_config(spec: ContainerSpec, shim: tuple[str, list[str]] | None = None
             + [{"type": "network", "path": spec.netns}],
             "rootfsPropagation": "rprivate",
             "maskedPaths": [f"/proc/{p}" for p in (*procfs.MASKED_DIRS, *procfs.MASKED_FILES)]
-            + ["/sys/firmware", "/sys/fs/selinux", "/sys/dev/block"],
+            + [f"/sys/{p}" for p in SYS_MASKED],
             "readonlyPaths": [f"/proc/{p}" for p in procfs.READONLY],
             "seccomp": seccomp.oci_seccomp(),
         },
     }
     if spec.id_host:
         # crun makes the user namespace first, so the container's other namespaces are owned by
-        # it (the node agent's netns stays the host's: /sys is then bound, not mounted, by crun).
+        # it. The node agent's netns stays the host's, so crun may not mount a sysfs of it and
+        # would bind the host's /sys instead (the host's interfaces): the node mounts one (mount_sysfs_in).
+        config["mounts"] = [m for m in config["mounts"] if m["destination"] != "/sys"]
+        config["linux"]["maskedPaths"] = [p for p in config["linux"]["maskedPaths"] if not p.startswith("/sys/")]
         ids = [{"containerID": 0, "hostID": spec.id_host, "size": userns.RANGE}]
         config["linux"]["namespaces"].insert(0, {"type": "user"})
         config["linux"]["uidMappings"] = ids
@@ -249,6 +254,8 @@ class Crun:
         bundle.mkdir(parents=True, exist_ok=False)
         try:
             layered_root.ensure_owned_dir(spec.rootfs, "workspace", spec.id_host)
+            if spec.id_host:
+                layered_root.ensure_dir(spec.rootfs, "sys")
             shim = (self.shim, self._confine(spec.rootfs, spec.cgroup_procs)) if self.shim else None
             await self._run_bundle(spec.sandbox_id, bundle, bundle_config(spec, shim), spec.rootfs, spec.netns,
                                    spec.cgroup_procs)
@@ -257,6 +264,8 @@ class Crun:
             if start_time is None:
                 raise ContainerError("the container's init vanished before it started")
             init = InitProcess(pid=pid, start_time=start_time)
+            if spec.id_host:  # before start returns: nothing of the sandbox's has run yet
+                await asyncio.to_thread(mount_sysfs_in, pid, SYS_MASKED)
         except BaseException:
             await self.remove(spec.sandbox_id, None)
             raise

@@ -42,6 +42,7 @@ MOVE_MOUNT_F_EMPTY_PATH = 0x4
 MOUNT_ATTR_RDONLY = 0x1
 MOUNT_ATTR_NOSUID = 0x2
 MOUNT_ATTR_NODEV = 0x4
+MOUNT_ATTR_NOEXEC = 0x8
 MOUNT_ATTR_IDMAP = 0x00100000
 FSOPEN_CLOEXEC = 1
 FSMOUNT_CLOEXEC = 1
@@ -215,9 +216,19 @@ def attach(mount_fd: int, target: str) -> None:
 
 def mount_idmapped(fstype: str, source: str, options: str, attr: int, userns_fd: int, target: str) -> None:
     """Mount a new `fstype` from `source` on `target`, idmapped through `userns_fd` from its first
-    moment (fsopen/fsmount make it detached, where mount_setattr may idmap it; it is attached
-    only then, so nothing ever sees it unmapped). `options` as mount(2)'s data string, `attr`
+    moment (fsmount makes it detached, where mount_setattr may idmap it; it is attached only
+    then, so nothing ever sees it unmapped). `options` as mount(2)'s data string, `attr`
     MOUNT_ATTR_* flags. EINVAL from mount_setattr: the file system cannot be idmapped."""
+    mnt = new_mount(fstype, source, options, attr)
+    try:
+        set_attributes(mnt, MOUNT_ATTR_IDMAP, userns_fd)
+        attach(mnt, target)
+    finally:
+        os.close(mnt)
+
+
+def new_mount(fstype: str, source: str, options: str = "", attr: int = 0) -> int:
+    """A detached mount (an fd) of a new `fstype` (fsopen, fsconfig, fsmount), attached nowhere."""
     fs = _check(_call("fsopen", os.fsencode(fstype), ctypes.c_uint(FSOPEN_CLOEXEC)), f"fsopen {fstype}")
     try:
         _fsconfig(fs, FSCONFIG_SET_STRING, b"source", os.fsencode(source))
@@ -228,15 +239,10 @@ def mount_idmapped(fstype: str, source: str, options: str, attr: int, userns_fd:
             else:
                 _fsconfig(fs, FSCONFIG_SET_FLAG, key.encode(), None)
         _fsconfig(fs, FSCONFIG_CMD_CREATE, None, None)
-        mnt = _check(_call("fsmount", ctypes.c_int(fs), ctypes.c_uint(FSMOUNT_CLOEXEC), ctypes.c_uint(attr)),
-                     f"fsmount {fstype}")
+        return _check(_call("fsmount", ctypes.c_int(fs), ctypes.c_uint(FSMOUNT_CLOEXEC), ctypes.c_uint(attr)),
+                      f"fsmount {fstype}")
     finally:
         os.close(fs)
-    try:
-        set_attributes(mnt, MOUNT_ATTR_IDMAP, userns_fd)
-        attach(mnt, target)
-    finally:
-        os.close(mnt)
 
 
 def _fsconfig(fs: int, cmd: int, key: bytes | None, value, aux: int = 0) -> None:
