@@ -218,8 +218,8 @@ def mount_sysfs_in(pid: int, masked: tuple[str, ...]) -> None:
             net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             try:
                 linux.setns(net, linux.CLONE_NEWNET)  # sysfs shows the mounter's network namespace
-                ro = userns.MOUNT_ATTR_RDONLY | userns.MOUNT_ATTR_NOSUID | userns.MOUNT_ATTR_NODEV | userns.MOUNT_ATTR_NOEXEC
-                sysfs = userns.new_mount("sysfs", "sysfs", "", ro)
+                sysfs = userns.new_mount("sysfs", "sysfs", "", userns.MOUNT_ATTR_RDONLY | userns.MOUNT_ATTR_NOSUID
+                                         | userns.MOUNT_ATTR_NODEV | userns.MOUNT_ATTR_NOEXEC)
                 try:
                     linux.unshare(_CLONE_FS)
                     linux.setns(mnt, linux.CLONE_NEWNS)

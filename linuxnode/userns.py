@@ -10,9 +10,10 @@ The kernel pieces are here too, called through ctypes: a user namespace with a g
 is made by a short-lived helper that unshares one and whose maps we write (`make`); the new
 mount API (open_tree, mount_setattr with MOUNT_ATTR_IDMAP, fsopen/fsconfig/fsmount,
 move_mount) mounts a layer's one EROFS mount idmapped to the node's range from its first
-moment, so its root-owned files are the sandboxes' root's without a copy or a chown. Only the namespace's *mapping* is used: every other namespace of a sandbox stays
-owned by the host's user namespace and every capability is still dropped, so inside root
-gains nothing but a different owner on the host.
+moment, so its root-owned files are the sandboxes' root's without a copy or a chown. Only
+the namespace's *mapping* is used: every other namespace of a sandbox stays owned by the
+host's user namespace and every capability is still dropped, so root inside gains nothing but
+a different owner on the host.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def node_range(setting: str | None = None) -> IdRange | None:
         return None
     host = DEFAULT_BASE if value in ("", "on") else int(value)
     if host < RANGE or host + RANGE > 1 << 32:
-        raise ValueError(f"SANDFLEET_USERNS={value}: the base must be at least {RANGE} and leave a whole range below 2^32")
+        raise ValueError(f"SANDFLEET_USERNS={value}: the base must be at least {RANGE} "
+                         "and leave a whole range below 2^32")
     return IdRange(host)
 
 
@@ -154,7 +156,8 @@ def make(ids: IdRange, timeout_s: float = 5.0) -> int:
             except FileNotFoundError:
                 pass
             if helper.poll() is not None or time.monotonic() > deadline:
-                why = helper.stderr.read().decode(errors="replace").strip() if helper.poll() is not None else "timed out"
+                ended = helper.poll() is not None
+                why = helper.stderr.read().decode(errors="replace").strip() if ended else "timed out"
                 raise OSError(errno.EPERM, f"unshare --user: {why or 'failed'}", "user namespace")
             time.sleep(0.0005)
         for name in ("uid_map", "gid_map"):

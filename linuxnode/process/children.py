@@ -227,9 +227,9 @@ def _forward_signals(command: int, control: int) -> None:
 
 def _user_namespace_of(pidfd: int) -> int:
     """An fd of the init's user namespace if it is not this process's own, else -1. Asked of the
-    kernel (PIDFD_GET_USER_NAMESPACE, Linux 6.11+; before setns, while /proc is the host's) so a sandbox started before a restart, or
-    by a runtime that made its own (crun), is entered the same way; ENOTTY on older kernels:
-    no sandbox there has one of ours."""
+    kernel (PIDFD_GET_USER_NAMESPACE, Linux 6.11+; before setns, while /proc is the host's), so
+    a sandbox started before a restart, or by a runtime that made its own (crun), is entered
+    the same way; ENOTTY on older kernels, where no sandbox has one of ours."""
     try:
         fd = fcntl.ioctl(pidfd, userns.PIDFD_GET_USER_NAMESPACE)
     except OSError as exc:
