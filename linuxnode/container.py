@@ -46,7 +46,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from linuxnode import cgroups, landlock, layered_root, netns, procfs, seccomp
+from linuxnode import cgroups, landlock, layered_root, netns, procfs, seccomp, userns
 from linuxnode import syscalls as linux
 from linuxnode.container_exec import (
     DetachedHelpers,
@@ -55,6 +55,7 @@ from linuxnode.container_exec import (
     detached_helpers,
     start_time_of as _start_time,
     enter_namespace,
+    mount_sysfs_in,
     joined,
     make_crun_namespace,
 )
@@ -63,6 +64,11 @@ from linuxnode.process import DEFAULT_ENV, InitProcess, kill_async
 log = logging.getLogger("sandfleet.container")
 
 INIT_HOST = "/usr/bin/catatonit"
+SYS_MASKED = ("firmware", "fs/selinux", "dev/block")  # under /sys: hidden, as crun's default masks them
+# Where, in crun's own mount namespace only, containers' roots are attached and the shim is
+# bound: a path every id may pass (see make_crun_namespace), which the node's data dir is not.
+ROOTS_DIR = "/run/sandfleet/crun-roots"
+SHIM_EXPOSED = f"{ROOTS_DIR}/sandfleet-confine"
 INIT_PATH = "/dev/init"
 
 
@@ -77,6 +83,9 @@ class ContainerSpec:
     cgroup_procs: list[str]
     netns: str
     tmp_size_mb: int = 256
+    # The host uid/gid of its root (linuxnode.userns): crun gives it a user namespace mapping
+    # 0..65535 there, the range the layer-cache idmapped its layers to. 0: no user namespace.
+    id_host: int = 0
     hostname: str = "sandbox"
     apparmor_profile: str = ""  # loaded by the node agent where the kernel runs AppArmor
 
@@ -115,13 +124,23 @@ def bundle_config(spec: ContainerSpec, shim: tuple[str, list[str]] | None = None
             + [{"type": "network", "path": spec.netns}],
             "rootfsPropagation": "rprivate",
             "maskedPaths": [f"/proc/{p}" for p in (*procfs.MASKED_DIRS, *procfs.MASKED_FILES)]
-            + ["/sys/firmware", "/sys/fs/selinux", "/sys/dev/block"],
+            + [f"/sys/{p}" for p in SYS_MASKED],
             "readonlyPaths": [f"/proc/{p}" for p in procfs.READONLY],
             "seccomp": seccomp.oci_seccomp(),
         },
     }
     if spec.apparmor_profile:
         config["process"]["apparmorProfile"] = spec.apparmor_profile
+    if spec.id_host:
+        # crun makes the user namespace first, so the container's other namespaces are owned by
+        # it. The node agent's netns stays the host's, so crun may not mount a sysfs of it and
+        # would bind the host's /sys instead (the host's interfaces): the node mounts one (mount_sysfs_in).
+        config["mounts"] = [m for m in config["mounts"] if m["destination"] != "/sys"]
+        config["linux"]["maskedPaths"] = [p for p in config["linux"]["maskedPaths"] if not p.startswith("/sys/")]
+        ids = [{"containerID": 0, "hostID": spec.id_host, "size": userns.RANGE}]
+        config["linux"]["namespaces"].insert(0, {"type": "user"})
+        config["linux"]["uidMappings"] = ids
+        config["linux"]["gidMappings"] = ids
     if shim is not None:
         config["mounts"].append({"destination": landlock.SHIM_PATH, "type": "bind", "source": shim[0],
                                  "options": ["bind", "ro", "nosuid", "nodev"]})
@@ -139,7 +158,9 @@ class Crun:
         self.bundles = state_dir / "bundles"
         self.binary = binary
         # Sandbox mounts a restarted launcher finds on the host (roots, layers, netns) are of no use to crun.
-        self._crun_mnt = make_crun_namespace(hybrid_v2, prune=(str(state_dir.parent), netns.RUN_DIR))
+        # The mount point on the host stays an empty directory; each Crun has its own tmpfs on it.
+        os.makedirs(ROOTS_DIR, mode=0o755, exist_ok=True)
+        self._crun_mnt = make_crun_namespace(hybrid_v2, prune=(str(state_dir.parent), netns.RUN_DIR), roots=ROOTS_DIR)
         self._helpers = DetachedHelpers()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="crun-run", initializer=enter_namespace, initargs=(self._crun_mnt,))
@@ -147,7 +168,9 @@ class Crun:
         self.shim: str | None = None  # the Landlock exec shim; None: containers run without Landlock
         if self._landlock:
             try:
-                self.shim = landlock.build_shim(str(state_dir))
+                built = landlock.build_shim(str(state_dir))
+                self._pool.submit(_expose, built, SHIM_EXPOSED).result()
+                self.shim = SHIM_EXPOSED
             except OSError as exc:
                 log.warning("container sandboxes run without Landlock: %s", exc.strerror)
 
@@ -189,7 +212,8 @@ class Crun:
         `<bundle>/rootfs` meanwhile. The cgroup.procs files come as fds opened on the host: in
         crun's namespace the v2 hierarchy is not mounted. Returns crun's exit code and the
         helpers it left running."""
-        target = str(bundle / "rootfs")
+        target = f"{ROOTS_DIR}/{sandbox_id}"
+        os.mkdir(target, 0o755)
         attach_tree(tree, target)
         try:
             run = self._crun(f"--log={bundle}/crun.log", "run", "--detach", "--pid-file",
@@ -200,19 +224,19 @@ class Crun:
             helpers = detached_helpers(proc.pid)
         finally:
             linux.umount2(target, linux.MNT_DETACH)  # the container's namespace has its own copy now
+            os.rmdir(target)
         return code, helpers
 
     async def _run_bundle(self, sandbox_id: str, bundle: Path, config: dict, rootfs: str, netns_path: str | None,
                           cgroup_procs: list[str]) -> None:
         """Write the bundle (its root at `<bundle>/rootfs`, its netns named through our fd) and run it."""
-        (bundle / "rootfs").mkdir()
         fds: list[int] = []
         try:
             fds.append(tree := clone_tree(rootfs))
             fds.append(netns_fd := os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC) if netns_path else -1)
             cgroup_fds = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in cgroup_procs]
             fds += cgroup_fds
-            config["root"]["path"] = str(bundle / "rootfs")
+            config["root"]["path"] = f"{ROOTS_DIR}/{sandbox_id}"  # attached there by _run_detached
             if netns_fd >= 0:
                 config["linux"]["namespaces"][-1] = {"type": "network", "path": f"/proc/{os.getpid()}/fd/{netns_fd}"}
             (bundle / "config.json").write_text(json.dumps(config))
@@ -232,7 +256,9 @@ class Crun:
         bundle = self.bundles / spec.sandbox_id
         bundle.mkdir(parents=True, exist_ok=False)
         try:
-            layered_root.ensure_dir(spec.rootfs, "workspace")
+            layered_root.ensure_owned_dir(spec.rootfs, "workspace", spec.id_host)
+            if spec.id_host:
+                layered_root.ensure_dir(spec.rootfs, "sys")
             shim = (self.shim, self._confine(spec.rootfs, spec.cgroup_procs)) if self.shim else None
             await self._run_bundle(spec.sandbox_id, bundle, bundle_config(spec, shim), spec.rootfs, spec.netns,
                                    spec.cgroup_procs)
@@ -241,6 +267,8 @@ class Crun:
             if start_time is None:
                 raise ContainerError("the container's init vanished before it started")
             init = InitProcess(pid=pid, start_time=start_time)
+            if spec.id_host:  # before start returns: nothing of the sandbox's has run yet
+                await asyncio.to_thread(mount_sysfs_in, pid, SYS_MASKED)
         except BaseException:
             await self.remove(spec.sandbox_id, None)
             raise
@@ -303,6 +331,13 @@ class Crun:
 
 
 _DETACHED = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+
+
+def _expose(host_file: str, at: str) -> None:
+    """Bind a host file read-only at `at` on crun's roots tmpfs (from a pool thread, in crun's namespace)."""
+    os.close(os.open(at, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o755))
+    linux.mount(host_file, at, None, linux.MS_BIND)
+    linux.mount(None, at, None, linux.MS_REMOUNT | linux.MS_BIND | linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV)
 
 
 def _tail(log_file: Path) -> str:

@@ -20,6 +20,7 @@ import time
 
 from linuxnode import procfs
 from linuxnode import syscalls as linux
+from linuxnode import userns
 
 _JOIN = ('while [ "$1" != -- ]; do echo 0 >"$1" || { echo "sandfleet: cannot join cgroup $1" >&2; exit 125; }; '
          'shift; done; shift; exec "$@"')
@@ -162,9 +163,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 
-def make_crun_namespace(hybrid_v2: str | None, prune: tuple[str, ...]) -> int:
+def make_crun_namespace(hybrid_v2: str | None, prune: tuple[str, ...], roots: str) -> int:
     """A private copy of the host's mount namespace (without cgroup v2 on hybrid hosts, and
-    without the mounts beneath the `prune` directories), made by a short-lived thread;
+    without the mounts beneath the `prune` directories), with a tmpfs of its own on `roots`
+    (where containers' roots are attached for `crun run`), made by a short-lived thread;
     returns an fd that keeps it."""
     made: list[int | BaseException] = []
 
@@ -177,6 +179,10 @@ def make_crun_namespace(hybrid_v2: str | None, prune: tuple[str, ...]) -> int:
             for point in _mounts_beneath(prune):
                 with contextlib.suppress(OSError):  # already gone with a parent
                     linux.umount2(point, linux.MNT_DETACH)
+            # crun resolves a root and its mount sources as the container's root once it has a
+            # user namespace: an unprivileged host id, which may not pass the node's data dir
+            # (under /root or pytest's 0700 directories). Here, every parent may be passed.
+            linux.mount("crun-roots", roots, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "size=64k,mode=0711")
             made.append(os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             made.append(exc)
@@ -196,6 +202,45 @@ def _mounts_beneath(roots: tuple[str, ...]) -> list[str]:
         points = {unescape(line.split()[4]) for line in f}
     inside = [p for p in points if any(p.startswith(root.rstrip("/") + "/") for root in roots)]
     return sorted(inside, key=lambda p: p.count("/"), reverse=True)
+
+
+def mount_sysfs_in(pid: int, masked: tuple[str, ...]) -> None:
+    """A read-only sysfs of `pid`'s network namespace on its /sys, `masked` (paths under /sys)
+    hidden under empty tmpfs. Made in the host's mount namespace and moved in: the kernel lets
+    no new sysfs be mounted in a mount namespace of a user namespace that has none visible
+    (mount_too_revealing), and the container's is one. On a thread of its own that ends after
+    (one that changed namespace is no use to anyone else); raises what the thread raised."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            mnt = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                linux.setns(net, linux.CLONE_NEWNET)  # sysfs shows the mounter's network namespace
+                sysfs = userns.new_mount("sysfs", "sysfs", "", userns.MOUNT_ATTR_RDONLY | userns.MOUNT_ATTR_NOSUID
+                                         | userns.MOUNT_ATTR_NODEV | userns.MOUNT_ATTR_NOEXEC)
+                try:
+                    linux.unshare(_CLONE_FS)
+                    linux.setns(mnt, linux.CLONE_NEWNS)
+                    userns.attach(sysfs, "/sys")
+                finally:
+                    os.close(sysfs)
+            finally:
+                os.close(mnt)
+                os.close(net)
+            for rel in masked:
+                if os.path.isdir(f"/sys/{rel}"):
+                    linux.mount("masked", f"/sys/{rel}", "tmpfs", linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
+                                | linux.MS_NOEXEC, "size=4k,mode=0555")
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="container-sysfs")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
 
 
 def enter_namespace(mnt_fd: int) -> None:

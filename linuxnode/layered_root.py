@@ -20,7 +20,7 @@ import socket
 import stat
 from typing import NamedTuple
 
-from linuxnode import procfs
+from linuxnode import procfs, userns
 from linuxnode import syscalls as linux
 
 INIT_BINARY = "/usr/bin/catatonit"  # where the process runtime's init execs it from, inside the root
@@ -81,6 +81,16 @@ def ensure_dir(root: str, rel: str, mode: int = 0o755) -> None:
     os.close(open_in_root(root, rel, create="dir", mode=mode))
 
 
+def ensure_owned_dir(root: str, rel: str, id_host: int) -> None:
+    """`ensure_dir`, and one this made (owned by the host's root) given to the sandbox's root."""
+    fd = open_in_root(root, rel, create="dir")
+    try:
+        if id_host and os.fstat(fd).st_uid == 0:
+            os.chown(_fd_path(fd), id_host, id_host)  # through the fd's link: the directory resolved, no path again
+    finally:
+        os.close(fd)
+
+
 def _fd_path(fd: int) -> str:
     return f"/proc/self/fd/{fd}"
 
@@ -122,6 +132,9 @@ def _make_in(root: str, dir_rel: str, kind: str, entries: tuple) -> None:
         for name, value in entries:
             if kind == "device":
                 os.mknod(name, 0o666 | stat.S_IFCHR, value, dir_fd=directory)
+                # 0666 whatever the umask: they are the host root's, and with a user namespace
+                # the sandbox's root is only "others" to them
+                os.chmod(name, 0o666, dir_fd=directory)
             else:
                 os.symlink(value, name, dir_fd=directory)
     finally:
@@ -147,12 +160,15 @@ def check(rootfs_dir: str) -> None:
         raise ValueError(f"{INIT_BINARY} is missing on the host")
 
 
-def plan(rootfs_dir: str, tmp_size_mb: int, hostname: str, stage: str) -> tuple[Step, ...]:
+def plan(rootfs_dir: str, tmp_size_mb: int, hostname: str, stage: str, id_host: int = 0) -> tuple[Step, ...]:
     """Every step the init child takes, in its private mount namespace, to bind `rootfs_dir` on
     `stage`, give it /dev, /proc, /tmp and the init binary, and pivot into it. Unlike the host
     view, `/` stays writable (writes go to the sandbox's own upper dir) and /workspace is the
-    overlay's own directory, so a task layer can bring one; it is made if no layer has it."""
+    overlay's own directory, so a task layer can bring one; it is made if no layer has it.
+    With a user namespace (`id_host`) the layers are idmapped by the layer-cache, so the root's
+    content is its root's already; what this plan makes belongs to it too."""
     devices, proc_files, proc_dirs = _host_facts()
+    ids = userns.owner_options(id_host)
     steps: list[Step] = []
 
     def add(what: str, call, *args) -> None:
@@ -165,14 +181,14 @@ def plan(rootfs_dir: str, tmp_size_mb: int, hostname: str, stage: str) -> tuple[
 
     # Device nodes are made, not bound: a bound host inode could be chmod-ed by its owner, uid 0.
     add("mount /dev", _mount_in, stage, "dev", "dev", "tmpfs", linux.MS_NOSUID | linux.MS_NOEXEC,
-        "size=64k,mode=0755")
+        "size=64k,mode=0755" + ids)
     add("make /dev nodes", _make_in, stage, "dev", "device", devices)
     add("make /dev links", _make_in, stage, "dev", "symlink", _DEV_LINKS)
     # Its own devpts (as a container's): the node opens the sandbox's terminals on its ptmx.
     add("mount /dev/pts", _mount_in, stage, "dev/pts", "devpts", "devpts", linux.MS_NOSUID | linux.MS_NOEXEC,
-        "newinstance,ptmxmode=0666,mode=0620")
+        "newinstance,ptmxmode=0666,mode=0620" + ids)
     add("mount /dev/shm", _mount_in, stage, "dev/shm", "shm", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
-        f"size={max(1, tmp_size_mb // 4)}m,mode=1777")
+        f"size={max(1, tmp_size_mb // 4)}m,mode=1777" + ids)
     add("make /dev read-only", _remount_in, stage, "dev", linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NOEXEC)
 
     # /proc is read-only as a whole: uid 0 owns its entries and could chmod host-global ones.
@@ -183,8 +199,8 @@ def plan(rootfs_dir: str, tmp_size_mb: int, hostname: str, stage: str) -> tuple[
         add(f"mask /proc/{name}", _mount_in, stage, f"proc/{name}", "masked", "tmpfs", _RO, "size=4k,mode=0555", "")
 
     add("mount /tmp", _mount_in, stage, "tmp", "tmp", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
-        f"size={tmp_size_mb}m,mode=1777")
-    add("make /workspace", ensure_dir, stage, "workspace")
+        f"size={tmp_size_mb}m,mode=1777" + ids)
+    add("make /workspace", ensure_owned_dir, stage, "workspace", id_host)
     add(f"bind the init at {INIT_BINARY}", _bind_file_ro, stage, INIT_BINARY, INIT_BINARY)
 
     add("set hostname", socket.sethostname, hostname)

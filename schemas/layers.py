@@ -274,6 +274,9 @@ class Rootfs(msgspec.Struct, frozen=True, kw_only=True):
     created_at: float = 0.0
     broken: str = ""  # why reads of its lazy layers fail now ("lazy daemon died"); empty: readable
     config: ImageConfig | None = None  # of the last image among the composed references
+    # The host uid/gid its layers are idmapped to as their root (the node's user-namespace range,
+    # linuxnode.userns): a sandbox on it runs with that id as its root. 0: not idmapped.
+    id_host: int = 0
 
 
 class ReleaseRootfsRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

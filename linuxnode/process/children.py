@@ -10,7 +10,7 @@ import fcntl
 import os
 import signal
 
-from linuxnode import landlock
+from linuxnode import landlock, userns
 from linuxnode import syscalls as linux
 from linuxnode.process.model import CATATONIT, DEFAULT_ENV
 from linuxnode.process.protocol import ExecCommand, SpawnCommand, StartInit, TerminalCommand
@@ -57,15 +57,18 @@ def _exec_under_apparmor(profile: str) -> None:
     raise FileNotFoundError(errno.ENOENT, "the kernel has no AppArmor attr/exec", profile)
 
 
-def _drop_privileges(last_cap: int, seccomp: bytes) -> None:
-    """Keep nothing of the spawner across exec but fds 0-2; no capabilities, no_new_privs,
-    the Landlock policy of the root this process now has (linuxnode.landlock), and
-    the sandbox seccomp filter (linuxnode.seccomp), installed last."""
+def _drop_privileges(last_cap: int, seccomp: bytes, user: int = -1) -> None:
+    """Keep nothing of the spawner across exec but fds 0-2; the sandbox's user namespace
+    (`user`, an fd; -1: none), no capabilities, no_new_privs, the Landlock policy of the root
+    this process now has (linuxnode.landlock), and the sandbox seccomp filter
+    (linuxnode.seccomp), installed last."""
     linux.restore_signals()  # an empty mask (the spawner's may block some)
     linux.close_range_cloexec(3)
     os.umask(0o022)
     with contextlib.suppress(OSError):  # EINVAL on a kernel without KSM: nothing to merge, nothing lost
-        linux.prctl(PR_SET_MEMORY_MERGE, 1)
+        linux.prctl(PR_SET_MEMORY_MERGE, 1)  # needs CAP_SYS_RESOURCE in the host's namespace: before `user`
+    if user >= 0:
+        userns.enter(user)
     linux.drop_all_capabilities(last_cap)
     linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
     landlock.confine_sandbox(_LANDLOCK_ABI)
@@ -73,8 +76,9 @@ def _drop_privileges(last_cap: int, seccomp: bytes) -> None:
         linux.install_seccomp(seccomp)
 
 
-def init_child(request: StartInit, plan, last_cap: int, seccomp: bytes) -> None:
-    """B: pid 1 of the new pid namespace. Never returns."""
+def init_child(request: StartInit, plan, last_cap: int, seccomp: bytes, user: int = -1) -> None:
+    """B: pid 1 of the new pid namespace. Its other namespaces are made and its root built as
+    the host's root; the user namespace (`user`, -1: none) is joined last. Never returns."""
     report = request.report
     step = "join cgroups"
     try:
@@ -94,7 +98,7 @@ def init_child(request: StartInit, plan, last_cap: int, seccomp: bytes) -> None:
         for fd in (0, 1, 2):
             os.dup2(null, fd)
         step = "drop privileges"
-        _drop_privileges(last_cap, seccomp)
+        _drop_privileges(last_cap, seccomp, user)
         step = f"exec {CATATONIT}"
         if not os.access(CATATONIT, os.X_OK):
             raise FileNotFoundError(errno.ENOENT, "not executable in the sandbox", CATATONIT)
@@ -140,6 +144,7 @@ def exec_child(request: ExecCommand, last_cap: int, seccomp: bytes) -> None:
         step = "set the AppArmor profile"
         _exec_under_apparmor(request.apparmor)
         step = "enter namespaces"
+        user = _user_namespace_of(pidfd)  # joined last, by _drop_privileges: see init_child
         linux.setns(pidfd, _ENTER_NS | linux.CLONE_NEWPID)
         step = "enter root"
         os.fchdir(root)
@@ -147,7 +152,7 @@ def exec_child(request: ExecCommand, last_cap: int, seccomp: bytes) -> None:
         step = "chdir " + request.cwd
         os.chdir(request.cwd)
         step = "drop privileges"
-        _drop_privileges(last_cap, seccomp)
+        _drop_privileges(last_cap, seccomp, user)
         step = "spawn"
         path, code = _which(argv[0], env.get("PATH", ""))
         if killed:
@@ -241,6 +246,23 @@ def _forward_signals(command: int, control: int) -> None:
             for number in data:
                 with contextlib.suppress(ProcessLookupError, OSError):
                     os.killpg(command, number)  # not reaped yet, so the group is still its own
+
+
+def _user_namespace_of(pidfd: int) -> int:
+    """An fd of the init's user namespace if it is not this process's own, else -1. Asked of the
+    kernel (PIDFD_GET_USER_NAMESPACE, Linux 6.11+; before setns, while /proc is the host's), so
+    a sandbox started before a restart, or by a runtime that made its own (crun), is entered
+    the same way; ENOTTY on older kernels, where no sandbox has one of ours."""
+    try:
+        fd = fcntl.ioctl(pidfd, userns.PIDFD_GET_USER_NAMESPACE)
+    except OSError as exc:
+        if exc.errno == errno.ENOTTY:
+            return -1
+        raise
+    if os.fstat(fd).st_ino == os.stat("/proc/self/ns/user").st_ino:
+        os.close(fd)
+        return -1
+    return fd
 
 
 def _close_all_but(keep: set[int]) -> None:

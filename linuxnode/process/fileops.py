@@ -14,7 +14,7 @@ import shutil
 import stat
 
 from linuxnode.process.model import InitProcess
-from linuxnode.process.resolve import IN_ROOT, check_path, open_in_sandbox, open_parent
+from linuxnode.process.resolve import IN_ROOT, as_sandbox_root, check_path, open_in_sandbox, open_parent
 
 
 def _kind(mode: int) -> str:
@@ -93,7 +93,8 @@ def mkdir(init: InitProcess, path: str, parents: bool, mode: int) -> None:
     for i in range(max(start, 0), len(names)):
         parent, name = open_parent(init, "/" + "/".join(names[:i + 1]))
         try:
-            os.mkdir(name, mode & 0o7777, dir_fd=parent)
+            with as_sandbox_root(init):
+                os.mkdir(name, mode & 0o7777, dir_fd=parent)
         except FileExistsError:
             st = os.stat(name, dir_fd=parent, follow_symlinks=False)
             last = i == len(names) - 1

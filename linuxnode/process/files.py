@@ -11,6 +11,7 @@ import stat
 from linuxnode import syscalls as linux
 from linuxnode.process.lifecycle import is_alive
 from linuxnode.process.model import InitProcess
+from linuxnode.process.resolve import as_sandbox_root
 
 _RESOLVE = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS
 
@@ -71,7 +72,8 @@ def write_file(init: InitProcess, path: str, data: bytes, mode: int = 0o644) -> 
     """Create or replace a regular file of the sandbox (its directory must exist); returns
     the bytes written. Read-only places raise PermissionError."""
     path = _sandbox_path(path)
-    fd = _open_in_sandbox(init, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, mode & 0o7777)
+    with as_sandbox_root(init):
+        fd = _open_in_sandbox(init, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, mode & 0o7777)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError(f"{path} is not a regular file")

@@ -11,7 +11,7 @@ import select
 import signal
 import time
 
-from linuxnode import layered_root, names, procfs
+from linuxnode import layered_root, names, procfs, userns
 from linuxnode.process import rootfs, spawner
 from linuxnode.process.model import ExecError, InitProcess, ProcessSpec, RuntimeStartError
 from linuxnode.process.protocol import Signal, StartInit
@@ -48,7 +48,9 @@ def _send_start(spec: ProcessSpec) -> int:
         raise RuntimeStartError(f"invalid hostname {spec.hostname!r}")
     if spec.tmp_size_mb < 1 or spec.workspace_size_mb < 1:
         raise RuntimeStartError("tmp_size_mb and workspace_size_mb must be at least 1 (0 means unlimited to tmpfs)")
-    rootfs.plan(spec.tmp_size_mb, spec.workspace_size_mb, spec.hostname)  # fail here, not in the child
+    if spec.id_host and not userns.RANGE <= spec.id_host <= (1 << 32) - userns.RANGE:
+        raise RuntimeStartError(f"sandbox {spec.sandbox_id}: id_host {spec.id_host} leaves no whole id range")
+    rootfs.plan(spec.tmp_size_mb, spec.workspace_size_mb, spec.hostname, spec.id_host)  # fail here, not in the child
     if spec.rootfs_dir is not None:
         try:
             layered_root.check(spec.rootfs_dir)
@@ -62,8 +64,8 @@ def _send_start(spec: ProcessSpec) -> int:
     try:
         spawner.send(StartInit(cgroup_procs=tuple(spec.cgroup_procs), tmp_size_mb=spec.tmp_size_mb,
                                workspace_size_mb=spec.workspace_size_mb, hostname=spec.hostname,
-                               rootfs_dir=spec.rootfs_dir, apparmor=spec.apparmor_profile, report=report_w,
-                               netns=netns_fd))
+                               rootfs_dir=spec.rootfs_dir, apparmor=spec.apparmor_profile, id_host=spec.id_host,
+                               report=report_w, netns=netns_fd))
     except BaseException as exc:
         os.close(report_r)
         if isinstance(exc, OSError):

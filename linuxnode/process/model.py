@@ -34,6 +34,8 @@ class ProcessSpec:
     hostname: str = "sandbox"
     rootfs_dir: str | None = None  # a composed root (see linuxnode.layered_root); None: the host view
     apparmor_profile: str = ""  # loaded by the node agent where the kernel runs AppArmor
+    # The host uid/gid that is root inside (linuxnode.userns); 0: no user namespace, root is the host's.
+    id_host: int = 0
 
 
 @dataclass(frozen=True)

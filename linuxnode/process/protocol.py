@@ -107,7 +107,8 @@ class Signal(_Wire):
 @dataclass(frozen=True, kw_only=True)
 class StartInit(_Wire):
     """Fork a sandbox's init (B) into a new pid namespace: it joins `cgroup_procs`, enters the
-    netns, builds its root (on `rootfs_dir` if given, else the host view) and execs catatonit."""
+    netns, builds its root (on `rootfs_dir` if given, else the host view), enters its user
+    namespace (where `id_host` asks for one) and execs catatonit."""
 
     cgroup_procs: tuple[str, ...]  # the cgroup.procs files it joins, before anything else
     tmp_size_mb: int
@@ -115,6 +116,9 @@ class StartInit(_Wire):
     hostname: str
     rootfs_dir: str | None  # a composed root (linuxnode.layered_root); None: the host view
     apparmor: str = ""  # the AppArmor profile it execs into (loaded by the node agent); "": none
+    # Host uid/gid of its root: it runs in a user namespace mapping 0..65535 there (linuxnode.userns),
+    # made by the spawner; 0: no user namespace. Every other namespace stays the host's own.
+    id_host: int = 0
     report: int = _fd()  # write end of the report pipe (reports.py)
     netns: int = _fd()  # the sandbox's network namespace
 

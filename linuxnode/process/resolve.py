@@ -3,7 +3,8 @@
 Reads resolve with RESOLVE_IN_ROOT from the init's root (a symlink pointing out lands back
 inside, as it would for the sandbox itself). Changes resolve with RESOLVE_BENEATH from that
 root: a path through a symlink that points out of the root (absolute, or climbing above it)
-is refused with `Escapes` instead of being followed, so it changes nothing. Inside a tree
+is refused with `Escapes` instead of being followed, so it changes nothing. What the node
+creates there it creates as the sandbox's root (`as_sandbox_root`). Inside a tree
 being unpacked or packed nothing follows a symlink at all (RESOLVE_NO_SYMLINKS, O_NOFOLLOW).
 """
 
@@ -14,6 +15,7 @@ import errno
 import os
 
 from linuxnode import syscalls as linux
+from linuxnode import userns
 from linuxnode.process.lifecycle import is_alive
 from linuxnode.process.model import InitProcess
 
@@ -37,6 +39,20 @@ def check_path(path: str) -> str:
     if ".." in path.split("/"):
         raise Escapes(f"{path}: a path with '..' is refused")
     return path
+
+
+def sandbox_root_id(init: InitProcess) -> int:
+    """The host uid (and gid) of the sandbox's root: 0 without a user namespace."""
+    try:
+        return userns.mapped_root(init.pid)
+    except OSError:
+        raise ProcessLookupError(errno.ESRCH, f"sandbox init {init.pid} is not running") from None
+
+
+def as_sandbox_root(init: InitProcess):
+    """A context in which this thread creates files as the sandbox's root (linuxnode.userns):
+    what the node writes into a sandbox with a user namespace is its root's, as if it wrote it."""
+    return userns.acting_as(sandbox_root_id(init))
 
 
 def root_fd(init: InitProcess) -> int:

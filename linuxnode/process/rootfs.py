@@ -11,7 +11,7 @@ import socket
 import stat
 from dataclasses import dataclass
 
-from linuxnode import procfs
+from linuxnode import procfs, userns
 from linuxnode import syscalls as linux
 
 STAGE = "/tmp"  # mount point of the new root inside the child's private mount namespace
@@ -77,10 +77,11 @@ def _etc_files(hostname: str) -> dict[str, bytes]:
 
 
 @functools.lru_cache(maxsize=64)
-def plan(tmp_size_mb: int, workspace_size_mb: int, hostname: str) -> tuple[Step, ...]:
+def plan(tmp_size_mb: int, workspace_size_mb: int, hostname: str, id_host: int = 0) -> tuple[Step, ...]:
     """Every step B takes to build the sandbox root on STAGE, pivot into it and seal it."""
     facts = host_facts()
     r = STAGE
+    ids = userns.owner_options(id_host)
     steps: list[Step] = []
 
     def add(what: str, call, *args) -> None:
@@ -94,7 +95,7 @@ def plan(tmp_size_mb: int, workspace_size_mb: int, hostname: str) -> tuple[Step,
         mount(f"make {source} read-only", None, target, None, linux.MS_REMOUNT | linux.MS_BIND | _RO)
 
     mount("make all mounts private", None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
-    mount("mount root tmpfs", "sandbox", r, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "size=16m,mode=0755")
+    mount("mount root tmpfs", "sandbox", r, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "size=16m,mode=0755" + ids)
     for name, link in _host_root():
         if link is not None:
             add(f"symlink /{name}", os.symlink, link, f"{r}/{name}")
@@ -113,11 +114,14 @@ def plan(tmp_size_mb: int, workspace_size_mb: int, hostname: str) -> tuple[Step,
             add(f"create /etc/{rel}", _write_new, target, b"", 0o644)
         bind_ro(f"/etc/{rel}", target)
 
-    # Device nodes are made, not bound: a bound host inode could be chmod-ed by its owner, uid 0.
+    # Device nodes are made, not bound: a bound host inode could be chmod-ed by its owner, uid 0
+    # (without a user namespace; with one, they are the host's uid 0's, whom nothing inside is).
     add("mkdir /dev", os.mkdir, f"{r}/dev", 0o755)
-    mount("mount /dev tmpfs", "dev", f"{r}/dev", "tmpfs", linux.MS_NOSUID | linux.MS_NOEXEC, "size=64k,mode=0755")
+    mount("mount /dev tmpfs", "dev", f"{r}/dev", "tmpfs", linux.MS_NOSUID | linux.MS_NOEXEC, "size=64k,mode=0755" + ids)
     for name, rdev in facts["devices"]:
         add(f"mknod /dev/{name}", os.mknod, f"{r}/dev/{name}", 0o666 | stat.S_IFCHR, rdev)
+        # 0666 whatever the umask: with a user namespace the sandbox's root is "others" to them
+        add(f"chmod /dev/{name}", os.chmod, f"{r}/dev/{name}", 0o666)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2")):
         add(f"symlink /dev/{name}", os.symlink, target, f"{r}/dev/{name}")
@@ -125,11 +129,11 @@ def plan(tmp_size_mb: int, workspace_size_mb: int, hostname: str) -> tuple[Step,
     # so `tty` inside names /dev/pts/N, and the sandbox may make ptys of its own (tmux, script).
     add("mkdir /dev/pts", os.mkdir, f"{r}/dev/pts", 0o755)
     mount("mount /dev/pts", "devpts", f"{r}/dev/pts", "devpts", linux.MS_NOSUID | linux.MS_NOEXEC,
-          "newinstance,ptmxmode=0666,mode=0620")
+          "newinstance,ptmxmode=0666,mode=0620" + ids)
     add("symlink /dev/ptmx", os.symlink, "pts/ptmx", f"{r}/dev/ptmx")
     add("mkdir /dev/shm", os.mkdir, f"{r}/dev/shm", 0o755)
     mount("mount /dev/shm", "shm", f"{r}/dev/shm", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
-          f"size={max(1, tmp_size_mb // 4)}m,mode=1777")
+          f"size={max(1, tmp_size_mb // 4)}m,mode=1777" + ids)
     mount("make /dev read-only", None, f"{r}/dev", None,
           linux.MS_REMOUNT | linux.MS_BIND | linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NOEXEC)
 
@@ -144,7 +148,7 @@ def plan(tmp_size_mb: int, workspace_size_mb: int, hostname: str) -> tuple[Step,
     for name, size, mode in (("tmp", tmp_size_mb, "1777"), ("workspace", workspace_size_mb, "0755")):
         add(f"mkdir /{name}", os.mkdir, f"{r}/{name}", 0o755)
         mount(f"mount /{name}", name, f"{r}/{name}", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
-              f"size={size}m,mode={mode}")
+              f"size={size}m,mode={mode}" + ids)
 
     add("set hostname", socket.sethostname, hostname)
     add("chdir to the new root", os.chdir, r)

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from linuxnode import layered_root
+from linuxnode import layered_root, userns
 from linuxnode import syscalls as linux
 from linuxnode.process import children, protocol, rootfs
 from linuxnode.process.protocol import Ping, Request, Signal, StartInit
@@ -132,6 +132,19 @@ def _reap_children(reports: dict[int, int | None]) -> None:
             os.close(report)
 
 
+_USER_NAMESPACES: dict[int, int] = {}  # id_host -> fd of a user namespace mapping it
+
+
+def _user_namespace(id_host: int) -> int:
+    """The user namespace every sandbox mapping root to `id_host` joins, made on first use and
+    kept for the spawner's life. One namespace serves many sandboxes safely: it owns none of
+    their other namespaces and they hold no capability in it, so it is only the mapping."""
+    fd = _USER_NAMESPACES.get(id_host)
+    if fd is None:
+        fd = _USER_NAMESPACES[id_host] = userns.make(userns.IdRange(id_host))
+    return fd
+
+
 def _serve(request: Request, reports: dict[int, int | None], last_cap: int, seccomp: bytes) -> None:
     if isinstance(request, Ping):
         return
@@ -142,13 +155,15 @@ def _serve(request: Request, reports: dict[int, int | None], last_cap: int, secc
         return
     try:
         if isinstance(request, StartInit):
-            plan = (rootfs.plan(request.tmp_size_mb, request.workspace_size_mb, request.hostname)
+            plan = (rootfs.plan(request.tmp_size_mb, request.workspace_size_mb, request.hostname, request.id_host)
                     if request.rootfs_dir is None
-                    else layered_root.plan(request.rootfs_dir, request.tmp_size_mb, request.hostname, rootfs.STAGE))
+                    else layered_root.plan(request.rootfs_dir, request.tmp_size_mb, request.hostname, rootfs.STAGE,
+                                           request.id_host))
+            user = _user_namespace(request.id_host) if request.id_host else -1
             with _children_in_new_pidns():
                 pid = os.fork()
                 if pid == 0:
-                    children.init_child(request, plan, last_cap, seccomp)
+                    children.init_child(request, plan, last_cap, seccomp, user)
             reports[pid] = None
         else:  # ExecCommand
             pid = os.fork()

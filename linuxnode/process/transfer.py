@@ -20,9 +20,10 @@ import shutil
 import stat
 import threading
 
+from linuxnode import userns
 from linuxnode.process import tree
 from linuxnode.process.model import InitProcess
-from linuxnode.process.resolve import IN_ROOT, check_path, exchange, open_in_sandbox, open_parent
+from linuxnode.process.resolve import IN_ROOT, check_path, exchange, open_in_sandbox, open_parent, sandbox_root_id
 
 _EOF = b""
 _PR_SET_NAME = 15
@@ -124,6 +125,7 @@ class _Upload:
 
     def __init__(self, init: InitProcess, path: str) -> None:
         self.path = check_path(path)
+        self.id_host = sandbox_root_id(init)  # what is made is made as the sandbox's root
         self.parent, self.name = open_parent(init, self.path)
         self.temp = f".{self.name[:200]}.sandfleet-{secrets.token_hex(6)}.part"
         self.hash = hashlib.sha256()
@@ -153,8 +155,9 @@ class FileSink(_Upload):
             found = self._exists()
             if found is not None and stat.S_ISDIR(found.st_mode):
                 raise IsADirectoryError(21, "Is a directory", self.path)
-            self.fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                              dir_fd=self.parent)
+            with userns.acting_as(self.id_host):
+                self.fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                  0o600, dir_fd=self.parent)
         except BaseException:
             self._close_parent()
             raise
@@ -190,7 +193,8 @@ class TreeSink(_Upload):
     def __init__(self, init: InitProcess, path: str, depth: int) -> None:
         super().__init__(init, path)
         try:
-            os.mkdir(self.temp, 0o700, dir_fd=self.parent)
+            with userns.acting_as(self.id_host):
+                os.mkdir(self.temp, 0o700, dir_fd=self.parent)
             self.top = os.open(self.temp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                                dir_fd=self.parent)
         except BaseException:
@@ -200,7 +204,8 @@ class TreeSink(_Upload):
         self.thread = _Thread(self.pipe, self._unpack)
 
     def _unpack(self) -> None:
-        tree.unpack(self.pipe, self.top)
+        with userns.acting_as(self.id_host):  # in this thread, where the entries are made
+            tree.unpack(self.pipe, self.top)
         while self.pipe.read(1 << 20):  # the tar's padding after its end
             pass
 

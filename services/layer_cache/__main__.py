@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 
+from linuxnode import userns
 from sandfleet import metrics, runner
 from sandfleet.bus import Endpoint
 from sandfleet.config import ServiceConfig
@@ -39,6 +40,7 @@ DEFAULT_BUDGET_MB = 10240
 
 async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
     layout = Layout(config.data_dir / "layer-cache")
+    ids = userns.node_range()  # sandbox roots' host ids: layers are mounted idmapped to them
     budget = int(os.environ.get("SANDFLEET_LAYER_CACHE_MB", DEFAULT_BUDGET_MB)) << 20
     if config.layer_fetch not in FETCH_MODES:
         raise SystemExit(f"SANDFLEET_LAYER_FETCH is {config.layer_fetch!r}; use one of {', '.join(FETCH_MODES)}")
@@ -47,7 +49,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
         lazy = LazyLayers(layout.root, layout.images, bus.js)
         images = ImageCache(layout.images, budget, store.fetch_image, lambda digest: composer.before_evict(digest),
                             lazy=lazy, fetch_mode=config.layer_fetch)
-        composer = RootfsComposer(layout, images, LayerMounts(layout.mnt))
+        composer = RootfsComposer(layout, images, LayerMounts(layout.mnt, ids))
         images.scan()
         metrics.LAYER_CACHE_BYTES.set_function(lambda: sum(i.fetched_bytes for i in list(images.images.values())),
                                                kind="fetched")
@@ -55,7 +57,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
         composer.recover()
         deps = handlers.Deps(
             node_id=config.node_id, store=store, images=images, composer=composer,
-            builder=LayerBuilder(layout, store, images, config.node_id), bus=bus,
+            builder=LayerBuilder(layout, store, images, config.node_id, ids), bus=bus,
         )
         lazy.daemon.on_lost = functools.partial(handlers.lazy_layers_lost, deps)
         if not await lazy.daemon.adopt():

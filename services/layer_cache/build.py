@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from linuxnode import userns
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
 from schemas.layers import (
@@ -184,11 +185,33 @@ async def debootstrap(root: Path, source: DebianSource) -> str:
     return f"debian {suite} {source.variant}" + (f": {' '.join(source.packages)}" if source.packages else "")
 
 
+def unmap_ids(root: Path, ids: userns.IdRange) -> int:
+    """Give entries owned by host ids of the sandbox range the ids they have inside: a checkpoint
+    packs a mapped sandbox's upper dir, whose files are 1048576+ on the host, and a layer holds
+    ids as a sandbox sees them (its mount is idmapped back to the range). Returns how many changed."""
+
+    def inside(i: int) -> int:
+        return i - ids.host if ids.host <= i < ids.host + ids.count else i
+
+    changed = 0
+    for top, dirs, files in os.walk(root):
+        for path in ([top] if top == str(root) else []) + [os.path.join(top, n) for n in (*dirs, *files)]:
+            st = os.lstat(path)
+            if (inside(st.st_uid), inside(st.st_gid)) != (st.st_uid, st.st_gid):
+                os.lchown(path, inside(st.st_uid), inside(st.st_gid))
+                if not stat.S_ISLNK(st.st_mode):
+                    os.chmod(path, stat.S_IMODE(st.st_mode))  # chown clears setgid bits; put back what was there
+                changed += 1
+    return changed
+
+
 # -- the build ----------------------------------------------------------------------
 
 
 class LayerBuilder:
-    def __init__(self, layout: Layout, store: LayerStore, images: ImageCache, node_id: str) -> None:
+    def __init__(self, layout: Layout, store: LayerStore, images: ImageCache, node_id: str,
+                 ids: userns.IdRange | None = None) -> None:
+        self.ids = ids  # the node's sandbox range (linuxnode.userns): ids of it in a directory are a sandbox's
         self.layout = layout
         self.store = store
         self.images = images
@@ -241,6 +264,8 @@ class LayerBuilder:
         await self.store.fetch_upload(source.upload, archive)
         if isinstance(source, DirSource):
             await unpack(archive, root, "dir", keep_whiteouts=False)
+            if self.ids is not None:
+                await asyncio.to_thread(unmap_ids, root, self.ids)
             return f"dir {source.path}".strip()
         summary = await unpack(archive, root, "image", keep_whiteouts=bool(req.on))
         described = f"({summary['format']}, {summary['layers']} layer(s))"

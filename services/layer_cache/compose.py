@@ -43,6 +43,7 @@ class Composed:
     dir: Path
     created_at: float
     config: ImageConfig | None = None  # of the image it was composed over; kept beside the root
+    id_host: int = 0  # the host id its (idmapped) layers' root is: the node's range (LayerMounts.ids)
 
     @property
     def rootfs(self) -> Path:
@@ -58,7 +59,8 @@ class Composed:
 
     def wire(self, broken: str = "") -> Rootfs:
         return Rootfs(sandbox_id=self.sandbox_id, path=str(self.rootfs), upper=str(self.upper),
-                      layers=list(self.digests), created_at=self.created_at, broken=broken, config=self.config)
+                      layers=list(self.digests), created_at=self.created_at, broken=broken, config=self.config,
+                      id_host=self.id_host)
 
     @property
     def config_file(self) -> Path:
@@ -90,6 +92,10 @@ class RootfsComposer:
                 del self._locks[sandbox_id]
             else:
                 self._locks[sandbox_id] = (lock, holders - 1)
+
+    @property
+    def _id_host(self) -> int:
+        return self.mounts.ids.host if self.mounts.ids is not None else 0
 
     def users(self, digest: str) -> int:
         return self._users[digest]
@@ -130,7 +136,8 @@ class RootfsComposer:
                     undo.callback(self.images.unpin, digest)
                 with telemetry.phase("layer.mount", {SANDBOX_ID: sandbox_id, telemetry.LAYERS: list(digests)}):
                     lowers = [str(await self._mount_layer(d, fresh)) for d in digests]
-                composed = Composed(sandbox_id, digests, self.layout.sandbox(sandbox_id), time.time(), config)
+                composed = Composed(sandbox_id, digests, self.layout.sandbox(sandbox_id), time.time(), config,
+                                    self._id_host)
                 composed.dir.mkdir(parents=True, exist_ok=False)
                 undo.callback(remove_tree, composed.dir)
                 if disk_mb:
@@ -266,7 +273,8 @@ class RootfsComposer:
             self.mounts.adopt(digest)
         for sandbox_id, digests in found.rootfs.items():
             composed = Composed(sandbox_id, tuple(digests), self.layout.sandbox(sandbox_id),
-                                self.layout.sandbox(sandbox_id).stat().st_mtime, _read_config(self.layout.sandbox(sandbox_id)))
+                                self.layout.sandbox(sandbox_id).stat().st_mtime, _read_config(self.layout.sandbox(sandbox_id)),
+                                self._id_host)  # its layer mounts are re-adopted as they are: mapped alike
             self._add(composed)
             for digest in digests:
                 self.images.pin(digest)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from linuxnode import mount_api
 from linuxnode import syscalls as linux
+from linuxnode import userns
 
 log = logging.getLogger("sandfleet.layer_cache")
 
@@ -57,12 +58,19 @@ def umount(target: str) -> None:
     raise OSError(err, f"umount {target}: {os.strerror(err)}")
 
 
-def mount_erofs(image: Path, target: Path) -> None:
+def mount_erofs(image: Path, target: Path, userns_fd: int = -1) -> None:
+    """Mount an image; with `userns_fd`, idmapped through that namespace's map from the start, so
+    a layer's root-owned files belong on the host to the root of the node's sandboxes (whose user
+    namespaces map the same range): still one mount, one page cache per layer per node."""
     # `directio` keeps an image on disk in one page cache (EROFS's). A lazily fetched image is a
     # FUSE file: read it through its page cache, or every repeated read goes to the FUSE daemon.
     data = "" if _on_fuse(image) else "directio"
     try:
-        mount(str(image), str(target), "erofs", LAYER_FLAGS, data)
+        if userns_fd >= 0:
+            userns.mount_idmapped("erofs", str(image), data, userns.MOUNT_ATTR_RDONLY | userns.MOUNT_ATTR_NODEV,
+                                  userns_fd, str(target))
+        else:
+            mount(str(image), str(target), "erofs", LAYER_FLAGS, data)
     except OSError as exc:
         if exc.errno == errno.ENOTBLK:  # e.g. an image on tmpfs: EROFS cannot read it as a file
             raise OSError(exc.errno, f"EROFS cannot mount {image} from its filesystem; "
@@ -207,11 +215,14 @@ def digest_hex(digest: str) -> str:
 
 
 class LayerMounts:
-    """Which images are mounted, at `<root>/<hex>`; at most one mount per image."""
+    """Which images are mounted, at `<root>/<hex>`; at most one mount per image. With `ids` (the
+    node's user-namespace range, linuxnode.userns) every image is mounted idmapped to it."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, ids: userns.IdRange | None = None) -> None:
         self.root = root
         self.mounted: set[str] = set()
+        self.ids = ids
+        self._userns = userns.make(ids) if ids is not None else -1  # kept: it only carries the map
 
     def mountpoint(self, digest: str) -> Path:
         return self.root / digest_hex(digest)
@@ -221,7 +232,19 @@ class LayerMounts:
         if digest in self.mounted:
             return target
         target.mkdir(parents=True, exist_ok=True)
-        mount_erofs(image, target)
+        try:
+            mount_erofs(image, target, self._userns)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or self._userns < 0:
+                raise
+            # A kernel whose EROFS cannot be idmapped (before Linux 6.12?): mount every layer as it
+            # is from now on; roots composed after this say id_host 0 and their sandboxes run
+            # as the host's uid 0, as before user namespaces (the README's fallback).
+            log.error("EROFS refuses idmapped mounts here (mount_setattr: EINVAL): layers are mounted "
+                      "unmapped and sandboxes on them run without a user namespace")
+            os.close(self._userns)
+            self._userns, self.ids = -1, None
+            mount_erofs(image, target)
         self.mounted.add(digest)
         return target
 

@@ -5,15 +5,29 @@ drivers/base.py for the interface and how a level plugs in."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from linuxnode import process as process_runtime
+from linuxnode import userns
 from services.launcher.drivers.base import Anchor, Driver, LaunchRefused
 from services.launcher.drivers.container import ContainerDriver, detect_crun
 from services.launcher.drivers.microvm import detect_microvm
 from services.launcher.drivers.process import ProcessDriver
 
 log = logging.getLogger("sandfleet.launcher")
+
+
+def _usable(ids: userns.IdRange | None) -> userns.IdRange | None:
+    """The node's range if this kernel makes user namespaces for it, else None (said in the log):
+    sandboxes then run as the host's uid 0, as before user namespaces."""
+    if ids is not None:
+        try:
+            os.close(userns.make(ids))
+        except OSError as exc:
+            log.error("no user namespace for sandbox roots here (%s): they run as the host's uid 0", exc)
+            return None
+    return ids
 
 
 class Drivers:
@@ -23,12 +37,14 @@ class Drivers:
 
     @classmethod
     async def open(cls, state_dir: Path) -> Drivers:
-        """Every level this node can run, each ready for its first sandbox."""
+        """Every level this node can run, each ready for its first sandbox, their roots the host
+        ids SANDFLEET_USERNS gives (linuxnode.userns; read here, once per launcher)."""
         process_runtime.warm_up()  # the forking helper takes ~50 ms to start; not on the first create
-        drivers: dict[str, Driver] = {"process": ProcessDriver()}
+        ids = _usable(userns.node_range())
+        drivers: dict[str, Driver] = {"process": ProcessDriver(ids)}
         crun = await detect_crun(state_dir)  # `container` only where crun really runs here
         if crun is not None:
-            drivers["container"] = ContainerDriver(crun)
+            drivers["container"] = ContainerDriver(crun, ids)
         microvm, microvm_status = await detect_microvm(state_dir)
         if microvm is not None:
             drivers["microvm"] = microvm

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from linuxnode import userns
 from linuxnode.container import ContainerError, ContainerSpec, Crun
 from linuxnode.process import InitProcess
 from schemas.layers import Rootfs
@@ -21,7 +22,8 @@ log = logging.getLogger("sandfleet.launcher")
 
 
 class ContainerDriver(ProcessDriver):
-    def __init__(self, crun: Crun) -> None:
+    def __init__(self, crun: Crun, ids: userns.IdRange | None = None) -> None:
+        super().__init__(ids)
         self.crun = crun
 
     async def start(self, sandbox_id: str, spec: SandboxSpec, confinement: Confinement,
@@ -32,7 +34,7 @@ class ContainerDriver(ProcessDriver):
             init = await self.crun.start(
                 ContainerSpec(sandbox_id=sandbox_id, rootfs=rootfs.path, cgroup_procs=confinement.cgroup_procs,
                               netns=confinement.netns, tmp_size_mb=tmp_size_mb(spec),
-                              apparmor_profile=confinement.apparmor_profile)
+                              apparmor_profile=confinement.apparmor_profile, id_host=self.id_host(rootfs))
             )
         except ContainerError as exc:
             raise StartFailed(str(exc)) from None

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from linuxnode import cgroups, netns, procfs
+from linuxnode import cgroups, netns, procfs, userns
 from linuxnode import process as process_runtime
 from linuxnode.process import InitProcess, ProcessSpec, background, fileops, terminal, transfer
 from linuxnode.process.watch import DirWatch
@@ -86,7 +86,19 @@ def reap(pid: int) -> None:
 
 
 class ProcessDriver:
-    """`process`, and the host-side operations every namespace level shares."""
+    """`process`, and the host-side operations every namespace level shares. `ids`: the node's
+    user-namespace range (linuxnode.userns.node_range), None where roots are the host's uid 0."""
+
+    def __init__(self, ids: userns.IdRange | None = None) -> None:
+        self.ids = ids
+
+    def id_host(self, rootfs: Rootfs | None) -> int:
+        """Who the sandbox's root is on the host: for a root of layers, the id its layers were
+        idmapped to (the layer-cache's word, on the Rootfs: a root it composed unmapped runs
+        unmapped, or the sandbox could not write its own files); for the host view, the node's."""
+        if rootfs is not None:
+            return rootfs.id_host
+        return self.ids.host if self.ids is not None else 0
 
     async def start(self, sandbox_id: str, spec: SandboxSpec, confinement: Confinement,
                     rootfs: Rootfs | None) -> Instance:
@@ -99,6 +111,7 @@ class ProcessDriver:
                     tmp_size_mb=tmp_size_mb(spec),
                     workspace_size_mb=spec.disk_mb,  # the host view's one writable disk
                     apparmor_profile=confinement.apparmor_profile,
+                    id_host=self.id_host(rootfs),
                     **({"rootfs_dir": rootfs.path} if rootfs is not None else {}),
                 )
             )

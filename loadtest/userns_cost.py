@@ -1,0 +1,119 @@
+"""What user namespaces cost: create → exec `true` → destroy cycles on a platform whose sandbox
+roots are an unprivileged host range (SANDFLEET_USERNS on, the default) beside one whose roots
+are the host's uid 0 (SANDFLEET_USERNS=off), side by side in one run.
+
+    .venv/bin/python -m loadtest.userns_cost [--n 200] [--concurrency 8] [--rounds 3] [--direct]
+
+Both platforms run at once (each its own node id, data dir and half of the egress subnet), so
+both see the same load; rounds alternate between them; cycles/s is the median over rounds, and
+the median of each round's on/off ratio is given too (the two sides run back to back, so they
+share the moment's load on a shared machine). With the namespace on, a start costs one setns
+and three id calls in the init and in each exec helper: the namespace itself is made once per
+spawner, and the layers are idmapped once per node, so no per-sandbox mount is added.
+`--direct` runs the same cycles through the kernel library in this process instead (no bus, no
+services: the floor create_rate calls direct), both sides from one spawner, rounds alternating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+from pathlib import Path
+
+from linuxnode import cgroups, netns, process, userns
+from loadtest.create_rate import BENCH_NODE, DirectSide, platform_round, run_round
+from loadtest.platform import running_platform
+from loadtest.report import percentiles, print_table, write_json
+
+SIDES = ("on", "off")
+
+
+class MappedDirectSide(DirectSide):
+    """create_rate's direct side, its sandboxes' roots `id_host` on the host (0: the host's root)."""
+
+    def __init__(self, offset: int, id_host: int) -> None:
+        super().__init__(offset)
+        self.id_host = id_host
+
+    async def create(self, i: int) -> tuple[str, cgroups.SandboxCgroups, process.InitProcess]:
+        sid = f"direct-{self.offset + i}"
+        group = cgroups.SandboxCgroups(self.layout, BENCH_NODE, sid)
+        group.create(cpu=0.5, memory_mb=64, pids=512)
+        ns = netns.create(BENCH_NODE, sid)
+        spec = process.ProcessSpec(sandbox_id=sid, cgroup_procs=group.procs_files, netns=ns,
+                                   tmp_size_mb=32, workspace_size_mb=128, id_host=self.id_host)
+        return sid, group, await process.start_async(spec)
+
+
+def _direct_rounds(args, rates: dict, lat: dict) -> None:
+    ids = {"on": userns.node_range("on").host, "off": 0}
+    offset = 0
+    try:
+        for side in SIDES:  # warm-up, not counted (the `on` side's first start makes its namespace)
+            asyncio.run(run_round(MappedDirectSide(offset, ids[side]), min(20, args.n), args.concurrency))
+            offset += args.n
+        for r in range(args.rounds):
+            for side in SIDES if r % 2 == 0 else reversed(SIDES):
+                rate, got = asyncio.run(run_round(MappedDirectSide(offset, ids[side]), args.n, args.concurrency))
+                offset += args.n
+                rates[side].append(rate)
+                for k, v in got.items():
+                    lat[side][k].extend(v)
+                print(f"round {r + 1}/{args.rounds} userns {side:<3} {rate:7.1f} cycles/s (direct)", flush=True)
+    finally:
+        cgroups.remove_node_root(cgroups.CgroupLayout.detect(), BENCH_NODE)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--n", type=int, default=200, help="cycles per round per side")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--node-id", default="bench-userns")
+    ap.add_argument("--direct", action="store_true", help="the kernel library in this process, no platform")
+    ap.add_argument("--out", type=Path, default=Path("results/userns_cost.json"))
+    args = ap.parse_args()
+
+    # Pressure admission off: on a loaded machine it would refuse creates, and this measures the create path.
+    common = {"SANDFLEET_CPU_PSI_LIMIT": "0", "SANDFLEET_MEMORY_PSI_LIMIT": "0"}
+    envs = {"on": {**common, "SANDFLEET_USERNS": "on", "SANDFLEET_EGRESS_SUBNET": "10.219.0.0/17"},
+            "off": {**common, "SANDFLEET_USERNS": "off", "SANDFLEET_EGRESS_SUBNET": "10.219.128.0/17"}}
+    rates: dict[str, list[float]] = {s: [] for s in SIDES}
+    lat: dict[str, dict[str, list[float]]] = {s: {"create": [], "exec": [], "destroy": []} for s in SIDES}
+    if args.direct:
+        _direct_rounds(args, rates, lat)
+    else:
+        with running_platform(f"{args.node_id}-on", envs["on"]) as (url_on, _), \
+                running_platform(f"{args.node_id}-off", envs["off"]) as (url_off, _):
+            urls = {"on": url_on, "off": url_off}
+            for side in SIDES:  # warm-up, not counted
+                asyncio.run(platform_round(urls[side], min(20, args.n), args.concurrency))
+            for r in range(args.rounds):
+                for side in SIDES if r % 2 == 0 else reversed(SIDES):
+                    rate, got = asyncio.run(platform_round(urls[side], args.n, args.concurrency))
+                    rates[side].append(rate)
+                    for k, v in got.items():
+                        lat[side][k].extend(v)
+                    print(f"round {r + 1}/{args.rounds} userns {side:<3} {rate:7.1f} cycles/s", flush=True)
+    results: dict = {side: {"cycles_per_s": round(statistics.median(rates[side]), 1),
+                            "rounds_cycles_per_s": [round(x, 1) for x in rates[side]],
+                            **{k: percentiles(v) for k, v in lat[side].items()}} for side in SIDES}
+    results["ratio_on_over_off"] = round(results["on"]["cycles_per_s"] / results["off"]["cycles_per_s"], 3)
+    results["ratio_on_over_off_paired_median"] = round(
+        statistics.median(on / off for on, off in zip(rates["on"], rates["off"])), 3)
+    rows = [[f"userns {side}", results[side]["cycles_per_s"],
+             *(results[side][k][p] for k in ("create", "exec", "destroy") for p in ("p50", "p99"))] for side in SIDES]
+    print_table(f"create → exec true → destroy{' (direct)' if args.direct else ''}, n={args.n} x {args.rounds} rounds, concurrency {args.concurrency} (ms)",
+                ["side", "cycles/s", "create p50", "create p99", "exec p50", "exec p99", "destroy p50", "destroy p99"],
+                rows)
+    print(f"ratio on/off: {results['ratio_on_over_off']} (target >= 0.9); "
+          f"median of the rounds' ratios: {results['ratio_on_over_off_paired_median']}")
+    out = write_json(args.out, "userns_cost", vars(args) | {"out": str(args.out)}, results)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
