@@ -46,12 +46,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from linuxnode import cgroups, landlock, layered_root, netns, procfs, seccomp, userns
+from linuxnode import cgroups, landlock, layered_root, mount_api, netns, procfs, seccomp, userns
 from linuxnode import syscalls as linux
 from linuxnode.container_exec import (
     DetachedHelpers,
-    attach_tree,
-    clone_tree,
     detached_helpers,
     start_time_of as _start_time,
     enter_namespace,
@@ -214,7 +212,7 @@ class Crun:
         helpers it left running."""
         target = f"{ROOTS_DIR}/{sandbox_id}"
         os.mkdir(target, 0o755)
-        attach_tree(tree, target)
+        mount_api.attach(tree, target)
         try:
             run = self._crun(f"--log={bundle}/crun.log", "run", "--detach", "--pid-file",
                              str(bundle / "init.pid"), "--bundle", str(bundle), sandbox_id)
@@ -232,7 +230,7 @@ class Crun:
         """Write the bundle (its root at `<bundle>/rootfs`, its netns named through our fd) and run it."""
         fds: list[int] = []
         try:
-            fds.append(tree := clone_tree(rootfs))
+            fds.append(tree := mount_api.clone_tree(rootfs, recursive=True))
             fds.append(netns_fd := os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC) if netns_path else -1)
             cgroup_fds = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in cgroup_procs]
             fds += cgroup_fds

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import re
 import threading
 import time
 
-from linuxnode import procfs
+from linuxnode import mount_api, procfs
 from linuxnode import syscalls as linux
-from linuxnode import userns
 
 _JOIN = ('while [ "$1" != -- ]; do echo 0 >"$1" || { echo "sandfleet: cannot join cgroup $1" >&2; exit 125; }; '
          'shift; done; shift; exec "$@"')
@@ -156,11 +154,7 @@ def start_time_of(pid: int) -> int | None:
 
 # -- crun's own mount namespace (see container.py) -------------------------------------------------------------------------
 
-_OPEN_TREE, _MOVE_MOUNT = 428, 429  # one number on every architecture (the unified syscall table)
-_OPEN_TREE_CLONE, _AT_RECURSIVE, _MOVE_MOUNT_F_EMPTY_PATH, _AT_FDCWD = 1, 0x8000, 0x4, -100
 _CLONE_FS = 0x200
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
 
 
 def make_crun_namespace(hybrid_v2: str | None, prune: tuple[str, ...], roots: str) -> int:
@@ -218,12 +212,12 @@ def mount_sysfs_in(pid: int, masked: tuple[str, ...]) -> None:
             net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             try:
                 linux.setns(net, linux.CLONE_NEWNET)  # sysfs shows the mounter's network namespace
-                sysfs = userns.new_mount("sysfs", "sysfs", "", userns.MOUNT_ATTR_RDONLY | userns.MOUNT_ATTR_NOSUID
-                                         | userns.MOUNT_ATTR_NODEV | userns.MOUNT_ATTR_NOEXEC)
+                sysfs = mount_api.new_mount("sysfs", [], mount_api.MOUNT_ATTR_RDONLY | mount_api.MOUNT_ATTR_NOSUID
+                                            | mount_api.MOUNT_ATTR_NODEV | mount_api.MOUNT_ATTR_NOEXEC, source="sysfs")
                 try:
                     linux.unshare(_CLONE_FS)
                     linux.setns(mnt, linux.CLONE_NEWNS)
-                    userns.attach(sysfs, "/sys")
+                    mount_api.attach(sysfs, "/sys")
                 finally:
                     os.close(sysfs)
             finally:
@@ -247,20 +241,3 @@ def enter_namespace(mnt_fd: int) -> None:
     """Pool thread initializer: move this thread into crun's namespace for good."""
     linux.unshare(_CLONE_FS)  # a thread sharing its filesystem info cannot change mount namespace
     linux.setns(mnt_fd, linux.CLONE_NEWNS)
-
-
-def clone_tree(path: str) -> int:
-    """A detached copy of the mount tree at `path` (a bind mount of it if it is no mount point)."""
-    fd = _libc.syscall(_OPEN_TREE, ctypes.c_int(_AT_FDCWD), path.encode(),
-                       ctypes.c_uint(_OPEN_TREE_CLONE | _AT_RECURSIVE | os.O_CLOEXEC))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), path)
-    return fd
-
-
-def attach_tree(tree: int, target: str) -> None:
-    if _libc.syscall(_MOVE_MOUNT, ctypes.c_int(tree), b"", ctypes.c_int(_AT_FDCWD), target.encode(),
-                     ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH)) < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), target)

@@ -7,10 +7,10 @@ so each layer stays one idmapped EROFS mount per node; sandboxes are kept apart 
 other by their pid, mount and network namespaces, as before.
 
 The kernel pieces are here too, called through ctypes: a user namespace with a given mapping
-is made by a short-lived helper that unshares one and whose maps we write (`make`); the new
-mount API (open_tree, mount_setattr with MOUNT_ATTR_IDMAP, fsopen/fsconfig/fsmount,
-move_mount) mounts a layer's one EROFS mount idmapped to the node's range from its first
-moment, so its root-owned files are the sandboxes' root's without a copy or a chown. Only
+is made by a short-lived helper that unshares one and whose maps we write (`make`); the fd
+mount API (linuxnode.mount_api: mount_setattr with MOUNT_ATTR_IDMAP on a detached mount)
+mounts a layer's one EROFS mount idmapped to the node's range from its first moment, so its
+root-owned files are the sandboxes' root's without a copy or a chown. Only
 the namespace's *mapping* is used: every other namespace of a sandbox stays owned by the
 host's user namespace and every capability is still dropped, so root inside gains nothing but
 a different owner on the host.
@@ -29,33 +29,9 @@ RANGE = 65536  # ids per sandbox: a whole 16-bit id space, as a distribution's u
 DEFAULT_BASE = 1 << 20  # first host id handed out: above any subuid range useradd gives (100000+)
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_syscall = _libc.syscall
-_syscall.restype = ctypes.c_long
 
 CLONE_NEWUSER = 0x10000000
-# The new mount API's numbers are the same on every architecture (allocated after the unification).
-_NR = {"open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "mount_setattr": 442}
-OPEN_TREE_CLONE = 1
-OPEN_TREE_CLOEXEC = os.O_CLOEXEC
-AT_EMPTY_PATH = 0x1000
-AT_RECURSIVE = 0x8000
-MOVE_MOUNT_F_EMPTY_PATH = 0x4
-MOUNT_ATTR_RDONLY = 0x1
-MOUNT_ATTR_NOSUID = 0x2
-MOUNT_ATTR_NODEV = 0x4
-MOUNT_ATTR_NOEXEC = 0x8
-MOUNT_ATTR_IDMAP = 0x00100000
-FSOPEN_CLOEXEC = 1
-FSMOUNT_CLOEXEC = 1
-FSCONFIG_SET_FLAG = 0
-FSCONFIG_SET_STRING = 1
-FSCONFIG_CMD_CREATE = 6
 PIDFD_GET_USER_NAMESPACE = 0xFF09  # _IO(PIDFS_IOCTL_MAGIC 0xFF, 9): the user namespace of a pidfd's process
-
-
-class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
 
 
 def _check(result: int, what: str) -> int:
@@ -63,10 +39,6 @@ def _check(result: int, what: str) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), what)
     return result
-
-
-def _call(name: str, *args) -> int:
-    return _syscall(ctypes.c_long(_NR[name]), *args)
 
 
 # -- the node's mapping ------------------------------------------------------------------------
@@ -192,62 +164,3 @@ def _setns(fd: int) -> None:
     _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(CLONE_NEWUSER)), "setns user namespace")
 
 
-# -- idmapped mounts ------------------------------------------------------------------------------
-
-def clone_tree(path: str | int, recursive: bool = False) -> int:
-    """A detached copy (OPEN_TREE_CLONE) of the mount at `path` (or fd): attached nowhere, it
-    goes away with its last fd unless moved somewhere."""
-    flags = OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | (AT_RECURSIVE if recursive else 0)
-    if isinstance(path, int):
-        return _check(_call("open_tree", ctypes.c_int(path), b"", ctypes.c_uint(flags | AT_EMPTY_PATH)), "open_tree")
-    return _check(_call("open_tree", ctypes.c_int(-100), os.fsencode(path), ctypes.c_uint(flags)),
-                  f"open_tree {path}")
-
-
-def set_attributes(mount_fd: int, attr_set: int, userns_fd: int = 0, attr_clr: int = 0) -> None:
-    """mount_setattr(2) on a (detached) mount; MOUNT_ATTR_IDMAP with `userns_fd` idmaps it."""
-    attr = _MountAttr(attr_set, attr_clr, 0, userns_fd)
-    _check(_call("mount_setattr", ctypes.c_int(mount_fd), b"", ctypes.c_uint(AT_EMPTY_PATH), ctypes.byref(attr),
-                 ctypes.c_size_t(ctypes.sizeof(attr))), "mount_setattr")
-
-
-def attach(mount_fd: int, target: str) -> None:
-    """move_mount(2) a detached mount onto `target`."""
-    _check(_call("move_mount", ctypes.c_int(mount_fd), b"", ctypes.c_int(-100), os.fsencode(target),
-                 ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH)), f"move_mount {target}")
-
-
-def mount_idmapped(fstype: str, source: str, options: str, attr: int, userns_fd: int, target: str) -> None:
-    """Mount a new `fstype` from `source` on `target`, idmapped through `userns_fd` from its first
-    moment (fsmount makes it detached, where mount_setattr may idmap it; it is attached only
-    then, so nothing ever sees it unmapped). `options` as mount(2)'s data string, `attr`
-    MOUNT_ATTR_* flags. EINVAL from mount_setattr: the file system cannot be idmapped."""
-    mnt = new_mount(fstype, source, options, attr)
-    try:
-        set_attributes(mnt, MOUNT_ATTR_IDMAP, userns_fd)
-        attach(mnt, target)
-    finally:
-        os.close(mnt)
-
-
-def new_mount(fstype: str, source: str, options: str = "", attr: int = 0) -> int:
-    """A detached mount (an fd) of a new `fstype` (fsopen, fsconfig, fsmount), attached nowhere."""
-    fs = _check(_call("fsopen", os.fsencode(fstype), ctypes.c_uint(FSOPEN_CLOEXEC)), f"fsopen {fstype}")
-    try:
-        _fsconfig(fs, FSCONFIG_SET_STRING, b"source", os.fsencode(source))
-        for item in filter(None, options.split(",")):
-            key, eq, value = item.partition("=")
-            if eq:
-                _fsconfig(fs, FSCONFIG_SET_STRING, key.encode(), value.encode())
-            else:
-                _fsconfig(fs, FSCONFIG_SET_FLAG, key.encode(), None)
-        _fsconfig(fs, FSCONFIG_CMD_CREATE, None, None)
-        return _check(_call("fsmount", ctypes.c_int(fs), ctypes.c_uint(FSMOUNT_CLOEXEC), ctypes.c_uint(attr)),
-                      f"fsmount {fstype}")
-    finally:
-        os.close(fs)
-
-
-def _fsconfig(fs: int, cmd: int, key: bytes | None, value, aux: int = 0) -> None:
-    _check(_syscall(ctypes.c_long(_NR["fsconfig"]), ctypes.c_int(fs), ctypes.c_uint(cmd), key, value,
-                    ctypes.c_int(aux)), f"fsconfig {(key or b'create').decode()}")

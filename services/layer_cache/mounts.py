@@ -67,8 +67,9 @@ def mount_erofs(image: Path, target: Path, userns_fd: int = -1) -> None:
     data = "" if _on_fuse(image) else "directio"
     try:
         if userns_fd >= 0:
-            userns.mount_idmapped("erofs", str(image), data, userns.MOUNT_ATTR_RDONLY | userns.MOUNT_ATTR_NODEV,
-                                  userns_fd, str(target))
+            mount_api.mount("erofs", str(target), mount_api.options_of(data),
+                            mount_api.MOUNT_ATTR_RDONLY | mount_api.MOUNT_ATTR_NODEV, source=str(image),
+                            idmap_userns=userns_fd)
         else:
             mount(str(image), str(target), "erofs", LAYER_FLAGS, data)
     except OSError as exc:

@@ -73,13 +73,13 @@ async def test_files_the_sandbox_and_the_node_write_belong_to_the_mapped_root(sb
 _BIND_IN = """
 import os, sys
 sys.path.insert(0, sys.argv[1])
-from linuxnode import userns, syscalls as linux
-tree = userns.clone_tree(sys.argv[3])  # a detached mount of the host file, taken before leaving the host
+from linuxnode import mount_api, userns, syscalls as linux
+tree = mount_api.clone_tree(sys.argv[3])  # a detached mount of the host file, taken before leaving the host
 root = userns.mapped_root(int(sys.argv[2]))
 linux.setns(os.open(f"/proc/{sys.argv[2]}/ns/mnt", os.O_RDONLY), linux.CLONE_NEWNS)  # not its user namespace
 with userns.acting_as(root):  # a container's /tmp knows no host uid 0
     os.close(os.open(sys.argv[4], os.O_WRONLY | os.O_CREAT, 0o600))
-userns.attach(tree, sys.argv[4])
+mount_api.attach(tree, sys.argv[4])
 """
 
 
