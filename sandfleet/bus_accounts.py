@@ -1,0 +1,216 @@
+"""Who may do what on the bus: the accounts, nkey users and per-subject permissions that
+`sandfleet up` writes into nats-server's config, and the credentials files they come with.
+
+Static accounts in the server's config, each user an nkey (not JWTs with a resolver): the one
+who runs the servers writes every account, import and permission in one file the servers
+reload on SIGHUP; no signing chain, no resolver to run or push to, and nothing outside NATS
+itself. The cost: adding a tenant rewrites the config and reloads each server (`sandfleet
+tenant add`), which a platform of a few teams does rarely.
+
+- Account `PLATFORM` (JetStream on): the operator (`admin`: everything), each cluster service
+  (only what it serves and calls), each node (its own `node.v1.<id>.>`, its heartbeat key, its
+  own event subjects). Permissions are allow lists; JetStream is reached per stream.
+- Account `tenant-<name>` per tenant: no JetStream, nothing of its own but its inbox; it imports
+  the platform's sandbox requests with `share: true`, so every request it makes reaches the
+  platform carrying the server's `Nats-Request-Info` (its account), which placement records as
+  the sandbox's tenant and the node checks on every request about a sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nkeys
+
+from sandfleet.credentials import TENANT_ACCOUNT_PREFIX, check_tenant_name, creds_text, read_seed, write_private
+from schemas import events, files, health, layers, node, process, pty, reclaim, sandbox, security, violations
+
+PLATFORM = "PLATFORM"
+ADMIN = "admin"
+# Cluster services that connect with a user of their own (node services use their node's).
+SERVICE_USERS = ("placement", "security-monitor", "gateway", "fusion")
+INBOX = "_INBOX.>"
+MICRO = "$SRV.>"  # nats.micro's PING/INFO/STATS: every service answers them
+
+# What a tenant may ask of a node about a sandbox, each checked against the sandbox's tenant by
+# the launcher. Not here: launch, quarantine, the by-label rollout verbs (they reach every
+# sandbox of a node), the agent's and layer-cache's verbs, port tunnels (their frames go to
+# an inbox the node publishes into, which does not cross accounts).
+TENANT_NODE_VERBS = (
+    node.EXEC, node.WRITE_FILE, node.READ_FILE, node.DESTROY, node.PAUSE, node.RESUME, node.HINT, node.CHECKPOINT,
+    health.SET_TIMEOUT, health.METRICS,
+    process.SPAWN, process.READ, process.WRITE, process.SIGNAL, process.WAIT, process.LIST,
+    pty.PTY_SPAWN, pty.PTY_RESIZE,
+    files.UPLOAD, files.UPLOAD_CHUNK, files.UPLOAD_END, files.DOWNLOAD, files.DOWNLOAD_CHUNK, files.CLOSE,
+    files.LIST, files.STAT, files.MKDIR, files.REMOVE, files.RENAME, files.WATCH, files.WATCH_NEXT,
+    files.WATCH_CLOSE,
+)
+# Placement answers these for a tenant with its own sandboxes only.
+TENANT_SANDBOX_SUBJECTS = (sandbox.CREATE, sandbox.CREATE_MANY, sandbox.GET, sandbox.LIST)
+
+
+def tenant_subjects() -> list[str]:
+    return [*TENANT_SANDBOX_SUBJECTS, *(node.subject("*", verb) for verb in TENANT_NODE_VERBS)]
+
+
+@dataclass
+class Permissions:
+    publish: list[str] = field(default_factory=list)
+    subscribe: list[str] = field(default_factory=list)
+
+    def add(self, other: Permissions) -> Permissions:
+        return Permissions(self.publish + other.publish, self.subscribe + other.subscribe)
+
+    def as_config(self) -> dict:
+        # allow_responses: a responder may answer whatever reply subject a request named
+        # (an inbox, or the `_R_` subject of a request from a tenant's account).
+        return {"publish": {"allow": sorted(set(self.publish))}, "subscribe": {"allow": sorted(set(self.subscribe))},
+                "allow_responses": True}
+
+
+def _js(stream: str, *, write: bool = False, consume: bool = True) -> list[str]:
+    """The JetStream API of one stream: info and direct/last-message reads; with `consume`
+    consumers on it (create, next, ack, flow control); with `write`, creating or updating it."""
+    api = [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
+           f"$JS.API.STREAM.MSG.GET.{stream}"]
+    if consume:
+        api += [f"$JS.API.CONSUMER.*.{stream}", f"$JS.API.CONSUMER.*.{stream}.>",
+                f"$JS.API.CONSUMER.*.*.{stream}.>", f"$JS.ACK.{stream}.>", "$JS.FC.>"]
+    if write:
+        api += [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.UPDATE.{stream}"]
+    return api
+
+
+def kv(bucket: str, *, write: bool = False, keys: str = ">") -> Permissions:
+    """A KV bucket: reads (and watches) of every key; with `write`, puts of `keys`."""
+    return Permissions(["$JS.API.INFO", *_js(f"KV_{bucket}", write=write), *([f"$KV.{bucket}.{keys}"] if write else [])])
+
+
+def objects(bucket: str, *, write: bool = False) -> Permissions:
+    perms = _js(f"OBJ_{bucket}", write=write)
+    if write:
+        perms += [f"$O.{bucket}.>", f"$JS.API.STREAM.PURGE.OBJ_{bucket}"]  # chunks and meta; purge replaces chunks
+    return Permissions(["$JS.API.INFO", *perms])
+
+
+def event_stream(*subjects: str, write: bool = True) -> Permissions:
+    """The EVENTS stream (created by whichever service starts first) and publishes to `subjects`."""
+    return Permissions(["$JS.API.INFO", *_js(events.STREAM, write=write), *subjects])
+
+
+def _common() -> Permissions:
+    return Permissions([], [INBOX, MICRO])
+
+
+def _state() -> Permissions:
+    """What `ensure_state` touches at every service's start: the sandbox records and the events."""
+    return kv(sandbox.KV_BUCKET, write=True).add(event_stream(events.ALL_SANDBOX)).add(
+        Permissions([f"$JS.API.STREAM.CREATE.KV_{node.KV_BUCKET}"]))  # created, not written: nodes write their own
+
+
+def service_permissions(name: str) -> Permissions:
+    """One cluster service: what it serves (subscribe) and what it calls and writes (publish)."""
+    base = _common().add(_state())
+    if name == "placement":
+        return base.add(Permissions(
+            [node.subject("*", node.LAUNCH), node.subject("*", node.DESTROY)], ["sandbox.v1.>"]
+        )).add(kv(node.KV_BUCKET)).add(kv(node.BOOKINGS_BUCKET, write=True)).add(kv(sandbox.QUOTA_BUCKET, write=True))
+    if name == "security-monitor":
+        return base.add(Permissions(
+            [node.subject("*", node.DESTROY), node.subject("*", node.QUARANTINE), security.ALL_ACTIONS],
+            ["security.v1.>"],
+        )).add(kv(security.POLICY_BUCKET, write=True)).add(kv(security.SANDBOX_BUCKET, write=True))
+    if name in ("gateway", "fusion"):  # front doors: a platform client of every node's sandbox verbs
+        verbs = [node.subject("*", verb) for verb in (*TENANT_NODE_VERBS, "port_open", node.PAUSE_SELECTED,
+                                                        node.RESUME_SELECTED)]
+        return base.add(Permissions([*TENANT_SANDBOX_SUBJECTS, *verbs, "layer.v1.>", "$SRV.>"], [])).add(
+            kv(node.KV_BUCKET)).add(kv(layers.KV_BUCKET)).add(objects(layers.UPLOAD_BUCKET, write=True))
+    raise ValueError(f"no such service user: {name}")
+
+
+def node_permissions(node_id: str) -> Permissions:
+    """Every service of one node (agent, layer-cache, reclaimer, launcher): its own subjects
+    only, its own heartbeat key, events and violations under its own id (a sandbox's lifecycle
+    events carry no node, so any sandbox's), the layer store it builds into and reads from."""
+    own = node.subject(node_id, ">")
+    return _common().add(_state()).add(Permissions(
+        [own, violations.subject(node_id, "*", "*"), layers.fetch_failed_subject(node_id),
+         f"events.v1.reclaim.{node_id}.>", "layer.v1.>"],
+        [own, "layer.v1.>"],
+    )).add(kv(node.KV_BUCKET, write=True, keys=node_id)).add(kv(node.BOOKINGS_BUCKET)).add(
+        kv(layers.KV_BUCKET, write=True)).add(kv(layers.DIFF_BUCKET, write=True)).add(
+        objects(layers.OBJECT_BUCKET, write=True)).add(objects(layers.UPLOAD_BUCKET, write=True)).add(
+        event_stream(violations.ALL, reclaim.ALL, write=False))
+
+
+def _tenant_user(public: str) -> dict:
+    return {"nkey": public, "permissions": {"publish": {"allow": tenant_subjects()},
+                                            "subscribe": {"allow": [INBOX]}}}
+
+
+# -- the credentials directory -----------------------------------------------------------
+
+
+def new_seed() -> str:
+    return nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode()
+
+
+def public_key(seed: str) -> str:
+    return nkeys.from_seed(bytearray(seed.encode())).public_key.decode()
+
+
+@dataclass(frozen=True)
+class AuthDir:
+    """`<data dir>/auth/`, root-only: one credentials file per user, made on first need and
+    kept, so a restarted platform (and every node holding a copy) keeps its keys."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, data_dir: Path) -> AuthDir:
+        return cls(data_dir / "auth")
+
+    def admin(self) -> Path:
+        return self._ensure(self.root / "admin.creds", "the operator (admin: everything)")
+
+    def service(self, name: str) -> Path:
+        return self._ensure(self.root / "services" / f"{name}.creds", f"service {name}")
+
+    def node(self, node_id: str) -> Path:
+        return self._ensure(self.root / "nodes" / f"{node_id}.creds", f"node {node_id}")
+
+    def tenant(self, name: str) -> Path:
+        check_tenant_name(name)
+        return self._ensure(self.root / "tenants" / f"{name}.creds", f"tenant {name}")
+
+    def _ensure(self, path: Path, what: str) -> Path:
+        if not path.exists():
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_private(path, creds_text(new_seed(), what))
+        return path
+
+    def _users(self, kind: str) -> dict[str, str]:
+        return {p.stem: public_key(read_seed(p)) for p in sorted((self.root / kind).glob("*.creds"))}
+
+    def accounts(self) -> dict:
+        """The server's `accounts` block for every user this directory holds."""
+        users = [{"nkey": public_key(read_seed(self.admin()))}]
+        users += [{"nkey": key, "permissions": service_permissions(name).as_config()}
+                  for name, key in self._users("services").items()]
+        users += [{"nkey": key, "permissions": node_permissions(name).as_config()}
+                  for name, key in self._users("nodes").items()]
+        exports = [{"service": subject} for subject in tenant_subjects()]
+        found: dict = {PLATFORM: {"jetstream": "enabled", "users": users, "exports": exports}}
+        for name, key in self._users("tenants").items():
+            found[f"{TENANT_ACCOUNT_PREFIX}{name}"] = {
+                "users": [_tenant_user(key)],
+                "imports": [{"service": {"account": PLATFORM, "subject": s}, "share": True} for s in tenant_subjects()],
+            }
+        return found
+
+    def server_config(self) -> str:
+        """Lines for a nats-server config (its format reads JSON values)."""
+        return f"accounts: {json.dumps(self.accounts(), indent=1)}\n"
