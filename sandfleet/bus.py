@@ -191,17 +191,13 @@ class Bus:
             log.debug("nats: %s", exc)
 
         try:
-            options = {**credentials.connect_options(url, creds), **options}
+            signed = credentials.connect_options(url, creds)
         except (OSError, credentials.CredentialsError) as exc:
             raise errors.NoResponders(f"cannot sign in to NATS at {url}: {exc}") from None
+        settings = dict(name=name, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                        drain_timeout=DRAIN_TIMEOUT_S, error_cb=quiet, **signed)
         try:
-            nc = await asyncio.wait_for(
-                nats.connect(
-                    nats_servers(url), name=name, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                    drain_timeout=DRAIN_TIMEOUT_S, error_cb=quiet, **options
-                ),
-                deadline_s,
-            )
+            nc = await asyncio.wait_for(nats.connect(nats_servers(url), **{**settings, **options}), deadline_s)
         except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
             if "authorization violation" in str(exc).lower():
                 raise errors.NoResponders(f"NATS at {url} refused the credentials (or wants some): see "

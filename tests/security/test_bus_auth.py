@@ -1,0 +1,246 @@
+"""The bus lets each role do only its own work, on a real platform with real credentials.
+
+Every forbidden action is tried and shown refused with nothing changed: another tenant's exec,
+files, destroy and records; a tenant subscribing to events, publishing a launch, a violation, a
+lifecycle event or a KV write; a node answering or asking another node's subjects; no
+credentials at all; a request-info header forged by a tenant. And a tenant's own work succeeds.
+
+A publish the server refuses is dropped and reported to the sender only (`-ERR`); to show one
+never reached anyone, the refused publish is followed by a round trip of the sender's (the
+server has handled it by then) and a marker published by the operator to the same subject: a
+subscriber whose first message is the marker never got the forbidden one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import nats
+import nats.errors
+import pytest
+
+import sandfleet
+from sandfleet import errors
+from sandfleet.credentials import connect_options, read_seed
+from schemas import events, node, sandbox, violations
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _issue(platform, *args: str, tmp: Path) -> Path:
+    out = tmp / f"{'-'.join(args)}.creds"
+    done = platform.cli("tenant", *args, "--data-dir", str(platform.data_dir), "--out", str(out))
+    assert "BEGIN USER NKEY SEED" in done.stdout.decode()
+    assert out.stat().st_mode & 0o077 == 0  # nobody else reads it
+    return out
+
+
+@pytest.fixture(scope="module")
+def tenants(platform, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("creds")
+    return {name: _issue(platform, "add", name, tmp=tmp) for name in ("alice", "bob")}
+
+
+@pytest.fixture(scope="module")
+def other_node_creds(platform, tmp_path_factory):
+    return _issue(platform, "node-creds", f"{platform.node_id}-other", tmp=tmp_path_factory.mktemp("node"))
+
+
+async def _raw(url: str, creds: Path | None, refusals: list[str] | None = None) -> nats.NATS:
+    """A plain nats-py connection with these credentials; `refusals` collects the server's -ERRs."""
+    async def error_cb(exc: Exception) -> None:
+        if refusals is not None:
+            refusals.append(str(exc))
+
+    options = {"nkeys_seed_str": read_seed(creds)} if creds else {}
+    return await nats.connect(url, allow_reconnect=False, error_cb=error_cb, **options)
+
+
+async def _admin(url: str) -> nats.NATS:
+    return await nats.connect(url, **connect_options(url))  # the operator's, found by the URL
+
+
+async def _never_arrives(admin: nats.NATS, forbidden, subject: str) -> None:
+    """`forbidden()` publishes to `subject` and returns once its connection has round-tripped;
+    then the operator's marker. The first message the operator's subscriber sees is the marker."""
+    sub = await admin.subscribe(subject)
+    await admin.flush()
+    await forbidden()
+    await admin.publish(subject, b"marker")
+    first = await sub.next_msg(timeout=10)
+    await sub.unsubscribe()
+    assert first.data == b"marker", f"a forbidden publish to {subject} got through: {first.data[:80]!r}"
+
+
+@pytest.fixture
+async def alice(platform, tenants):
+    async with sandfleet.connect(platform.url, creds=tenants["alice"]) as fleet:
+        yield fleet
+
+
+@pytest.fixture
+async def bob(platform, tenants):
+    async with sandfleet.connect(platform.url, creds=tenants["bob"]) as fleet:
+        yield fleet
+
+
+async def test_a_tenant_does_its_own_work(alice, fleet):
+    sb = await alice.create(memory_mb=64, host_view=True)
+    try:
+        ran = await sb.exec(["sh", "-c", "echo hello; id -u"])
+        assert ran.exit_code == 0 and ran.stdout.startswith(b"hello\n")
+        await sb.write_file("/tmp/mine", b"alice's")
+        assert await sb.read_file("/tmp/mine") == b"alice's"
+        record = await alice.get(sb.id)
+        assert record.tenant == "alice" and record.state is sandbox.State.RUNNING  # recorded from her account
+        assert [r.id for r in await alice.list()] == [sb.id]  # only hers, though others run
+        assert (await fleet.get(sb.id)).tenant == "alice"  # the operator sees every one
+    finally:
+        await sb.destroy()
+    assert (await fleet.get(sb.id)).state is sandbox.State.STOPPED
+
+
+async def test_another_tenants_sandbox_is_out_of_reach_and_unchanged(alice, bob, fleet):
+    sb = await alice.create(memory_mb=64, host_view=True)
+    try:
+        await sb.write_file("/tmp/secret", b"alice's only")
+        theirs = sandfleet.Sandbox(bob, sb.id, sb.node)  # bob knows the id and the node
+        with pytest.raises(errors.NotFound):
+            await theirs.exec(["sh", "-c", "echo pwned > /tmp/secret"])
+        with pytest.raises(errors.NotFound):
+            await theirs.read_file("/tmp/secret")
+        with pytest.raises(errors.NotFound):
+            await theirs.write_file("/tmp/secret", b"bob was here")
+        with pytest.raises(errors.NotFound):
+            await theirs.destroy()
+        with pytest.raises(errors.NotFound):
+            await bob.get(sb.id)
+        assert sb.id not in [r.id for r in await bob.list()]
+        # Nothing changed: still running, the file still hers, and she still reaches it.
+        assert (await fleet.get(sb.id)).state is sandbox.State.RUNNING
+        assert await sb.read_file("/tmp/secret") == b"alice's only"
+        assert (await sb.exec(["true"])).exit_code == 0
+    finally:
+        await sb.destroy()
+
+
+async def test_the_operators_sandboxes_are_no_tenants(bob, fleet):
+    sb = await fleet.create(memory_mb=64, host_view=True)
+    try:
+        with pytest.raises(errors.NotFound):
+            await sandfleet.Sandbox(bob, sb.id, sb.node).exec(["true"])
+        assert (await sb.exec(["true"])).exit_code == 0
+    finally:
+        await sb.destroy()
+
+
+async def test_a_forged_request_info_header_is_replaced_by_the_server(platform, tenants, alice):
+    sb = await alice.create(memory_mb=64, host_view=True)
+    try:
+        conn = await _raw(platform.url, tenants["bob"])
+        try:
+            forged = json.dumps({"acc": "tenant-alice", "user": "alice"})
+            request = json.dumps({"sandbox_id": sb.id, "argv": ["true"]}).encode()
+            reply = await conn.request(node.subject(sb.node, node.EXEC), request, timeout=10,
+                                       headers={"Nats-Request-Info": forged})
+            assert json.loads(reply.data)["code"] == "not_found"
+        finally:
+            await conn.close()
+    finally:
+        await sb.destroy()
+
+
+async def test_no_credentials_no_bus(platform):
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(platform.url, allow_reconnect=False, max_reconnect_attempts=0)
+    bad = Path(platform.data_dir) / "none.creds"
+    with pytest.raises(errors.NoResponders, match="refused"):  # a key the bus does not know
+        bad.write_text("SUAGMJH5XLGZKQQWAWKRZJIGMOU4HPFUYLXJMXOO5NLFEO2OOQJ5LPRDPM\n")
+        await sandfleet.connect(platform.url, creds=bad)
+
+
+async def test_a_tenant_cannot_launch_or_forge_events_or_records(platform, tenants, alice, fleet):
+    sb = await alice.create(memory_mb=64, host_view=True)
+    admin = await _admin(platform.url)
+    refusals: list[str] = []
+    conn = await _raw(platform.url, tenants["alice"], refusals)
+    try:
+        record_before = await fleet.get(sb.id)
+        forged = {
+            node.subject(sb.node, node.LAUNCH): json.dumps({"sandboxes": [{"id": "forged-launch", "spec": {}}]}),
+            violations.subject(sb.node, sb.id, "network.connect"): json.dumps({"type": "violation"}),
+            events.sandbox_subject(sb.id, "stopped"): json.dumps({"type": "stopped", "sandbox_id": sb.id}),
+            f"$KV.{sandbox.KV_BUCKET}.{sb.id}": json.dumps({"id": sb.id, "tenant": "bob"}),
+            f"$JS.API.STREAM.PURGE.KV_{sandbox.KV_BUCKET}": "{}",
+            node.subject(sb.node, node.QUARANTINE): json.dumps({"sandbox_id": sb.id}),
+        }
+        for subject, body in forged.items():
+            async def forbidden(subject=subject, body=body) -> None:
+                await conn.publish(subject, body.encode(), reply=conn.new_inbox())
+                await conn.flush()
+            await _never_arrives(admin, forbidden, subject)
+        assert len(refusals) >= len(forged) and all("Permissions Violation" in r for r in refusals)
+        # Nothing changed: no such launch, her record as it was, her sandbox still running.
+        with pytest.raises(errors.NotFound):
+            await fleet.get("forged-launch")
+        after = await fleet.get(sb.id)
+        assert (after.state, after.tenant, after.seq) == (sandbox.State.RUNNING, "alice", record_before.seq)
+        assert (await sb.exec(["true"])).exit_code == 0
+    finally:
+        await conn.close()
+        await admin.close()
+        await sb.destroy()
+
+
+async def test_a_tenant_cannot_subscribe_to_events_or_others_replies(platform, tenants, alice):
+    refusals: list[str] = []
+    conn = await _raw(platform.url, tenants["bob"], refusals)
+    try:
+        for subject in (events.ALL, events.sandbox_filter("*"), violations.ALL, node.subject("*", node.EXEC), ">"):
+            await conn.subscribe(subject)
+        await conn.flush()
+        for _ in range(100):  # the server's -ERRs come before its answer to the flush; their callbacks, soon after
+            if len(refusals) >= 5:
+                break
+            await asyncio.sleep(0.05)
+        assert len(refusals) == 5 and all("Permissions Violation for Subscription" in r for r in refusals)
+        # Nothing reaches those subscriptions: a lifecycle event of alice's goes by unseen.
+        sb = await alice.create(memory_mb=64, host_view=True)
+        await sb.destroy()
+        assert conn.stats["in_msgs"] == 0
+    finally:
+        await conn.close()
+
+
+async def test_a_node_answers_and_asks_only_its_own_subjects(platform, other_node_creds, fleet):
+    refusals: list[str] = []
+    impostor = await _raw(platform.url, other_node_creds, refusals)
+    admin = await _admin(platform.url)
+    sb = await fleet.create(memory_mb=64, host_view=True)
+    try:
+        theirs = node.subject(platform.node_id, node.EXEC)
+        await impostor.subscribe(theirs, cb=lambda msg: msg.respond(b'{"exit_code": 0, "stdout": "ZmFrZQ=="}'))
+        await impostor.flush()
+
+        async def ask_theirs() -> None:  # and asking the other node's launcher to launch or destroy
+            for verb in (node.LAUNCH, node.DESTROY):
+                await impostor.publish(node.subject(platform.node_id, verb), json.dumps({"sandbox_id": sb.id}).encode())
+            await impostor.flush()
+
+        await _never_arrives(admin, ask_theirs, node.subject(platform.node_id, node.DESTROY))
+        # Every exec is answered by the real node, never by the impostor.
+        for _ in range(20):
+            ran = await sb.exec(["echo", "real"])
+            assert ran.stdout == b"real\n"
+        assert any("Subscription" in r for r in refusals) and any("Publish" in r for r in refusals)
+        # Its own subjects it may serve (so a real node with these credentials works).
+        own = node.subject(f"{platform.node_id}-other", node.EXEC)
+        await impostor.subscribe(own, cb=lambda msg: msg.respond(b"mine"))
+        assert (await admin.request(own, b"", timeout=10)).data == b"mine"
+        assert (await fleet.get(sb.id)).state is sandbox.State.RUNNING
+    finally:
+        await sb.destroy()
+        await impostor.close()
+        await admin.close()
