@@ -187,8 +187,12 @@ class Bus:
         `url` may list a cluster's servers, comma-separated: the client fails over between them.
         Signs in with `creds`, else the credentials `sandfleet.credentials` finds for `url` (none
         found: none sent); a bus that refuses them says so in the NoResponders' message."""
+        refused: list[str] = []  # nats-py retries a refused sign-in until the deadline: say why it timed out
+
         async def quiet(exc: Exception) -> None:  # nats-py prints a traceback for every hiccup otherwise
             log.debug("nats: %s", exc)
+            if refused or "authorization violation" in str(exc).lower():
+                refused.append(str(exc))
 
         try:
             signed = credentials.connect_options(url, creds)
@@ -199,7 +203,7 @@ class Bus:
         try:
             nc = await asyncio.wait_for(nats.connect(nats_servers(url), **{**settings, **options}), deadline_s)
         except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
-            if "authorization violation" in str(exc).lower():
+            if refused or "authorization violation" in str(exc).lower():
                 raise errors.NoResponders(f"NATS at {url} refused the credentials (or wants some): see "
                                           f"`sandfleet tenant add`, --creds, ${credentials.CREDS_ENV}") from None
             raise errors.NoResponders(f"cannot reach NATS at {url}: {str(exc) or 'timed out'}") from None

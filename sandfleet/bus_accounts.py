@@ -147,7 +147,9 @@ def node_permissions(node_id: str) -> Permissions:
 
 
 def _tenant_user(public: str) -> dict:
-    return {"nkey": public, "permissions": {"publish": {"allow": tenant_subjects()},
+    # `$JS.API.>` of its own account, which has no JetStream: the SDK's stream lookups get "no
+    # responders" at once instead of a refused publish left to time out. Nothing of the platform's.
+    return {"nkey": public, "permissions": {"publish": {"allow": [*tenant_subjects(), "$JS.API.>"]},
                                             "subscribe": {"allow": [INBOX]}}}
 
 

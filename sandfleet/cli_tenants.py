@@ -19,6 +19,7 @@ from sandfleet.bus_accounts import AuthDir
 from sandfleet.config import default_data_dir
 from sandfleet.credentials import CredentialsError, write_private
 from sandfleet.supervisor import ACCOUNTS_CONF, read_state, reload_servers, write_accounts
+from schemas import sandbox
 
 RELOAD_WAIT_S = 10.0
 
@@ -38,14 +39,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_tenant(args: argparse.Namespace) -> int:
-    return _issue(args, lambda auth: auth.tenant(args.name))
+    return _issue(args, lambda auth: auth.tenant(args.name), tenant=True)
 
 
 def _node_creds(args: argparse.Namespace) -> int:
-    return _issue(args, lambda auth: auth.node(args.node_id))
+    return _issue(args, lambda auth: auth.node(args.node_id), tenant=False)
 
 
-def _issue(args: argparse.Namespace, make) -> int:  # type: ignore[no-untyped-def]
+def _issue(args: argparse.Namespace, make, tenant: bool) -> int:  # type: ignore[no-untyped-def]
     data_dir = (args.data_dir or default_data_dir()).resolve()
     if not (data_dir / ACCOUNTS_CONF).exists():
         print(f"sandfleet tenant: no bus with credentials under {data_dir} (is it up, and without --no-auth?)",
@@ -59,10 +60,9 @@ def _issue(args: argparse.Namespace, make) -> int:  # type: ignore[no-untyped-de
         return 2
     write_accounts(data_dir, auth)
     state = read_state(data_dir)
-    if state and reload_servers(state):
-        if not asyncio.run(_taken(state["url"], path)):
-            print(f"sandfleet tenant: the bus did not take {path} within {RELOAD_WAIT_S:g}s", file=sys.stderr)
-            return 1
+    if state and reload_servers(state) and not asyncio.run(_taken(state, path, tenant)):
+        print(f"sandfleet tenant: the bus did not take {path} within {RELOAD_WAIT_S:g}s", file=sys.stderr)
+        return 1
     text = path.read_text()
     if args.out:
         write_private(args.out, text)
@@ -70,16 +70,25 @@ def _issue(args: argparse.Namespace, make) -> int:  # type: ignore[no-untyped-de
     return 0
 
 
-async def _taken(url: str, creds: Path) -> bool:
-    """A reload is asynchronous: sign in with the new credentials until the bus lets them in."""
+async def _taken(state: dict, creds: Path, tenant: bool) -> bool:
+    """A reload is asynchronous: sign in with the new credentials until the bus lets them in, and
+    (a tenant) until its requests reach the platform. nats-server 2.15 wires a new account's
+    service imports only on the reload after the one that added it, so it is asked again."""
     deadline = asyncio.get_running_loop().time() + RELOAD_WAIT_S
     while asyncio.get_running_loop().time() < deadline:
         try:
-            bus = await Bus.connect(url, "sandfleet-tenant-check", deadline_s=2.0, creds=creds,
+            bus = await Bus.connect(state["url"], "sandfleet-tenant-check", deadline_s=2.0, creds=creds,
                                     max_reconnect_attempts=0, allow_reconnect=False)
         except errors.SandfleetError:
             await asyncio.sleep(0.1)
             continue
-        await bus.close()
-        return True
+        try:
+            if tenant:
+                await bus.request(sandbox.LIST, sandbox.ListRequest(), sandbox.SandboxList, timeout=5)
+            return True
+        except errors.NoResponders:
+            reload_servers(state)
+            await asyncio.sleep(0.2)
+        finally:
+            await bus.close()
     return False

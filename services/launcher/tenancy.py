@@ -5,7 +5,8 @@ Who asks is what the server wrote on the request (`Nats-Request-Info` of a share
 import: the caller's account, `bus.CALLER_TENANT`), never a field of the body. A request from
 inside the platform's account (placement, the security monitor, the operator) is not checked.
 Another tenant's sandbox answers as no sandbox at all (NOT_FOUND), so a tenant learns nothing
-of what others run. The owner of a sandbox never changes, so each is read from its record once.
+of what others run. The owner of a sandbox never changes: each is learnt from the record its
+launch carries (or read from the store once, for a sandbox launched before a restart).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sandfleet.bus import CALLER_TENANT, Endpoint
 from sandfleet.errors import ServiceError
 from sandfleet.store import SandboxStore
 from schemas.errors import ErrorCode
+from schemas.node import LaunchRequest
 
 MAX_REMEMBERED = 100_000  # owners kept; past it the memory starts over (a read each, once more)
 
@@ -29,13 +31,22 @@ class Owners:
         self.store = store
         self._known: dict[str, str] = {}
 
+    def learn(self, launch: LaunchRequest) -> None:
+        for item in launch.sandboxes:
+            if item.record is not None:
+                self._remember(item.id, item.record.tenant)
+
+    def _remember(self, sandbox_id: str, tenant: str) -> str:
+        if len(self._known) >= MAX_REMEMBERED:
+            self._known.clear()
+        self._known[sandbox_id] = tenant
+        return tenant
+
     async def of(self, sandbox_id: str) -> str:
         owner = self._known.get(sandbox_id)
         if owner is None:
             record, _ = await self.store.get(sandbox_id)  # NOT_FOUND if there is none
-            if len(self._known) >= MAX_REMEMBERED:
-                self._known.clear()
-            owner = self._known[sandbox_id] = record.tenant
+            owner = self._remember(sandbox_id, record.tenant)
         return owner
 
     async def check(self, request: Any) -> None:
@@ -62,7 +73,9 @@ def guarded(endpoints: list[Endpoint], owners: Owners) -> list[Endpoint]:
 
 def _checked(handler: Callable[..., Awaitable[Any]], owners: Owners) -> Callable[..., Awaitable[Any]]:
     async def checked(request: Any, *body: Any) -> Any:
-        await owners.check(request)
+        await owners.check(request)  # first: a tenant's launch is refused before it could teach an owner
+        if isinstance(request, LaunchRequest):
+            owners.learn(request)
         return await handler(request, *body)
 
     return checked
