@@ -25,8 +25,10 @@ from pathlib import Path
 
 import nkeys
 
-from sandfleet.credentials import TENANT_ACCOUNT_PREFIX, check_tenant_name, creds_text, read_seed, write_private
-from schemas import events, files, health, layers, node, process, pty, reclaim, sandbox, security, violations
+from sandfleet import jetstream
+from sandfleet.credentials import (TENANT_ACCOUNT_PREFIX, check_tenant_name, creds_text, inbox_prefix, read_seed,
+                                   write_private)
+from schemas import events, files, health, layers, node, ports, process, pty, reclaim, sandbox, security, violations
 
 PLATFORM = "PLATFORM"
 ADMIN = "admin"
@@ -71,44 +73,31 @@ class Permissions:
                 "allow_responses": True}
 
 
-def _js(stream: str, *, write: bool = False, consume: bool = True) -> list[str]:
-    """The JetStream API of one stream: info and direct/last-message reads; with `consume`
-    consumers on it (create, next, ack, flow control); with `write`, creating or updating it."""
-    api = [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
-           f"$JS.API.STREAM.MSG.GET.{stream}"]
-    if consume:
-        api += [f"$JS.API.CONSUMER.*.{stream}", f"$JS.API.CONSUMER.*.{stream}.>",
-                f"$JS.API.CONSUMER.*.*.{stream}.>", f"$JS.ACK.{stream}.>", "$JS.FC.>"]
-    if write:
-        api += [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.UPDATE.{stream}"]
-    return api
-
-
 def kv(bucket: str, *, write: bool = False, keys: str = ">") -> Permissions:
     """A KV bucket: reads (and watches) of every key; with `write`, puts of `keys`."""
-    return Permissions(["$JS.API.INFO", *_js(f"KV_{bucket}", write=write), *([f"$KV.{bucket}.{keys}"] if write else [])])
+    return Permissions([*jetstream.stream_api_subjects(jetstream.kv_stream(bucket), write=write),
+                        *([jetstream.kv_subject(bucket, keys)] if write else [])])
 
 
 def objects(bucket: str, *, write: bool = False) -> Permissions:
-    perms = _js(f"OBJ_{bucket}", write=write)
-    if write:
-        perms += [f"$O.{bucket}.>", f"$JS.API.STREAM.PURGE.OBJ_{bucket}"]  # chunks and meta; purge replaces chunks
-    return Permissions(["$JS.API.INFO", *perms])
+    return Permissions([*jetstream.stream_api_subjects(jetstream.object_stream(bucket), write=write),
+                        *(jetstream.object_write_subjects(bucket) if write else [])])
 
 
-def event_stream(*subjects: str, write: bool = True) -> Permissions:
-    """The EVENTS stream (created by whichever service starts first) and publishes to `subjects`."""
-    return Permissions(["$JS.API.INFO", *_js(events.STREAM, write=write), *subjects])
+def event_stream(*subjects: str) -> Permissions:
+    """The EVENTS stream (read, consumed, and created by whichever service starts first) and
+    publishes to `subjects` of it."""
+    return Permissions([*jetstream.stream_api_subjects(events.STREAM, write=True), *subjects])
 
 
 def _common() -> Permissions:
-    return Permissions([], [INBOX, MICRO])
+    return Permissions([], [MICRO])  # and its own inboxes (`accounts`: they are named after its key)
 
 
 def _state() -> Permissions:
     """What `ensure_state` touches at every service's start: the sandbox records and the events."""
     return kv(sandbox.KV_BUCKET, write=True).add(event_stream(events.ALL_SANDBOX)).add(
-        Permissions([f"$JS.API.STREAM.CREATE.KV_{node.KV_BUCKET}"]))  # created, not written: nodes write their own
+        Permissions([jetstream.stream_create_subject(jetstream.kv_stream(node.KV_BUCKET))]))  # created, not written: nodes write their own
 
 
 def service_permissions(name: str) -> Permissions:
@@ -116,17 +105,17 @@ def service_permissions(name: str) -> Permissions:
     base = _common().add(_state())
     if name == "placement":
         return base.add(Permissions(
-            [node.subject("*", node.LAUNCH), node.subject("*", node.DESTROY)], ["sandbox.v1.>"]
+            [node.subject("*", node.LAUNCH), node.subject("*", node.DESTROY)], [sandbox.ALL]
         )).add(kv(node.KV_BUCKET)).add(kv(node.BOOKINGS_BUCKET, write=True)).add(kv(sandbox.QUOTA_BUCKET, write=True))
     if name == "security-monitor":
         return base.add(Permissions(
             [node.subject("*", node.DESTROY), node.subject("*", node.QUARANTINE), security.ALL_ACTIONS],
-            ["security.v1.>"],
+            [security.ALL],
         )).add(kv(security.POLICY_BUCKET, write=True)).add(kv(security.SANDBOX_BUCKET, write=True))
     if name in ("gateway", "fusion"):  # front doors: a platform client of every node's sandbox verbs
-        verbs = [node.subject("*", verb) for verb in (*TENANT_NODE_VERBS, "port_open", node.PAUSE_SELECTED,
-                                                        node.RESUME_SELECTED)]
-        return base.add(Permissions([*TENANT_SANDBOX_SUBJECTS, *verbs, "layer.v1.>", "$SRV.>"], [])).add(
+        verbs = [node.subject("*", verb) for verb in (*TENANT_NODE_VERBS, ports.PORT_OPEN, node.PAUSE_SELECTED,
+                                                        node.RESUME_SELECTED)] + [ports.tunnel_subject("*", "*")]
+        return base.add(Permissions([*TENANT_SANDBOX_SUBJECTS, *verbs, layers.ALL, MICRO], [])).add(
             kv(node.KV_BUCKET)).add(kv(layers.KV_BUCKET)).add(objects(layers.UPLOAD_BUCKET, write=True))
     raise ValueError(f"no such service user: {name}")
 
@@ -137,19 +126,23 @@ def node_permissions(node_id: str) -> Permissions:
     events carry no node, so any sandbox's), the layer store it builds into and reads from."""
     own = node.subject(node_id, ">")
     return _common().add(_state()).add(Permissions(
-        [own, violations.subject(node_id, "*", "*"), layers.fetch_failed_subject(node_id),
-         f"events.v1.reclaim.{node_id}.>", "layer.v1.>"],
-        [own, "layer.v1.>"],
+        # INBOX: a port tunnel's frames go to the inbox its client named (schemas/ports.py)
+        [own, INBOX, violations.subject(node_id, "*", "*"), layers.fetch_failed_subject(node_id),
+         reclaim.node_filter(node_id), layers.ALL],
+        [own, layers.ALL],
     )).add(kv(node.KV_BUCKET, write=True, keys=node_id)).add(kv(node.BOOKINGS_BUCKET)).add(
         kv(layers.KV_BUCKET, write=True)).add(kv(layers.DIFF_BUCKET, write=True)).add(
-        objects(layers.OBJECT_BUCKET, write=True)).add(objects(layers.UPLOAD_BUCKET, write=True)).add(
-        event_stream(violations.ALL, reclaim.ALL, write=False))
+        objects(layers.OBJECT_BUCKET, write=True)).add(objects(layers.UPLOAD_BUCKET, write=True))
+
+
+def _inboxes(public: str) -> Permissions:
+    return Permissions([], [f"{inbox_prefix(public)}.>"])
 
 
 def _tenant_user(public: str) -> dict:
     # `$JS.API.>` of its own account, which has no JetStream: the SDK's stream lookups get "no
     # responders" at once instead of a refused publish left to time out. Nothing of the platform's.
-    return {"nkey": public, "permissions": {"publish": {"allow": [*tenant_subjects(), "$JS.API.>"]},
+    return {"nkey": public, "permissions": {"publish": {"allow": [*tenant_subjects(), jetstream.JS_API_ALL]},
                                             "subscribe": {"allow": [INBOX]}}}
 
 
@@ -200,9 +193,9 @@ class AuthDir:
     def accounts(self) -> dict:
         """The server's `accounts` block for every user this directory holds."""
         users = [{"nkey": public_key(read_seed(self.admin()))}]
-        users += [{"nkey": key, "permissions": service_permissions(name).as_config()}
+        users += [{"nkey": key, "permissions": service_permissions(name).add(_inboxes(key)).as_config()}
                   for name, key in self._users("services").items()]
-        users += [{"nkey": key, "permissions": node_permissions(name).as_config()}
+        users += [{"nkey": key, "permissions": node_permissions(name).add(_inboxes(key)).as_config()}
                   for name, key in self._users("nodes").items()]
         exports = [{"service": subject} for subject in tenant_subjects()]
         found: dict = {PLATFORM: {"jetstream": "enabled", "users": users, "exports": exports}}

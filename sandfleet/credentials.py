@@ -101,11 +101,24 @@ def find_creds(url: str, explicit: str | Path | None = None) -> Path | None:
     return local_creds(url)
 
 
+def inbox_prefix(public_key: str) -> str:
+    """The inboxes of one user: its replies come to `_INBOX.<part of its key>.…`, and in the
+    platform's account a service or node may subscribe to its own inboxes only, so none reads
+    the replies meant for another (a tenant's inboxes are its account's own anyway)."""
+    return f"_INBOX.{public_key[1:17]}"
+
+
 def connect_options(url: str, creds: str | Path | None = None) -> dict[str, str]:
     """What to hand `nats.connect` so it signs in with the credentials found for `url` (for a
     caller that opens its own nats-py connection)."""
     path = find_creds(url, creds)
-    return {"nkeys_seed_str": read_seed(path)} if path else {}
+    if path is None:
+        return {}
+    import nkeys  # only a client that signs in needs it
+
+    seed = read_seed(path)
+    public = nkeys.from_seed(bytearray(seed.encode())).public_key.decode()
+    return {"nkeys_seed_str": seed, "inbox_prefix": inbox_prefix(public)}
 
 
 def tenant_of(headers: dict[str, str] | None) -> str | None:

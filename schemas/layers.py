@@ -29,6 +29,7 @@ GET = "layer.v1.get"
 REMOVE = "layer.v1.remove"
 PUSH = "layer.v1.push"  # copy a layer (and the images under it) from this cluster's store to another's
 PULL = "layer.v1.pull"  # and back
+ALL = "layer.v1.>"  # every layer command (what a node serves, in its queue group)
 
 SERVICE = "layer-cache"
 QUEUE_GROUP = "layer-cache"

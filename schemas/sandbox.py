@@ -16,6 +16,7 @@ CREATE = "sandbox.v1.create"
 CREATE_MANY = "sandbox.v1.create_many"
 GET = "sandbox.v1.get"
 LIST = "sandbox.v1.list"
+ALL = "sandbox.v1.>"  # every sandbox command, quotas too (what placement serves)
 
 QUEUE_GROUP = "placement"
 KV_BUCKET = "sandboxes"
