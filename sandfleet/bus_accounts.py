@@ -126,8 +126,9 @@ def node_permissions(node_id: str) -> Permissions:
     events carry no node, so any sandbox's), the layer store it builds into and reads from."""
     own = node.subject(node_id, ">")
     return _common().add(_state()).add(Permissions(
-        # INBOX: a port tunnel's frames go to the inbox its client named (schemas/ports.py)
-        [own, INBOX, violations.subject(node_id, "*", "*"), layers.fetch_failed_subject(node_id),
+        # INBOX: a port tunnel's frames go to the inbox its client named (schemas/ports.py);
+        # MICRO: `sandfleet node --detach` waits until every service answers a ping
+        [own, INBOX, MICRO, violations.subject(node_id, "*", "*"), layers.fetch_failed_subject(node_id),
          reclaim.node_filter(node_id), layers.ALL],
         [own, layers.ALL],
     )).add(kv(node.KV_BUCKET, write=True, keys=node_id)).add(kv(node.BOOKINGS_BUCKET)).add(

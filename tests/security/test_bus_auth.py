@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import nats
@@ -22,8 +24,11 @@ import pytest
 
 import sandfleet
 from sandfleet import errors
+from sandfleet.bus_accounts import public_key
 from sandfleet.credentials import connect_options, read_seed
 from schemas import events, node, sandbox, violations
+from tests.conftest import CLI, NODE_ID, ROOT, assert_nothing_left
+from tests.leaks import Snapshot
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -260,3 +265,38 @@ async def test_a_node_answers_and_asks_only_its_own_subjects(platform, other_nod
         await sb.destroy()
         await impostor.close()
         await admin.close()
+
+
+async def test_a_node_joins_with_its_own_credentials_only(platform, fleet, tmp_path):
+    """`sandfleet node --creds FILE`, with no operator's credentials to find (as on another
+    machine): every service of the node works with the node's own permissions."""
+    joined = f"{NODE_ID}-j"
+    creds = _issue(platform, "node-creds", joined, tmp=tmp_path)
+    env = {**platform.env, "SANDFLEET_LOCAL_CREDS_DIR": str(tmp_path / "no-notes")}  # nothing to fall back on
+    before = Snapshot.take()
+    data = tmp_path / "node"
+    out = subprocess.run([*CLI, "node", "--detach", "--nats", platform.url, "--node-id", joined, "--data-dir",
+                          str(data), "--egress-subnet", "10.231.240.0/20", "--creds", str(creds)],
+                         env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    try:
+        placed = await fleet.bus.request(sandbox.CREATE, sandbox.CreateRequest(memory_mb=64, host_view=True,
+                                                                               node=joined),
+                                         sandbox.CreateReply, timeout=60)
+        sb = sandfleet.Sandbox(fleet, placed.id, placed.node)
+        assert (await sb.exec(["echo", "joined"])).stdout == b"joined\n"
+        await sb.write_file("/tmp/f", b"x")
+        assert await sb.read_file("/tmp/f") == b"x"
+        await sb.destroy()
+    finally:
+        state = json.loads((data / "supervisor.json").read_text())
+        subprocess.run([*CLI, "down", "--data-dir", str(data)], env=env, timeout=150, check=True, cwd=ROOT)
+        try:
+            os.waitpid(state["pid"], 0)
+        except ChildProcessError:
+            pass
+    key = public_key(read_seed(creds))
+    violations_seen = [line for log in (platform.data_dir / "logs").glob("nats*.log")
+                       for line in log.read_text().splitlines() if "Violation" in line and key in line]
+    assert not violations_seen  # none of its services was refused anything it needs
+    assert_nothing_left(before, data, [joined])
