@@ -68,7 +68,8 @@ JS_API_INFO = "$JS.API.INFO"
 def stream_api_subjects(stream: str, *, write: bool = False) -> list[str]:
     """One stream's JetStream API: info, direct and by-sequence reads, consumers on it (create,
     next, delete; acks and flow control); with `write`, creating and updating it."""
-    api = [JS_API_INFO, f"$JS.API.STREAM.INFO.{stream}", direct_get_subject(stream), f"{direct_get_subject(stream)}.>",
+    # STREAM.NAMES: nats-py finds a stream by subject for a subscription that names none (names only)
+    api = [JS_API_INFO, "$JS.API.STREAM.NAMES", f"$JS.API.STREAM.INFO.{stream}", direct_get_subject(stream), f"{direct_get_subject(stream)}.>",
            _msg_get_subject(stream), f"$JS.API.CONSUMER.*.{stream}", f"$JS.API.CONSUMER.*.{stream}.>",
            f"$JS.API.CONSUMER.*.*.{stream}.>", f"$JS.ACK.{stream}.>", "$JS.FC.>"]
     if write:
