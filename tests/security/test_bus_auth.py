@@ -300,3 +300,30 @@ async def test_a_node_joins_with_its_own_credentials_only(platform, fleet, tmp_p
                        for line in log.read_text().splitlines() if "Violation" in line and key in line]
     assert not violations_seen  # none of its services was refused anything it needs
     assert_nothing_left(before, data, [joined])
+
+
+def test_the_accounts_are_a_valid_server_config_and_keep_their_keys(tmp_path):
+    """What `up` and `tenant add` write is a config nats-server accepts; keys are made once and
+    kept (a restarted platform, and every node holding a copy, keep theirs), files root-only."""
+    from sandfleet.bus_accounts import AuthDir, node_permissions
+    from sandfleet.supervisor import nats_server_binary, write_accounts, write_nats_config
+
+    auth = AuthDir.of(tmp_path)
+    first = auth.admin().read_text()
+    auth.service("placement"), auth.node("n1"), auth.tenant("team-a")
+    write_accounts(tmp_path, auth)
+    conf = write_nats_config(tmp_path, 4222, auth=auth)
+    checked = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    assert AuthDir.of(tmp_path).admin().read_text() == first
+    assert all(p.stat().st_mode & 0o077 == 0 for p in (tmp_path / "auth").rglob("*.creds"))
+    assert (tmp_path / "accounts.conf").stat().st_mode & 0o077 == 0
+    accounts = auth.accounts()
+    assert set(accounts) == {"PLATFORM", "tenant-team-a"} and "jetstream" not in accounts["tenant-team-a"]
+    # A node's subjects are its own: nothing of another node's, and only its own heartbeat key.
+    perms = node_permissions("n1")
+    assert not [s for s in perms.publish + perms.subscribe if s.startswith("node.v1.") and ".n1." not in s]
+    assert "$KV.nodes.n1" in perms.publish and not [s for s in perms.publish if s.startswith("$KV.nodes.") and
+                                                    s != "$KV.nodes.n1"]
+    with pytest.raises(ValueError):
+        auth.tenant("Not A Name")
