@@ -18,8 +18,10 @@ tenant add`), which a platform of a few teams does rarely.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from sandfleet.credentials import (TENANT_ACCOUNT_PREFIX, check_tenant_name, cre
                                    write_private)
 from schemas import events, files, health, layers, node, ports, process, pty, reclaim, sandbox, security, violations
 
+ACCOUNTS_CONF = "accounts.conf"  # in the data dir, beside the servers' configs, which include it
 PLATFORM = "PLATFORM"
 ADMIN = "admin"
 # Cluster services that connect with a user of their own (node services use their node's).
@@ -169,6 +172,14 @@ class AuthDir:
     def of(cls, data_dir: Path) -> AuthDir:
         return cls(data_dir / "auth")
 
+    def platform(self, node_ids: list[str]) -> None:
+        """Everyone `sandfleet up` starts: the operator, each cluster service, each of its nodes."""
+        self.admin()
+        for name in SERVICE_USERS:
+            self.service(name)
+        for node_id in node_ids:
+            self.node(node_id)
+
     def admin(self) -> Path:
         return self._ensure(self.root / "admin.creds", "the operator (admin: everything)")
 
@@ -210,3 +221,23 @@ class AuthDir:
     def server_config(self) -> str:
         """Lines for a nats-server config (its format reads JSON values)."""
         return f"accounts: {json.dumps(self.accounts(), indent=1)}\n"
+
+
+def write_accounts(data_dir: Path, auth: AuthDir) -> Path:
+    """The accounts block every server of the bus includes (root-only: it names every user's key)."""
+    path = data_dir / ACCOUNTS_CONF
+    write_private(path, auth.server_config())
+    return path
+
+
+def reload_servers(state: dict) -> int:
+    """Ask every nats-server of a running platform (its supervisor's state) to reread its config
+    (SIGHUP): new accounts and users take effect without a restart. Returns how many were asked."""
+    asked = 0
+    for server in state.get("nats", []):
+        pid = state.get("services", {}).get(server["name"])
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGHUP)
+                asked += 1
+    return asked

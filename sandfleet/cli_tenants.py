@@ -15,10 +15,10 @@ from pathlib import Path
 
 from sandfleet import errors
 from sandfleet.bus import Bus
-from sandfleet.bus_accounts import AuthDir
+from sandfleet.bus_accounts import ACCOUNTS_CONF, AuthDir, reload_servers, write_accounts
 from sandfleet.config import default_data_dir
 from sandfleet.credentials import CredentialsError, write_private
-from sandfleet.supervisor import ACCOUNTS_CONF, read_state, reload_servers, write_accounts
+from sandfleet.supervisor import read_state
 from schemas import sandbox
 
 RELOAD_WAIT_S = 10.0

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandfleet import prometheus
-from sandfleet.bus_accounts import SERVICE_USERS, AuthDir
+from sandfleet.bus_accounts import ACCOUNTS_CONF, AuthDir, write_accounts
 from sandfleet.config import DEFAULT_EGRESS_SUBNET, auth_enabled, free_ports, node_id
 from sandfleet.credentials import CREDS_ENV, register_local, unregister_local
 
@@ -97,9 +97,6 @@ def plan_nats(port: int, count: int) -> list[NatsServer]:
     return [NatsServer(f"nats-{i + 1}", clients[i], ports[i], ports[count + i]) for i in range(count)]
 
 
-ACCOUNTS_CONF = "accounts.conf"  # in the data dir, beside the servers' configs: who may do what
-
-
 def write_nats_config(data_dir: Path, port: int, server: NatsServer | None = None,
                       cluster: list[NatsServer] | None = None, auth: AuthDir | None = None) -> Path:
     """A lone server's config, or (with `server` and `cluster`) one clustered server's: routes
@@ -123,30 +120,6 @@ def write_nats_config(data_dir: Path, port: int, server: NatsServer | None = Non
     conf = data_dir / f"{name}.conf"
     conf.write_text("\n".join(lines))
     return conf
-
-
-def write_accounts(data_dir: Path, auth: AuthDir) -> Path:
-    """The accounts block every server of the bus includes (root-only: it names every user's key)."""
-    path = data_dir / ACCOUNTS_CONF
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(auth.server_config())
-    tmp.replace(path)
-    return path
-
-
-def reload_servers(state: dict) -> int:
-    """Ask every nats-server of a running platform to reread its config (SIGHUP): new accounts
-    and users take effect without a restart. Returns how many were asked."""
-    asked = 0
-    for server in state.get("nats", []):
-        pid = state.get("services", {}).get(server["name"])
-        if pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGHUP)
-                asked += 1
-    return asked
 
 
 @dataclass(frozen=True)
@@ -279,11 +252,7 @@ class Supervisor:
         if self.join or not auth_enabled():
             return None
         auth = AuthDir.of(self.data_dir)
-        auth.admin()
-        for name in SERVICE_USERS:
-            auth.service(name)
-        for node in self.plan:
-            auth.node(node.id or node_id())
+        auth.platform([node.id or node_id() for node in self.plan])
         write_accounts(self.data_dir, auth)
         return auth
 

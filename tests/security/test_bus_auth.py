@@ -305,8 +305,8 @@ async def test_a_node_joins_with_its_own_credentials_only(platform, fleet, tmp_p
 def test_the_accounts_are_a_valid_server_config_and_keep_their_keys(tmp_path):
     """What `up` and `tenant add` write is a config nats-server accepts; keys are made once and
     kept (a restarted platform, and every node holding a copy, keep theirs), files root-only."""
-    from sandfleet.bus_accounts import AuthDir, node_permissions
-    from sandfleet.supervisor import nats_server_binary, write_accounts, write_nats_config
+    from sandfleet.bus_accounts import AuthDir, node_permissions, write_accounts
+    from sandfleet.supervisor import nats_server_binary, write_nats_config
 
     auth = AuthDir.of(tmp_path)
     first = auth.admin().read_text()
