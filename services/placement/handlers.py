@@ -102,6 +102,8 @@ async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = N
     records and revisions. Their tenant is the caller's as the server vouched for it, unless given."""
     _check_allow(spec)
     owner = tenant if tenant is not None else (CALLER_TENANT.get() or "")
+    if owner and spec.labels.get("tenant") != owner:  # a tenant's quota counts what the server vouched for
+        spec = msgspec.structs.replace(spec, labels={**spec.labels, "tenant": owner})
     now = time.time()
     quota_keys = await deps.quotas.admit(spec, count, now) if deps.quotas else []
     try:

@@ -97,7 +97,7 @@ async def bob(platform, tenants):
 
 
 async def test_a_tenant_does_its_own_work(alice, fleet):
-    sb = await alice.create(memory_mb=64, host_view=True)
+    sb = await alice.create(memory_mb=64, host_view=True, labels={"tenant": "bob"})  # a label cannot make it bob's
     try:
         ran = await sb.exec(["sh", "-c", "echo hello; id -u"])
         assert ran.exit_code == 0 and ran.stdout.startswith(b"hello\n")
@@ -105,6 +105,7 @@ async def test_a_tenant_does_its_own_work(alice, fleet):
         assert await sb.read_file("/tmp/mine") == b"alice's"
         record = await alice.get(sb.id)
         assert record.tenant == "alice" and record.state is sandbox.State.RUNNING  # recorded from her account
+        assert record.spec.labels["tenant"] == "alice"  # what a quota by tenant counts
         assert [r.id for r in await alice.list()] == [sb.id]  # only hers, though others run
         assert (await fleet.get(sb.id)).tenant == "alice"  # the operator sees every one
     finally:
