@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
+import nats.errors
+
 from sandfleet import errors
 from schemas import node
 from schemas import process as proc
@@ -45,7 +47,10 @@ async def sandbox_ended(sb: Sandbox) -> errors.SandboxEnded | None:
         record = await sb._fleet.get(sb.id)
         state, reason = record.state, record.reason
     except errors.NotFound:  # a stopped sandbox's record is forgotten: its events are kept
-        ending = [e for e in await sb._fleet.history(sb.id, idle_s=0.2) if e.state in _ENDING]
+        try:
+            ending = [e for e in await sb._fleet.history(sb.id, idle_s=0.2) if e.state in _ENDING]
+        except nats.errors.Error:  # no event stream to read (a tenant's account has none): the NotFound stands
+            return None
         if not ending:
             return None  # never was: the caller's NotFound stands
         state, reason = ending[-1].state, ending[-1].reason

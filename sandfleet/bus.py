@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -31,7 +33,7 @@ from nats.micro.service import EndpointConfig, Service, ServiceConfig
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from sandfleet import errors, natspy_internals, telemetry
+from sandfleet import credentials, errors, natspy_internals, telemetry
 from sandfleet.config import js_replicas, nats_servers
 from schemas.errors import ErrorBody, ErrorCode
 
@@ -55,6 +57,9 @@ _WRITE_CHUNK = 1 << 20  # publish_many hands the connection frames in pieces of 
 natspy_internals.read_per_turn(8 << 20)  # raw 4 MiB chunks in a turn or two, not 128
 
 META = "Sandfleet-Meta"  # the header holding a raw message's Struct (JSON, one line)
+# The tenant the server says sent the request being handled (None: from inside the platform's
+# account), set for each request's own task: what placement records and the node checks.
+CALLER_TENANT: ContextVar[str | None] = ContextVar("caller_tenant", default=None)
 
 _encoder = msgspec.json.Encoder()
 _decoders: dict[Any, msgspec.json.Decoder] = {}
@@ -175,22 +180,32 @@ class Bus:
         self._tracer = telemetry.tracer(name)
 
     @classmethod
-    async def connect(cls, url: str, name: str, deadline_s: float = 5.0, **options: Any) -> Bus:
+    async def connect(cls, url: str, name: str, deadline_s: float = 5.0, *, creds: str | Path | None = None,
+                      **options: Any) -> Bus:
         """Connect, or raise NoResponders within `deadline_s` (nats-py alone retries forever).
 
-        `url` may list a cluster's servers, comma-separated: the client fails over between them."""
+        `url` may list a cluster's servers, comma-separated: the client fails over between them.
+        Signs in with `creds`, else the credentials `sandfleet.credentials` finds for `url` (none
+        found: none sent); a bus that refuses them says so in the NoResponders' message."""
+        refused: list[str] = []  # nats-py retries a refused sign-in until the deadline: say why it timed out
+
         async def quiet(exc: Exception) -> None:  # nats-py prints a traceback for every hiccup otherwise
             log.debug("nats: %s", exc)
+            if refused or "authorization violation" in str(exc).lower():
+                refused.append(str(exc))
 
         try:
-            nc = await asyncio.wait_for(
-                nats.connect(
-                    nats_servers(url), name=name, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                    drain_timeout=DRAIN_TIMEOUT_S, error_cb=quiet, **options
-                ),
-                deadline_s,
-            )
+            signed = credentials.connect_options(url, creds)
+        except (OSError, credentials.CredentialsError) as exc:
+            raise errors.NoResponders(f"cannot sign in to NATS at {url}: {exc}") from None
+        settings = dict(name=name, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                        drain_timeout=DRAIN_TIMEOUT_S, error_cb=quiet, **signed)
+        try:
+            nc = await asyncio.wait_for(nats.connect(nats_servers(url), **{**settings, **options}), deadline_s)
         except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+            if refused or "authorization violation" in str(exc).lower():
+                raise errors.NoResponders(f"NATS at {url} refused the credentials (or wants some): see "
+                                          f"`sandfleet tenant add`, --creds, ${credentials.CREDS_ENV}") from None
             raise errors.NoResponders(f"cannot reach NATS at {url}: {str(exc) or 'timed out'}") from None
         return cls(nc, name)
 
@@ -355,6 +370,7 @@ class Bus:
                     raise errors.ServiceError(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}") from None
                 except msgspec.DecodeError as exc:
                     raise errors.ServiceError(ErrorCode.INVALID_REQUEST, f"malformed JSON: {exc}") from None
+                CALLER_TENANT.set(credentials.tenant_of(req.headers))
                 sandbox_id = getattr(msg, "sandbox_id", None)  # most node requests concern one sandbox
                 if isinstance(sandbox_id, str):
                     span.set_attribute(telemetry.SANDBOX_ID, sandbox_id)

@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 
 from sandfleet import cli_files, cli_fusion, cli_gateway, cli_health, cli_layers, cli_ports, cli_processes, cli_rollout, client, errors
-from sandfleet import cli_desktop, cli_shell
+from sandfleet import cli_desktop, cli_shell, cli_tenants
 from sandfleet.config import DEFAULT_PORT, default_data_dir, free_port, nats_url, node_id
 from sandfleet.extras import MissingExtra, require
 from sandfleet.supervisor import Supervisor, plan_nodes, read_state, stop_unsupervised
@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="also serve SandboxFusion's run_code on 127.0.0.1:PORT (see README)")
     up.add_argument("--prometheus", default=None, metavar="PORT",
                     help="also run Prometheus scraping every service on 127.0.0.1:PORT (0: a free port)")
+    up.add_argument("--no-auth", action="store_true",
+                    help="a bus without credentials, open to anyone who reaches it (for measuring what auth costs)")
 
     node = cmd("node", _node, "run one node's services (agent, layer-cache, launcher, ...) against a running bus")
     node.add_argument("--data-dir", type=Path, default=None)
@@ -79,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     node.add_argument("--default-layers", default=None, metavar="A,B")
     node.add_argument("--egress-subnet", default=None,
                       help="sandbox egress subnet (default 10.200.0.0/16; give a second node on one host its own)")
+    node.add_argument("--creds", type=Path, default=None,
+                      help="this node's bus credentials (`sandfleet tenant node-creds ID` on the platform's machine)")
 
     down = cmd("down", _down, "stop what `up` started and destroy its sandboxes")
     down.add_argument("--data-dir", type=Path, default=None)
@@ -128,6 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     cli_fusion.register(sub)
     cli_shell.register(sub)
     cli_desktop.register(sub)
+    cli_tenants.register(sub)
     return p
 
 
@@ -153,6 +158,8 @@ def _up(args: argparse.Namespace) -> int:
     if args.nodes < 1 or args.nats_cluster < 1:
         print("sandfleet up: --nodes and --nats-cluster are at least 1", file=sys.stderr)
         return 2
+    if args.no_auth:  # a setting, so the detached supervisor (and its children) inherit it
+        os.environ["SANDFLEET_AUTH"] = "off"
     if args.detach:
         return _detached(args, data_dir)
     port = args.port or (0 if args.nats_cluster > 1 else free_port())  # a cluster picks its own free ports
@@ -165,6 +172,8 @@ def _node(args: argparse.Namespace) -> int:
     data_dir = _data_dir(args.data_dir)
     if _running(data_dir):
         return 1
+    if args.creds:  # every service of this node signs in with them (and the detached supervisor inherits them)
+        os.environ["SANDFLEET_CREDS"] = str(args.creds.resolve())
     if args.detach:
         return _detached(args, data_dir)
     return Supervisor(data_dir=data_dir, port=0, env=_node_env(args), join=nats_url(args.nats)).run()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import nats.errors
@@ -284,13 +285,14 @@ class Fleet(_FleetRollout, _FleetSecurity):
 class _Connect:
     """`await connect(url)` or `async with connect(url) as fleet:`."""
 
-    def __init__(self, url: str | None, name: str) -> None:
+    def __init__(self, url: str | None, name: str, creds: str | Path | None = None) -> None:
         self._url = nats_url(url)
         self._name = name
+        self._creds = creds
         self._fleet: Fleet | None = None
 
     async def _open(self) -> Fleet:
-        self._fleet = Fleet(await Bus.connect(self._url, self._name))
+        self._fleet = Fleet(await Bus.connect(self._url, self._name, creds=self._creds))
         return self._fleet
 
     def __await__(self):  # type: ignore[no-untyped-def]
@@ -304,5 +306,7 @@ class _Connect:
             await self._fleet.close()
 
 
-def connect(url: str | None = None, *, name: str = "sandfleet-sdk") -> _Connect:
-    return _Connect(url, name)
+def connect(url: str | None = None, *, name: str = "sandfleet-sdk", creds: str | Path | None = None) -> _Connect:
+    """`creds`: a credentials file (`sandfleet tenant add`); without it $SANDFLEET_CREDS, else the
+    operator's of a platform on this machine (sandfleet.credentials)."""
+    return _Connect(url, name, creds)

@@ -31,6 +31,21 @@ def nats_servers(url: str) -> list[str]:
     return [u.strip() for u in url.split(",") if u.strip()]
 
 
+def auth_enabled() -> bool:
+    """SANDFLEET_AUTH=off (`sandfleet up --no-auth`): a bus anyone who reaches it may use, as for
+    a benchmark of what authentication costs. On by default."""
+    return (os.environ.get("SANDFLEET_AUTH") or "on").lower() not in ("off", "0", "no", "false")
+
+
+def local_credentials_dir() -> Path:
+    """Where a platform notes, for clients on its machine, which credentials its bus takes
+    (SANDFLEET_LOCAL_CREDS_DIR; default /run/sandfleet/bus for root, else under ~/.local/state)."""
+    explicit = os.environ.get("SANDFLEET_LOCAL_CREDS_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path("/run/sandfleet/bus") if os.geteuid() == 0 else Path.home() / ".local/state/sandfleet/bus"
+
+
 def js_replicas() -> int:
     """SANDFLEET_JS_REPLICAS: how many servers keep each stream, bucket and object store the
     platform creates (3 on a clustered bus, so it survives losing a server; 1 on one server)."""

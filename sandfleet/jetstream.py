@@ -59,6 +59,33 @@ def _msg_get_subject(stream: str) -> str:
     return f"$JS.API.STREAM.MSG.GET.{stream}"
 
 
+# -- what a bus user must be allowed to publish to reach JetStream (sandfleet/bus_accounts.py) --
+
+JS_API_ALL = "$JS.API.>"
+JS_API_INFO = "$JS.API.INFO"
+
+
+def stream_api_subjects(stream: str, *, write: bool = False) -> list[str]:
+    """One stream's JetStream API: info, direct and by-sequence reads, consumers on it (create,
+    next, delete; acks and flow control); with `write`, creating and updating it."""
+    # STREAM.NAMES: nats-py finds a stream by subject for a subscription that names none (names only)
+    api = [JS_API_INFO, "$JS.API.STREAM.NAMES", f"$JS.API.STREAM.INFO.{stream}", direct_get_subject(stream), f"{direct_get_subject(stream)}.>",
+           _msg_get_subject(stream), f"$JS.API.CONSUMER.*.{stream}", f"$JS.API.CONSUMER.*.{stream}.>",
+           f"$JS.API.CONSUMER.*.*.{stream}.>", f"$JS.ACK.{stream}.>", "$JS.FC.>"]
+    if write:
+        api += [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.UPDATE.{stream}"]
+    return api
+
+
+def stream_create_subject(stream: str) -> str:
+    return f"$JS.API.STREAM.CREATE.{stream}"
+
+
+def object_write_subjects(bucket: str) -> list[str]:
+    """Putting objects: chunks and meta, and the purge that replaces an object's old chunks."""
+    return [f"$O.{bucket}.>", f"$JS.API.STREAM.PURGE.{object_stream(bucket)}"]
+
+
 class _Ack(msgspec.Struct):
     seq: int = 0
 

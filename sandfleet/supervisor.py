@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandfleet import prometheus
-from sandfleet.config import DEFAULT_EGRESS_SUBNET, free_ports, node_id
+from sandfleet.bus_accounts import ACCOUNTS_CONF, AuthDir, write_accounts
+from sandfleet.config import DEFAULT_EGRESS_SUBNET, auth_enabled, free_ports, node_id
+from sandfleet.credentials import CREDS_ENV, register_local, unregister_local
 
 PR_SET_CHILD_SUBREAPER = 36
 # Counts a node's sandbox cgroups; run as a process: this package imports no node code.
@@ -96,9 +98,10 @@ def plan_nats(port: int, count: int) -> list[NatsServer]:
 
 
 def write_nats_config(data_dir: Path, port: int, server: NatsServer | None = None,
-                      cluster: list[NatsServer] | None = None) -> Path:
+                      cluster: list[NatsServer] | None = None, auth: AuthDir | None = None) -> Path:
     """A lone server's config, or (with `server` and `cluster`) one clustered server's: routes
-    to every server of the cluster (its own is ignored), JetStream on each, monitoring on loopback."""
+    to every server of the cluster (its own is ignored), JetStream on each, monitoring on loopback.
+    With `auth`, the accounts and users of `write_accounts` (included, so a reload rereads them)."""
     name = server.name if server else "nats"
     store = data_dir / "jetstream" / name if cluster else data_dir / "jetstream"
     store.mkdir(parents=True, exist_ok=True)
@@ -110,7 +113,10 @@ def write_nats_config(data_dir: Path, port: int, server: NatsServer | None = Non
             f'http: "127.0.0.1:{server.http_port}"',
             f"cluster {{ name: {CLUSTER_NAME}, listen: \"127.0.0.1:{server.cluster_port}\", routes: [{routes}] }}",
         ]
-    lines += [f'jetstream {{ store_dir: "{store}" }}', ""]
+    lines += [f'jetstream {{ store_dir: "{store}" }}']
+    if auth is not None:
+        lines += [f'include "{ACCOUNTS_CONF}"']
+    lines += [""]
     conf = data_dir / f"{name}.conf"
     conf.write_text("\n".join(lines))
     return conf
@@ -189,25 +195,29 @@ class Supervisor:
         if len(self.servers) >= 3:
             env["SANDFLEET_JS_REPLICAS"] = "3"
         clustered = len(self.servers) > 1
-        for server in self.servers:
-            conf = write_nats_config(self.data_dir, server.port, server, self.servers if clustered else None)
-            self.children.append(Child(server.name, [nats_server_binary(), "-c", str(conf)],
-                                       logs / f"{server.name}.log", group="nats"))
         base_id = self.env.get("SANDFLEET_NODE_ID") or os.environ.get("SANDFLEET_NODE_ID")
         subnet = self.env.get("SANDFLEET_EGRESS_SUBNET") or os.environ.get("SANDFLEET_EGRESS_SUBNET")
         self.plan = plan_nodes(self.data_dir, self.nodes, base_id, subnet)
+        auth = self._credentials()
+        for server in self.servers:
+            conf = write_nats_config(self.data_dir, server.port, server, self.servers if clustered else None, auth)
+            self.children.append(Child(server.name, [nats_server_binary(), "-c", str(conf)],
+                                       logs / f"{server.name}.log", group="nats"))
         for name, module in SERVICES:
             if name in CLUSTER_SERVICES:
                 if not self.join:
-                    self.children.append(Child(name, [sys.executable, "-m", module], logs / f"{name}.log", group=name))
+                    self.children.append(Child(name, [sys.executable, "-m", module], logs / f"{name}.log", group=name,
+                                               env=self._creds_env(auth and auth.service(name))))
                 continue
             for node in self.plan:
                 label = name if self.nodes == 1 else f"{name}@{node.id}"
+                creds = self._creds_env(auth and auth.node(node.id or node_id()))
                 self.children.append(Child(label, [sys.executable, "-m", module], logs / f"{label}.log",
-                                           group=name, env=node.env()))
+                                           group=name, env={**node.env(), **creds}))
         for name, module, setting in OPTIONAL_SERVICES:
             if env.get(setting) and not self.join:
-                self.children.append(Child(name, [sys.executable, "-m", module], logs / f"{name}.log", group=name))
+                self.children.append(Child(name, [sys.executable, "-m", module], logs / f"{name}.log", group=name,
+                                           env=self._creds_env(auth and auth.service(name))))
         # Metrics ports for the services, and the Prometheus scraping them (SANDFLEET_PROMETHEUS), stopped first.
         self.prometheus_server = prometheus.attach(self.data_dir, self.children[len(self.servers):],
                                                    CLUSTER_SERVICES, {**env, **self.env})
@@ -215,6 +225,7 @@ class Supervisor:
             self.children.append(Child("prometheus", self.prometheus_server.argv, logs / "prometheus.log",
                                        group="prometheus"))
         self._state = self.data_dir / "supervisor.json"
+        notes: list[Path] = []
         try:
             for child in self.children[: len(self.servers)]:
                 self._start(child, env)
@@ -222,6 +233,8 @@ class Supervisor:
                 _wait_for_port(server.port, 10.0)
                 if clustered:  # services create streams and buckets at start: JetStream must have its leader
                     _wait_for_jetstream(server.http_port, 60.0)
+            if self.servers:  # clients on this machine sign in as the operator by themselves
+                notes = register_local(self.url, auth.admin(), os.getpid()) if auth else []
             for child in self.children[len(self.servers):]:
                 self._start(child, env)
             while not self.stopping:
@@ -229,8 +242,23 @@ class Supervisor:
                 time.sleep(0.1)
             self._stop_all()
         finally:
+            unregister_local(notes)
             self._state.unlink(missing_ok=True)
         return 0
+
+    def _credentials(self) -> AuthDir | None:
+        """The bus's credentials, made on first start (only the platform that runs the bus has
+        them: a joining node brings its own): the admin, each service, each node of this host."""
+        if self.join or not auth_enabled():
+            return None
+        auth = AuthDir.of(self.data_dir)
+        auth.platform([node.id or node_id() for node in self.plan])
+        write_accounts(self.data_dir, auth)
+        return auth
+
+    @staticmethod
+    def _creds_env(path: Path | None) -> dict[str, str]:
+        return {CREDS_ENV: str(path)} if path else {}
 
     def _on_stop(self, *_: object) -> None:
         self.stopping = True

@@ -30,6 +30,7 @@ REMOVE = "layer.v1.remove"
 PUSH = "layer.v1.push"  # copy a layer (and the images under it) from this cluster's store to another's
 PULL = "layer.v1.pull"  # and back
 KNOWN_DIFFS = "layer.v1.diffs"  # which OCI layers (by diff id) the store has: an import sends only the others
+ALL = "layer.v1.>"  # every layer command (what a node serves, in its queue group)
 
 SERVICE = "layer-cache"
 QUEUE_GROUP = "layer-cache"

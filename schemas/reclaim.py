@@ -33,6 +33,11 @@ def sandbox_filter(node_id: str, sandbox_id: str) -> str:
     return f"events.v1.reclaim.{node_id}.{sandbox_id}.*"
 
 
+def node_filter(node_id: str) -> str:
+    """Every reclaim action of one node's sandboxes."""
+    return f"events.v1.reclaim.{node_id}.>"
+
+
 def savings_subject(node_id: str) -> str:
     return f"node.v1.{node_id}.{SAVINGS}"
 

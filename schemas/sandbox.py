@@ -16,6 +16,7 @@ CREATE = "sandbox.v1.create"
 CREATE_MANY = "sandbox.v1.create_many"
 GET = "sandbox.v1.get"
 LIST = "sandbox.v1.list"
+ALL = "sandbox.v1.>"  # every sandbox command, quotas too (what placement serves)
 
 QUEUE_GROUP = "placement"
 KV_BUCKET = "sandboxes"
@@ -211,6 +212,10 @@ class SandboxRecord(msgspec.Struct, frozen=True, kw_only=True):
     # if its node is lost, placement starts a new sandbox from them on another node.
     checkpoint: list[str] = []
     restored_from: str = ""  # the sandbox whose lost node this one replaced, from its checkpoint
+    # Whose it is: the tenant whose account the server said the create came from ("": the
+    # platform's own account: the operator, a gateway). Set by placement, never from a request
+    # body; a node answers a tenant only about its own sandboxes.
+    tenant: str = ""
 
 
 class SandboxList(msgspec.Struct, frozen=True, kw_only=True):

@@ -23,6 +23,7 @@ POLICY_SET = "security.v1.policy.set"
 POLICY_GET = "security.v1.policy.get"
 POLICY_LIST = "security.v1.policy.list"
 SANDBOX_GET = "security.v1.sandbox.get"
+ALL = "security.v1.>"  # every command the security monitor serves
 
 SERVICE = "security-monitor"
 QUEUE_GROUP = "security-monitor"

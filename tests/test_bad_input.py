@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from sandfleet import errors
 from sandfleet.allow_rules import parse_rule
+from sandfleet.credentials import connect_options
 from schemas import node, sandbox
 from schemas.errors import ErrorBody, ErrorCode
 
@@ -20,7 +21,7 @@ KNOWN = set(sandbox.CreateRequest.__struct_fields__)
 
 @pytest.fixture(scope="module")
 async def nc(platform):
-    conn = await nats.connect(platform.url)
+    conn = await nats.connect(platform.url, **connect_options(platform.url))  # the operator's
     yield conn
     await conn.drain()
 

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from sandfleet.credentials import find_creds
 from tests.kernel import active_lsms, require
 
 NODE_DIR = Path(__file__).parent / "node"
@@ -15,7 +16,8 @@ NODE_DIR = Path(__file__).parent / "node"
 def test_node_client_creates_execs_and_sees_events(platform):
     require(shutil.which("node") is not None and (NODE_DIR / "node_modules" / "nats").exists(), "node + nats npm")
     out = subprocess.run(
-        ["node", str(NODE_DIR / "client.mjs"), platform.url], capture_output=True, text=True, timeout=60, check=True
+        ["node", str(NODE_DIR / "client.mjs"), platform.url, str(find_creds(platform.url))], capture_output=True,
+        text=True, timeout=60, check=True
     )
     result = json.loads(out.stdout)
     assert result["exit_code"] == 0 and result["stdout"] == "hello from node\n"

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from sandfleet import errors
 from sandfleet.bus import META, Bus, decode
+from sandfleet.credentials import connect_options
 from schemas import desktop, files, health, layers, node, ports, pty, reclaim, sandbox, security
 from schemas import process as proc_schema
 from schemas.errors import ErrorBody, ErrorCode
@@ -184,7 +185,7 @@ def _gather(request: type) -> list[bytes]:
 
 @pytest.fixture(scope="module")
 async def nc(platform):
-    conn = await nats.connect(platform.url)
+    conn = await nats.connect(platform.url, **connect_options(platform.url))  # the operator's
     yield conn
     await conn.drain()
 
@@ -262,7 +263,7 @@ async def test_a_raw_reply_with_a_garbled_header_is_a_typed_error_in_the_sdk(pla
     """The client's side of raw replies (file chunks down, process output): whatever a responder
     puts in the header, `request_raw` raises a typed error, never a foreign exception."""
     bus = await Bus.connect(platform.url, "fuzz-raw-replies")
-    responder = await nats.connect(platform.url)
+    responder = await nats.connect(platform.url, **connect_options(platform.url))
     subject = responder.new_inbox()  # a subject of nobody's: only this responder answers it
     headers = iter(["{not json", '{"type":"files.download_chunk.v2","seq":"x"}', "[]", '{"type":"other"}', ""])
 

@@ -33,6 +33,7 @@ from schemas import node as node_schema
 from schemas.node import ConfinedList, Empty
 from schemas.sandbox import ENDED, Reason, State
 from sandfleet.config import DEFAULT_EGRESS_SUBNET
+from sandfleet.credentials import connect_options
 from sandfleet.supervisor import nats_server_binary, plan_nats, plan_nodes, write_nats_config
 from tests.conftest import CLI, NODE_ID, ROOT, Platform, assert_nothing_left, platform_env, stop_platform
 from tests.kernel import require
@@ -272,7 +273,7 @@ def _meta_leader(state: dict) -> str:
 
 async def _lead_on(url: str, stream: str, server: str) -> str:
     """Ask `stream`'s leader to step down in favour of `server`; returns the leader after."""
-    nc = await nats.connect(url.split(","))
+    nc = await nats.connect(url.split(","), **connect_options(url))
     try:
         js = nc.jetstream()
         for attempt in range(40):
@@ -289,7 +290,7 @@ async def _lead_on(url: str, stream: str, server: str) -> str:
 
 
 async def _replicas_current(url: str, stream: str) -> bool:
-    nc = await nats.connect(url.split(","))
+    nc = await nats.connect(url.split(","), **connect_options(url))
     try:
         info = await nc.jetstream().stream_info(stream)
         return info.config.num_replicas == 3 and len(info.cluster.replicas) == 2 \

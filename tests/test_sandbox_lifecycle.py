@@ -10,6 +10,7 @@ import pytest
 
 import sandfleet
 from sandfleet import errors
+from sandfleet.credentials import connect_options
 from sandfleet.store import SandboxStore
 from schemas import node as node_schema
 from schemas import sandbox
@@ -129,7 +130,7 @@ async def test_sandbox_sees_host_system_read_only_and_nothing_private(fleet):
 
 
 async def test_sdk_rejects_bad_limits_before_sending(fleet, platform):
-    watcher = await nats.connect(platform.url)  # a connection of its own sees what the SDK sends
+    watcher = await nats.connect(platform.url, **connect_options(platform.url))  # its own sees what the SDK sends
     try:
         subs = [await watcher.subscribe(s) for s in (sandbox.CREATE, sandbox.CREATE_MANY)]
         await watcher.flush()

@@ -17,7 +17,8 @@ from schemas import node as node_schema
 from schemas import process as proc_schema
 from schemas.node import MAX_FILE_BYTES
 from schemas.sandbox import Reason
-from services.launcher import fencing, files, handlers, health, heartbeat, pausing, processes, ptys, recovery, tunnels
+from services.launcher import (fencing, files, handlers, health, heartbeat, pausing, processes, ptys, recovery, tenancy,
+                               tunnels)
 from services.launcher import desktop
 from services.launcher.clients import LayerCache, NodeAgent
 from services.launcher.drivers import Drivers
@@ -98,7 +99,8 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
             procs = processes.ProcessTable(launcher)
             forwarding = tunnels.Tunnels(bus, launcher)
             await forwarding.listen()
-            await bus.serve("launcher", endpoints(launcher, procs, forwarding), queue_group=f"launcher-{config.node_id}")
+            served = tenancy.guarded(endpoints(launcher, procs, forwarding), tenancy.Owners(launcher.store))
+            await bus.serve("launcher", served, queue_group=f"launcher-{config.node_id}")
             tasks = [asyncio.create_task(heartbeat.heartbeat(bus, launcher, config, criu_status)),
                      asyncio.create_task(launcher.expire_loop()),
                      asyncio.create_task(fencing.fence_loop(launcher, settings.fence_s)),

@@ -21,7 +21,7 @@ import nats.errors
 
 from sandfleet import errors, metrics, telemetry
 from sandfleet.allow_rules import parse_allow
-from sandfleet.bus import Bus
+from sandfleet.bus import CALLER_TENANT, Bus
 from sandfleet.errors import ServiceError
 from sandfleet.store import BatchRefused, SandboxStore
 from sandfleet.telemetry import NODE_ID, SANDBOX_ID
@@ -101,12 +101,17 @@ Announce = Callable[[], Awaitable[bool]]  # stores a batch's first events; False
 
 
 async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = None, restored_from: str = "",
-                 announce_later: bool = False) -> tuple[dict[str, list[Stored]], Announce | None]:
+                 announce_later: bool = False, tenant: str | None = None
+                 ) -> tuple[dict[str, list[Stored]], Announce | None]:
     """Admit, book and record `count` sandboxes (on `node` only, if given): node → its `scheduled`
     records and revisions. `announce_later`: return once the records are stored, with what
     stores their `scheduled` events, to await before handing any of them to a node (a gang
-    batch is answered first: its events then do not hold the answer back)."""
+    batch is answered first: its events then do not hold the answer back). Their tenant is the
+    caller's as the server vouched for it, unless given."""
     _check_allow(spec)
+    owner = tenant if tenant is not None else (CALLER_TENANT.get() or "")
+    if owner and spec.labels.get("tenant") != owner:  # a tenant's quota counts what the server vouched for
+        spec = msgspec.structs.replace(spec, labels={**spec.labels, "tenant": owner})
     now = time.time()
     quota_keys = await deps.quotas.admit(spec, count, now) if deps.quotas else []
     try:
@@ -119,7 +124,7 @@ async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = N
     placed = {
         node_id: [
             SandboxRecord(id=new_id(), node=node_id, spec=spec, state=State.SCHEDULED, created_at=now, updated_at=now,
-                          restored_from=restored_from)
+                          restored_from=restored_from, tenant=owner)
             for _ in range(k)
         ]
         for node_id, k in plan.items()
@@ -369,7 +374,7 @@ async def _restore(deps: Deps, record: SandboxRecord) -> CreateReply:
     """A new sandbox from `record`'s latest checkpoint: its spec, on its checkpoint's layers,
     wherever placement finds room (the lost node takes nothing)."""
     spec = msgspec.structs.replace(record.spec, layers=list(record.checkpoint), host_view=False)
-    placed, _ = await _place(deps, spec, 1, restored_from=record.id)
+    placed, _ = await _place(deps, spec, 1, restored_from=record.id, tenant=record.tenant)
     ((node_id, stored),) = placed.items()
     (result,) = await _launch_on(deps, node_id, stored)
     if not result.ok:
@@ -388,11 +393,16 @@ async def _destroy_quietly(deps: Deps, sandbox: CreateReply) -> None:
 
 async def get(deps: Deps, req: GetRequest) -> SandboxRecord:
     record, _ = await deps.store.get(req.id)
+    tenant = CALLER_TENANT.get()
+    if tenant is not None and record.tenant != tenant:  # another's is, to a tenant, no sandbox at all
+        raise ServiceError(ErrorCode.NOT_FOUND, f"no sandbox {req.id}")
     return record
 
 
 async def list_sandboxes(deps: Deps, req: ListRequest) -> SandboxList:
-    return SandboxList(sandboxes=await deps.store.all(req.node, req.include_ended))
+    found = await deps.store.all(req.node, req.include_ended)
+    tenant = CALLER_TENANT.get()
+    return SandboxList(sandboxes=found if tenant is None else [r for r in found if r.tenant == tenant])
 
 
 async def set_quota(deps: Deps, req: Quota) -> QuotaState:

@@ -1,8 +1,12 @@
 // Drives sandfleet with nothing but the `nats` npm package: create, exec, events, destroy.
-// Usage: node client.mjs nats://127.0.0.1:4222
-import { connect, JSONCodec } from "nats";
+// Usage: node client.mjs nats://127.0.0.1:4222 [CREDS_FILE]
+import { readFileSync } from "node:fs";
+import { connect, JSONCodec, nkeyAuthenticator } from "nats";
 
-const nc = await connect({ servers: process.argv[2] ?? "nats://127.0.0.1:4222" });
+// A sandfleet credentials file holds an nkey user seed: the client signs the server's nonce with it.
+const seed = process.argv[3] && readFileSync(process.argv[3], "utf8").match(/^\s*(SU[A-Z2-7]{56})\s*$/m)[1];
+const nc = await connect({ servers: process.argv[2] ?? "nats://127.0.0.1:4222",
+                           ...(seed ? { authenticator: nkeyAuthenticator(new TextEncoder().encode(seed)) } : {}) });
 const jc = JSONCodec();
 
 async function call(subject, body, timeout = 30000) {

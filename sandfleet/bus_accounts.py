@@ -1,0 +1,243 @@
+"""Who may do what on the bus: the accounts, nkey users and per-subject permissions that
+`sandfleet up` writes into nats-server's config, and the credentials files they come with.
+
+Static accounts in the server's config, each user an nkey (not JWTs with a resolver): the one
+who runs the servers writes every account, import and permission in one file the servers
+reload on SIGHUP; no signing chain, no resolver to run or push to, and nothing outside NATS
+itself. The cost: adding a tenant rewrites the config and reloads each server (`sandfleet
+tenant add`), which a platform of a few teams does rarely.
+
+- Account `PLATFORM` (JetStream on): the operator (`admin`: everything), each cluster service
+  (only what it serves and calls), each node (its own `node.v1.<id>.>`, its heartbeat key, its
+  own event subjects). Permissions are allow lists; JetStream is reached per stream.
+- Account `tenant-<name>` per tenant: no JetStream, nothing of its own but its inbox; it imports
+  the platform's sandbox requests with `share: true`, so every request it makes reaches the
+  platform carrying the server's `Nats-Request-Info` (its account), which placement records as
+  the sandbox's tenant and the node checks on every request about a sandbox.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nkeys
+
+from sandfleet import jetstream
+from sandfleet.credentials import (TENANT_ACCOUNT_PREFIX, check_tenant_name, creds_text, inbox_prefix, read_seed,
+                                   write_private)
+from schemas import events, files, health, layers, node, ports, process, pty, reclaim, sandbox, security, violations
+
+ACCOUNTS_CONF = "accounts.conf"  # in the data dir, beside the servers' configs, which include it
+PLATFORM = "PLATFORM"
+ADMIN = "admin"
+# Cluster services that connect with a user of their own (node services use their node's).
+SERVICE_USERS = ("placement", "security-monitor", "gateway", "fusion")
+INBOX = "_INBOX.>"
+MICRO = "$SRV.>"  # nats.micro's PING/INFO/STATS: every service answers them
+
+# What a tenant may ask of a node about a sandbox, each checked against the sandbox's tenant by
+# the launcher. Not here: launch, quarantine, the by-label rollout verbs (they reach every
+# sandbox of a node), the agent's and layer-cache's verbs, port tunnels (their frames go to
+# an inbox the node publishes into, which does not cross accounts).
+TENANT_NODE_VERBS = (
+    node.EXEC, node.WRITE_FILE, node.READ_FILE, node.DESTROY, node.PAUSE, node.RESUME, node.HINT, node.CHECKPOINT,
+    health.SET_TIMEOUT, health.METRICS,
+    process.SPAWN, process.READ, process.WRITE, process.SIGNAL, process.WAIT, process.LIST,
+    pty.PTY_SPAWN, pty.PTY_RESIZE,
+    files.UPLOAD, files.UPLOAD_CHUNK, files.UPLOAD_END, files.DOWNLOAD, files.DOWNLOAD_CHUNK, files.CLOSE,
+    files.LIST, files.STAT, files.MKDIR, files.REMOVE, files.RENAME, files.WATCH, files.WATCH_NEXT,
+    files.WATCH_CLOSE,
+)
+# Placement answers these for a tenant with its own sandboxes only.
+TENANT_SANDBOX_SUBJECTS = (sandbox.CREATE, sandbox.CREATE_MANY, sandbox.GET, sandbox.LIST)
+
+
+def tenant_subjects() -> list[str]:
+    return [*TENANT_SANDBOX_SUBJECTS, *(node.subject("*", verb) for verb in TENANT_NODE_VERBS)]
+
+
+@dataclass
+class Permissions:
+    publish: list[str] = field(default_factory=list)
+    subscribe: list[str] = field(default_factory=list)
+
+    def add(self, other: Permissions) -> Permissions:
+        return Permissions(self.publish + other.publish, self.subscribe + other.subscribe)
+
+    def as_config(self) -> dict:
+        # allow_responses: a responder may answer whatever reply subject a request named
+        # (an inbox, or the `_R_` subject of a request from a tenant's account).
+        return {"publish": {"allow": sorted(set(self.publish))}, "subscribe": {"allow": sorted(set(self.subscribe))},
+                "allow_responses": True}
+
+
+def kv(bucket: str, *, write: bool = False, keys: str = ">") -> Permissions:
+    """A KV bucket: reads (and watches) of every key; with `write`, puts of `keys`."""
+    return Permissions([*jetstream.stream_api_subjects(jetstream.kv_stream(bucket), write=write),
+                        *([jetstream.kv_subject(bucket, keys)] if write else [])])
+
+
+def objects(bucket: str, *, write: bool = False) -> Permissions:
+    return Permissions([*jetstream.stream_api_subjects(jetstream.object_stream(bucket), write=write),
+                        *(jetstream.object_write_subjects(bucket) if write else [])])
+
+
+def event_stream(*subjects: str) -> Permissions:
+    """The EVENTS stream (read, consumed, and created by whichever service starts first) and
+    publishes to `subjects` of it."""
+    return Permissions([*jetstream.stream_api_subjects(events.STREAM, write=True), *subjects])
+
+
+def _common() -> Permissions:
+    return Permissions([], [MICRO])  # and its own inboxes (`accounts`: they are named after its key)
+
+
+def _state() -> Permissions:
+    """What `ensure_state` touches at every service's start: the sandbox records and the events."""
+    return kv(sandbox.KV_BUCKET, write=True).add(event_stream(events.ALL_SANDBOX)).add(
+        Permissions([jetstream.stream_create_subject(jetstream.kv_stream(node.KV_BUCKET))]))  # created, not written: nodes write their own
+
+
+def service_permissions(name: str) -> Permissions:
+    """One cluster service: what it serves (subscribe) and what it calls and writes (publish)."""
+    base = _common().add(_state())
+    if name == "placement":
+        return base.add(Permissions(
+            [node.subject("*", node.LAUNCH), node.subject("*", node.DESTROY)], [sandbox.ALL]
+        )).add(kv(node.KV_BUCKET)).add(kv(node.BOOKINGS_BUCKET, write=True)).add(kv(sandbox.QUOTA_BUCKET, write=True))
+    if name == "security-monitor":
+        return base.add(Permissions(
+            [node.subject("*", node.DESTROY), node.subject("*", node.QUARANTINE), security.ALL_ACTIONS],
+            [security.ALL],
+        )).add(kv(security.POLICY_BUCKET, write=True)).add(kv(security.SANDBOX_BUCKET, write=True))
+    if name in ("gateway", "fusion"):  # front doors: a platform client of every node's sandbox verbs
+        verbs = [node.subject("*", verb) for verb in (*TENANT_NODE_VERBS, ports.PORT_OPEN, node.PAUSE_SELECTED,
+                                                        node.RESUME_SELECTED)] + [ports.tunnel_subject("*", "*")]
+        return base.add(Permissions([*TENANT_SANDBOX_SUBJECTS, *verbs, layers.ALL, MICRO], [])).add(
+            kv(node.KV_BUCKET)).add(kv(layers.KV_BUCKET)).add(objects(layers.UPLOAD_BUCKET, write=True))
+    raise ValueError(f"no such service user: {name}")
+
+
+def node_permissions(node_id: str) -> Permissions:
+    """Every service of one node (agent, layer-cache, reclaimer, launcher): its own subjects
+    only, its own heartbeat key, events and violations under its own id (a sandbox's lifecycle
+    events carry no node, so any sandbox's), the layer store it builds into and reads from."""
+    own = node.subject(node_id, ">")
+    return _common().add(_state()).add(Permissions(
+        # INBOX: a port tunnel's frames go to the inbox its client named (schemas/ports.py);
+        # MICRO: `sandfleet node --detach` waits until every service answers a ping
+        [own, INBOX, MICRO, violations.subject(node_id, "*", "*"), layers.fetch_failed_subject(node_id),
+         reclaim.node_filter(node_id), layers.ALL],
+        [own, layers.ALL],
+    )).add(kv(node.KV_BUCKET, write=True, keys=node_id)).add(kv(node.BOOKINGS_BUCKET)).add(
+        kv(layers.KV_BUCKET, write=True)).add(kv(layers.DIFF_BUCKET, write=True)).add(
+        objects(layers.OBJECT_BUCKET, write=True)).add(objects(layers.UPLOAD_BUCKET, write=True))
+
+
+def _inboxes(public: str) -> Permissions:
+    return Permissions([], [f"{inbox_prefix(public)}.>"])
+
+
+def _tenant_user(public: str) -> dict:
+    # `$JS.API.>` of its own account, which has no JetStream: the SDK's stream lookups get "no
+    # responders" at once instead of a refused publish left to time out. Nothing of the platform's.
+    return {"nkey": public, "permissions": {"publish": {"allow": [*tenant_subjects(), jetstream.JS_API_ALL]},
+                                            "subscribe": {"allow": [INBOX]}}}
+
+
+# -- the credentials directory -----------------------------------------------------------
+
+
+def new_seed() -> str:
+    return nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode()
+
+
+def public_key(seed: str) -> str:
+    return nkeys.from_seed(bytearray(seed.encode())).public_key.decode()
+
+
+@dataclass(frozen=True)
+class AuthDir:
+    """`<data dir>/auth/`, root-only: one credentials file per user, made on first need and
+    kept, so a restarted platform (and every node holding a copy) keeps its keys."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, data_dir: Path) -> AuthDir:
+        return cls(data_dir / "auth")
+
+    def platform(self, node_ids: list[str]) -> None:
+        """Everyone `sandfleet up` starts: the operator, each cluster service, each of its nodes."""
+        self.admin()
+        for name in SERVICE_USERS:
+            self.service(name)
+        for node_id in node_ids:
+            self.node(node_id)
+
+    def admin(self) -> Path:
+        return self._ensure(self.root / "admin.creds", "the operator (admin: everything)")
+
+    def service(self, name: str) -> Path:
+        return self._ensure(self.root / "services" / f"{name}.creds", f"service {name}")
+
+    def node(self, node_id: str) -> Path:
+        return self._ensure(self.root / "nodes" / f"{node_id}.creds", f"node {node_id}")
+
+    def tenant(self, name: str) -> Path:
+        check_tenant_name(name)
+        return self._ensure(self.root / "tenants" / f"{name}.creds", f"tenant {name}")
+
+    def _ensure(self, path: Path, what: str) -> Path:
+        if not path.exists():
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_private(path, creds_text(new_seed(), what))
+        return path
+
+    def _users(self, kind: str) -> dict[str, str]:
+        return {p.stem: public_key(read_seed(p)) for p in sorted((self.root / kind).glob("*.creds"))}
+
+    def accounts(self) -> dict:
+        """The server's `accounts` block for every user this directory holds."""
+        users = [{"nkey": public_key(read_seed(self.admin()))}]
+        users += [{"nkey": key, "permissions": service_permissions(name).add(_inboxes(key)).as_config()}
+                  for name, key in self._users("services").items()]
+        users += [{"nkey": key, "permissions": node_permissions(name).add(_inboxes(key)).as_config()}
+                  for name, key in self._users("nodes").items()]
+        exports = [{"service": subject} for subject in tenant_subjects()]
+        found: dict = {PLATFORM: {"jetstream": "enabled", "users": users, "exports": exports}}
+        for name, key in self._users("tenants").items():
+            found[f"{TENANT_ACCOUNT_PREFIX}{name}"] = {
+                "users": [_tenant_user(key)],
+                "imports": [{"service": {"account": PLATFORM, "subject": s}, "share": True} for s in tenant_subjects()],
+            }
+        return found
+
+    def server_config(self) -> str:
+        """Lines for a nats-server config (its format reads JSON values)."""
+        return f"accounts: {json.dumps(self.accounts(), indent=1)}\n"
+
+
+def write_accounts(data_dir: Path, auth: AuthDir) -> Path:
+    """The accounts block every server of the bus includes (root-only: it names every user's key)."""
+    path = data_dir / ACCOUNTS_CONF
+    write_private(path, auth.server_config())
+    return path
+
+
+def reload_servers(state: dict) -> int:
+    """Ask every nats-server of a running platform (its supervisor's state) to reread its config
+    (SIGHUP): new accounts and users take effect without a restart. Returns how many were asked."""
+    asked = 0
+    for server in state.get("nats", []):
+        pid = state.get("services", {}).get(server["name"])
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGHUP)
+                asked += 1
+    return asked
