@@ -30,7 +30,8 @@ import nkeys
 from sandfleet import jetstream
 from sandfleet.credentials import (TENANT_ACCOUNT_PREFIX, check_tenant_name, creds_text, inbox_prefix, read_seed,
                                    write_private)
-from schemas import events, files, health, layers, node, ports, process, pty, reclaim, sandbox, security, violations
+from schemas import (desktop, events, files, health, layers, node, ports, process, pty, reclaim, sandbox, security,
+                     violations)
 
 ACCOUNTS_CONF = "accounts.conf"  # in the data dir, beside the servers' configs, which include it
 PLATFORM = "PLATFORM"
@@ -52,6 +53,7 @@ TENANT_NODE_VERBS = (
     files.UPLOAD, files.UPLOAD_CHUNK, files.UPLOAD_END, files.DOWNLOAD, files.DOWNLOAD_CHUNK, files.CLOSE,
     files.LIST, files.STAT, files.MKDIR, files.REMOVE, files.RENAME, files.WATCH, files.WATCH_NEXT,
     files.WATCH_CLOSE,
+    desktop.SCREEN_INFO, desktop.SCREENSHOT, desktop.MOUSE, desktop.KEYS_PRESS, desktop.TYPE_TEXT,
 )
 # Placement answers these for a tenant with its own sandboxes only.
 TENANT_SANDBOX_SUBJECTS = (sandbox.CREATE, sandbox.CREATE_MANY, sandbox.GET, sandbox.LIST)
