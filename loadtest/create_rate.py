@@ -44,11 +44,13 @@ class PlatformSide:
 
 
 class DirectSide:
-    """The floor: the same kernel library called in this process, no bus, no services."""
+    """The floor: the same kernel library called in this process, no bus, no services. Its
+    sandboxes' roots are host uid `id_host` (linuxnode.userns; 0: the host's root)."""
 
-    def __init__(self, offset: int) -> None:
+    def __init__(self, offset: int, id_host: int = 0) -> None:
         self.layout = cgroups.CgroupLayout.detect()
         self.offset = offset
+        self.id_host = id_host
 
     async def create(self, i: int) -> tuple[str, cgroups.SandboxCgroups, process.InitProcess]:
         sid = f"direct-{self.offset + i}"
@@ -56,7 +58,7 @@ class DirectSide:
         group.create(cpu=0.5, memory_mb=64, pids=512)
         ns = netns.create(BENCH_NODE, sid)
         spec = process.ProcessSpec(sandbox_id=sid, cgroup_procs=group.procs_files, netns=ns,
-                                   tmp_size_mb=32, workspace_size_mb=128)
+                                   tmp_size_mb=32, workspace_size_mb=128, id_host=self.id_host)
         return sid, group, await process.start_async(spec)
 
     async def exec_true(self, box: tuple) -> int:

@@ -22,7 +22,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from linuxnode import cgroups, netns, process, userns
+from linuxnode import cgroups, userns
 from loadtest.create_rate import BENCH_NODE, DirectSide, platform_round, run_round
 from loadtest.platform import running_platform
 from loadtest.report import percentiles, print_table, write_json
@@ -30,21 +30,6 @@ from loadtest.report import percentiles, print_table, write_json
 SIDES = ("on", "off")
 
 
-class MappedDirectSide(DirectSide):
-    """create_rate's direct side, its sandboxes' roots `id_host` on the host (0: the host's root)."""
-
-    def __init__(self, offset: int, id_host: int) -> None:
-        super().__init__(offset)
-        self.id_host = id_host
-
-    async def create(self, i: int) -> tuple[str, cgroups.SandboxCgroups, process.InitProcess]:
-        sid = f"direct-{self.offset + i}"
-        group = cgroups.SandboxCgroups(self.layout, BENCH_NODE, sid)
-        group.create(cpu=0.5, memory_mb=64, pids=512)
-        ns = netns.create(BENCH_NODE, sid)
-        spec = process.ProcessSpec(sandbox_id=sid, cgroup_procs=group.procs_files, netns=ns,
-                                   tmp_size_mb=32, workspace_size_mb=128, id_host=self.id_host)
-        return sid, group, await process.start_async(spec)
 
 
 def _direct_rounds(args, rates: dict, lat: dict) -> None:
@@ -52,11 +37,11 @@ def _direct_rounds(args, rates: dict, lat: dict) -> None:
     offset = 0
     try:
         for side in SIDES:  # warm-up, not counted (the `on` side's first start makes its namespace)
-            asyncio.run(run_round(MappedDirectSide(offset, ids[side]), min(20, args.n), args.concurrency))
+            asyncio.run(run_round(DirectSide(offset, ids[side]), min(20, args.n), args.concurrency))
             offset += args.n
         for r in range(args.rounds):
             for side in SIDES if r % 2 == 0 else reversed(SIDES):
-                rate, got = asyncio.run(run_round(MappedDirectSide(offset, ids[side]), args.n, args.concurrency))
+                rate, got = asyncio.run(run_round(DirectSide(offset, ids[side]), args.n, args.concurrency))
                 offset += args.n
                 rates[side].append(rate)
                 for k, v in got.items():

@@ -8,11 +8,13 @@ machine must hold no mount, cgroup, network namespace or process the tests made.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +98,19 @@ def start_platform(data_dir: Path, node_id: str, otlp: OtlpReceiver | None = Non
         logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((data_dir / "logs").glob("*.log")))
         raise RuntimeError(f"sandfleet up failed: {out.stderr}\n{logs}")
     return Platform(url=out.stdout.strip(), data_dir=data_dir, node_id=node_id, env=env)
+
+
+@contextlib.contextmanager
+def own_platform(data_dir: Path, node_id: str, **start) -> Iterator[Platform]:
+    """A platform of the caller's own around the block, brought down after it and proven to leave
+    nothing of its node behind."""
+    before = Snapshot.take()
+    p = start_platform(data_dir, node_id, **start)
+    try:
+        yield p
+    finally:
+        stop_platform(p)
+    assert_nothing_left(before, data_dir, [node_id])
 
 
 def stop_platform(p: Platform) -> None:

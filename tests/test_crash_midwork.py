@@ -41,10 +41,9 @@ from schemas.sandbox import (
     State,
 )
 from schemas.security import SecurityAction
-from tests.conftest import NODE_ID, assert_nothing_left, start_platform, stop_platform
+from tests.conftest import NODE_ID, own_platform
 from tests.kernel import require
 from tests.layer_trees import BUSYBOX, make_busybox_base
-from tests.leaks import Snapshot
 
 SETTLE_S = 120.0  # a batch must be settled this long after the restarted service answers
 # This machine is shared (parallel test sessions): its pressure says nothing about this node.
@@ -57,12 +56,8 @@ CHEAT = ("import socket\n"
 
 @pytest.fixture(scope="module")
 def plat(leak_check, tmp_path_factory):
-    before = Snapshot.take()
-    data = tmp_path_factory.mktemp("midwork")
-    p = start_platform(data, f"{NODE_ID}-mw", env=QUIET)
-    yield p
-    stop_platform(p)
-    assert_nothing_left(before, data, [p.node_id])
+    with own_platform(tmp_path_factory.mktemp("midwork"), f"{NODE_ID}-mw", env=QUIET) as p:
+        yield p
 
 
 @pytest.fixture

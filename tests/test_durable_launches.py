@@ -29,10 +29,9 @@ from schemas.node import ConfinedList, Empty
 from schemas.sandbox import CREATE_MANY, CreateManyReply, CreateManyRequest, SandboxSpec
 from services.launcher import clients
 from services.launcher.clients import RestartingService, ServiceDown
-from tests.conftest import NODE_ID, assert_nothing_left, start_platform, stop_platform
+from tests.conftest import NODE_ID, own_platform
 from tests.kernel import require
 from tests.layer_trees import BUSYBOX, make_busybox_base
-from tests.leaks import Snapshot
 
 BATCH = 60
 QUIET = {"SANDFLEET_CPU_PSI_LIMIT": "101", "SANDFLEET_MEMORY_PSI_LIMIT": "101"}  # a shared machine's pressure
@@ -124,12 +123,8 @@ async def test_a_service_gone_longer_than_any_restart_fails_calls_at_once(monkey
 
 @pytest.fixture(scope="module")
 def plat(leak_check, tmp_path_factory):
-    before = Snapshot.take()
-    data = tmp_path_factory.mktemp("durable")
-    p = start_platform(data, f"{NODE_ID}-dl", env=QUIET)
-    yield p
-    stop_platform(p)
-    assert_nothing_left(before, data, [p.node_id])
+    with own_platform(tmp_path_factory.mktemp("durable"), f"{NODE_ID}-dl", env=QUIET) as p:
+        yield p
 
 
 @pytest.fixture

@@ -22,6 +22,8 @@ new methods here, implemented by each driver; the launcher's orchestration stays
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 import socket
@@ -290,3 +292,36 @@ class DownloadSource(Protocol):
     def digest(self) -> str: ...
 
     def close(self) -> None: ...
+
+
+def reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass  # not our child (adopted after a restart): the supervisor reaps it
+
+
+def watch_exit(pid: int, on_exit: Callable[[], None]) -> Callable[[], None]:
+    """Call `on_exit` once, on the running loop, when process `pid` has ended (its pidfd turns
+    readable; at once if it is gone already), reaping it first where it is our child. Returns
+    what stops the watch: every driver's `watch` for a sandbox that is one host process."""
+    loop = asyncio.get_running_loop()
+    watching: list[int] = []
+
+    def unwatch() -> None:
+        if watching:
+            loop.remove_reader(watching[0])
+            os.close(watching.pop())
+
+    def exited() -> None:
+        unwatch()
+        reap(pid)
+        on_exit()
+
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return loop.call_soon(exited).cancel
+    watching.append(pidfd)
+    loop.add_reader(pidfd, exited)
+    return unwatch

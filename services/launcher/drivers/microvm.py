@@ -53,6 +53,7 @@ from services.launcher.drivers.base import (
     StdinClosed,
     Unsupported,
     Usage,
+    watch_exit,
 )
 
 log = logging.getLogger(LOGGER)
@@ -165,32 +166,14 @@ class MicroVMDriver:
 
     def watch(self, instance: Instance, on_exit: Callable[[], None]) -> Callable[[], None]:
         sandbox = _own(instance)
-        loop = asyncio.get_running_loop()
-        watching: list[int] = []
-
-        def unwatch() -> None:
-            if watching:
-                loop.remove_reader(watching[0])
-                os.close(watching.pop())
 
         def exited() -> None:
-            unwatch()
-            try:
-                os.waitpid(sandbox.vm.pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
             if sandbox.killed:
                 log.warning("sandbox %s: its microVM was killed: %s", sandbox.sandbox_id, sandbox.killed,
                             extra=about(sandbox.sandbox_id))
             on_exit()
 
-        try:
-            pidfd = os.pidfd_open(sandbox.vm.pid)
-        except ProcessLookupError:
-            return loop.call_soon(exited).cancel
-        watching.append(pidfd)
-        loop.add_reader(pidfd, exited)
-        return unwatch
+        return watch_exit(sandbox.vm.pid, exited)
 
     async def leftovers(self, keep: set[str]) -> list[str]:
         """VMs a crash left (QEMU still in its directory, or the directory alone) that no kept

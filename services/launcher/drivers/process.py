@@ -36,14 +36,16 @@ from services.launcher.drivers.base import (
     ExecOutcome,
     Instance,
     NoWritableLayer,
-    SandboxGone,
     RunningCommand,
     RunningTerminal,
+    SandboxGone,
     StartFailed,
     StdinClosed,
     Unsupported,
-    Usage,
     UploadSink,
+    Usage,
+    reap,
+    watch_exit,
 )
 
 
@@ -76,13 +78,6 @@ CONNECT_TIMEOUT_S = 5.0  # a forward's connect to a port inside the sandbox
 
 def tmp_size_mb(spec: SandboxSpec) -> int:
     return max(16, spec.memory_mb // 2)
-
-
-def reap(pid: int) -> None:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass  # not our child (adopted after a restart): the supervisor reaps it
 
 
 class ProcessDriver:
@@ -132,27 +127,7 @@ class ProcessDriver:
         return NamespaceSandbox(sandbox_id, _init(anchor), confinement, rootfs)
 
     def watch(self, instance: Instance, on_exit: Callable[[], None]) -> Callable[[], None]:
-        pid = _own(instance).init.pid
-        loop = asyncio.get_running_loop()
-        watching: list[int] = []
-
-        def unwatch() -> None:
-            if watching:
-                loop.remove_reader(watching[0])
-                os.close(watching.pop())
-
-        def exited() -> None:
-            unwatch()
-            reap(pid)
-            on_exit()
-
-        try:
-            pidfd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            return loop.call_soon(exited).cancel
-        watching.append(pidfd)
-        loop.add_reader(pidfd, exited)
-        return unwatch
+        return watch_exit(_own(instance).init.pid, on_exit)
 
     async def exec(self, instance: Instance, command: Command) -> ExecOutcome:
         sandbox = _own(instance)
