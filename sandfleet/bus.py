@@ -169,6 +169,7 @@ class Bus:
     def __init__(self, nc: nats.NATS, name: str) -> None:
         self.nc = nc
         self.name = name
+        self._bulk_subjects = natspy_internals.read_bulk_in_place(nc)  # the raw endpoints' (serve)
         self.js: JetStreamContext = ReplicatedJetStream(nc, js_replicas())
         self._tasks: set[asyncio.Task] = set()
         self._services: list[Service] = []
@@ -224,16 +225,22 @@ class Bus:
         headers = telemetry.inject()
         if data is not None:
             headers[META] = encode(msg).decode()
-        resp = await self._ask(subject, encode(msg) if data is None else data, headers, timeout)
+        resp = await self._ask(subject, encode(msg) if data is None else data, headers, timeout, bulk=True)
         meta = (resp.headers or {}).get(META)
         if meta is not None:
             return _decoded(meta.encode(), reply, subject), resp.data
         return _decoded(resp.data, reply, subject), b""
 
-    async def _ask(self, subject: str, payload: bytes | memoryview, headers: dict[str, str], timeout: float) -> Msg:
-        """One request; transport failures and error replies as the sandfleet.errors tree."""
+    async def _ask(self, subject: str, payload: bytes | memoryview, headers: dict[str, str], timeout: float,
+                   bulk: bool = False) -> Msg:
+        """One request; transport failures and error replies as the sandfleet.errors tree. `bulk`:
+        sent and its reply read with fewer copies (natspy_internals.request_bulk), the reply's
+        body then a bytearray."""
         try:
-            resp = await self.nc.request(subject, payload, timeout=timeout, headers=headers)  # type: ignore[arg-type]
+            if bulk:
+                resp = await natspy_internals.request_bulk(self.nc, subject, headers, payload, timeout)
+            else:
+                resp = await self.nc.request(subject, payload, timeout=timeout, headers=headers)  # type: ignore[arg-type]
         except nats.errors.NoRespondersError:
             raise errors.NoResponders(f"no service answers {subject}", subject=subject) from None
         except nats.errors.TimeoutError:
@@ -313,6 +320,8 @@ class Bus:
             self.nc, ServiceConfig(name=name, version=version, description=name, queue_group=queue_group)
         )
         for ep in endpoints:
+            if ep.raw:  # its requests' bodies are read into one buffer each (natspy_internals)
+                self._bulk_subjects.add(ep.subject.encode())
             await service.add_endpoint(
                 EndpointConfig(
                     name=ep.name,
@@ -359,8 +368,9 @@ class Bus:
                 if isinstance(sandbox_id, str):
                     span.set_attribute(telemetry.SANDBOX_ID, sandbox_id)
                 result = await (ep.handler(msg, req.data) if ep.raw else ep.handler(msg))
-                if isinstance(result, Raw):
-                    await req.respond(result.data, headers={META: encode(result.meta).decode()})  # type: ignore[arg-type]
+                if isinstance(result, Raw):  # its bytes go to the socket as they are, not joined to the frame
+                    await natspy_internals.publish_bulk(self.nc, natspy_internals.reply_to(req), "",
+                                                        {META: encode(result.meta).decode()}, result.data)
                 else:
                     await req.respond(encode(result))
             except errors.ServiceError as exc:

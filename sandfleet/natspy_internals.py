@@ -9,14 +9,19 @@ nats-server, so a nats-py upgrade that moves them fails there, loudly, and not i
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import secrets
 from collections.abc import Callable
 from typing import Any
 
 import nats.aio.client
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.aio.transport import TcpTransport
+from nats.protocol.parser import AWAITING_CONTROL_LINE, AWAITING_MSG_PAYLOAD, CRLF_SIZE, Parser
 
 log = logging.getLogger("sandfleet.bus")
 
@@ -85,3 +90,149 @@ def read_per_turn(limit: int) -> None:
     up at each read; its 32 KiB is 128 turns and parser passes per 4 MiB raw chunk, a quarter
     of a receiver's CPU. There is no option for it (`Client.connect` takes none)."""
     nats.aio.client.DEFAULT_BUFFER_SIZE = max(nats.aio.client.DEFAULT_BUFFER_SIZE, limit)
+
+
+# -- bulk messages: fewer copies of a raw chunk's bytes ------------------------------------------
+#
+# A 4 MiB chunk received through nats-py is copied five times in Python (the stream reader's
+# buffer, its read, the parser's buffer, a slice of it, the bytes of the slice) and sent through
+# it, twice more (the frame joined to its payload, the pending list joined). At 1 GiB that is
+# most of a receiver's CPU after sha256. Only the raw paths opt in (their subjects are marked):
+# a marked message's payload is read into one buffer of its size and handed on as that
+# `bytearray`; everything else is parsed as nats-py parses it.
+
+BULK_BYTES = 256 << 10  # a payload this large (of a marked subject) is read into a buffer of its own
+
+
+class _BulkParser(Parser):
+    """nats-py's parser, but a marked subject's large payload is copied once, from each read
+    into a buffer of the payload's size, and handed on as that buffer (no further copy)."""
+
+    bulk_subjects: set[bytes]
+    _body: bytearray | None
+    _filled: int
+
+    def reset(self) -> None:
+        super().reset()
+        self._body, self._filled = None, 0
+
+    async def parse(self, data: bytes = b"") -> None:
+        while True:
+            if self._body is not None:
+                rest = await self._fill(data)
+                if rest is None:
+                    return
+                data = rest
+            await super().parse(data)  # what is whole in its buffer, as nats-py does
+            if not (self.state == AWAITING_MSG_PAYLOAD and self.needed >= BULK_BYTES
+                    and self.msg_arg["subject"] in self.bulk_subjects):
+                return
+            self._body = bytearray(self.needed + CRLF_SIZE)  # the payload's start is in self.buf
+            self._filled = len(self.buf)
+            memoryview(self._body)[:self._filled] = self.buf
+            self.buf.clear()
+            data = b""
+
+    async def _fill(self, data: bytes) -> memoryview | None:
+        """Copy `data` into the payload's buffer; once it is whole, hand the message on and return
+        what of `data` follows it (None while more is to come)."""
+        body, view = self._body, memoryview(data)
+        assert body is not None
+        take = min(len(body) - self._filled, len(view))
+        memoryview(body)[self._filled:self._filled + take] = view[:take]
+        self._filled += take
+        if self._filled < len(body):
+            return None
+        self._body = None
+        hdr = None
+        if self.header_needed:
+            hdr = bytes(body[:self.header_needed])
+            del body[:self.header_needed]  # a bytearray drops its front without moving the rest
+            self.header_needed = 0
+        del body[-CRLF_SIZE:]
+        self.state = AWAITING_CONTROL_LINE
+        await self.nc._process_msg(self.msg_arg["sid"], self.msg_arg["subject"], self.msg_arg["reply"], body, hdr)
+        return view[take:]
+
+
+def read_bulk_in_place(nc: Client) -> set[bytes]:
+    """Make `nc` read the payloads of the subjects in the returned set (exact subjects, bytes)
+    as `_BulkParser` does. `Client._ps` is the parser its reader feeds; it is made once, in
+    `Client.__init__`, and only reset on reconnect, so swapping its class lasts."""
+    ps = nc._ps
+    if not isinstance(ps, _BulkParser):
+        if type(ps) is not Parser or not hasattr(ps, "msg_arg"):
+            raise RuntimeError("this nats-py parses elsewhere: see sandfleet/natspy_internals.py")
+        ps.__class__ = _BulkParser
+        ps.bulk_subjects, ps._body, ps._filled = set(), None, 0
+    return ps.bulk_subjects  # type: ignore[union-attr]
+
+
+def header_block(headers: dict[str, str]) -> bytes:
+    return ("NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode()
+
+
+async def publish_bulk(nc: Client, subject: str, reply: str, headers: dict[str, str],
+                       payload: bytes | bytearray | memoryview) -> None:
+    """Publish without joining the payload to its frame: what nc has pending goes first, then
+    the frame's line and headers, the payload and its end, each handed to the socket's writer
+    as it is (what the socket takes at once is never copied). Then wait for the writer to
+    drain, as nats-py's flusher does. While the connection is not plainly up (reconnecting,
+    draining, a websocket) it is nc.publish, with its buffering and refusals."""
+    transport = nc._transport
+    if not (nc.is_connected and not nc.is_draining_pubs and isinstance(transport, TcpTransport)):
+        await nc.publish(subject, bytes(payload), reply=reply, headers=headers)
+        return
+    if len(payload) > nc.max_payload:
+        raise nats.errors.MaxPayloadError
+    target = f"{subject} {reply}" if reply else subject
+    head = header_block(headers) if headers else b""
+    line = (f"HPUB {target} {len(head)} {len(head) + len(payload)}\r\n" if head
+            else f"PUB {target} {len(payload)}\r\n").encode()
+    if nc._pending:  # in order: a SUB queued before this request (its reply's) must reach the server first
+        transport.writelines(nc._pending)
+        nc._pending, nc._pending_data_size = [], 0
+    transport.write(line + head)
+    transport.write(payload)
+    transport.write(b"\r\n")
+    nc.stats["out_msgs"] += 1
+    nc.stats["out_bytes"] += len(payload)
+    await transport.drain()
+
+
+async def request_bulk(nc: Client, subject: str, headers: dict[str, str], payload: bytes | bytearray | memoryview,
+                       timeout: float) -> Msg:
+    """nc.request (its new style: one wildcard inbox subscription, a future per request in
+    `Client._resp_map`, keyed by the token after `Client._resp_sub_prefix`), sent by
+    `publish_bulk`, with the reply's inbox marked bulk while it is awaited."""
+    if not nc._resp_sub_prefix:
+        await nc._init_request_sub()
+    token = nc._nuid.next()
+    token.extend(secrets.token_hex(2).encode())
+    inbox = bytes(nc._resp_sub_prefix) + bytes(token)
+    key = token.decode()
+    future: asyncio.Future = asyncio.get_running_loop().create_future()
+    nc._resp_map[key] = future
+    bulk = read_bulk_in_place(nc)
+    bulk.add(inbox)
+    try:
+        await publish_bulk(nc, subject, inbox.decode(), headers, payload)
+        try:
+            msg = await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise nats.errors.TimeoutError from None
+    finally:
+        nc._resp_map.pop(key, None)
+        bulk.discard(inbox)
+    if msg.headers and msg.headers.get("Status") == "503":
+        raise nats.errors.NoRespondersError
+    return msg
+
+
+def reply_to(req: Any) -> str:
+    """The reply subject of a nats.micro Request (it keeps its Msg as `_msg`; `respond` publishes
+    to that Msg's reply, with nc.publish, so a raw reply goes by `publish_bulk` instead)."""
+    reply = req._msg.reply
+    if not reply:
+        raise ValueError("no reply subject set")
+    return reply
