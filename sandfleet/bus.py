@@ -240,7 +240,8 @@ class Bus:
             if bulk:
                 resp = await natspy_internals.request_bulk(self.nc, subject, headers, payload, timeout)
             else:
-                resp = await self.nc.request(subject, payload, timeout=timeout, headers=headers)  # type: ignore[arg-type]
+                resp = await self.nc.request(subject, payload, timeout=timeout,  # type: ignore[arg-type]
+                                             headers=headers)
         except nats.errors.NoRespondersError:
             raise errors.NoResponders(f"no service answers {subject}", subject=subject) from None
         except nats.errors.TimeoutError:

@@ -2,10 +2,11 @@
 
 nats-py (2.16) has no batch publish and no way to take a subscription's messages other than
 through its per-subscription queue and task; at tens of thousands of messages a batch both
-cost most of the time; and its reader takes 32 KiB off the socket a turn. The seams below are what `Bus.publish_many` and
-`Bus.subscribe_direct` stand on. tests/test_natspy_internals.py checks each against a real
-nats-server, so a nats-py upgrade that moves them fails there, loudly, and not in a benchmark.
-"""
+cost most of the time. Its reader takes 32 KiB off the socket a turn, and it copies a large
+payload five times in and twice out. The seams below are what `Bus.publish_many`,
+`Bus.subscribe_direct` and the raw (bulk) paths of `Bus.request_raw` and `Endpoint(raw=True)`
+stand on. tests/test_natspy_internals.py checks each against a real nats-server, so a nats-py
+upgrade that moves them fails there, loudly, and not in a benchmark."""
 
 from __future__ import annotations
 
