@@ -9,6 +9,7 @@ import inspect
 from collections.abc import AsyncIterator, Iterator
 
 import nats
+import nats.errors
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -142,3 +143,58 @@ def test_a_nats_py_without_the_queue_attribute_is_refused_loudly():
 
     with pytest.raises(RuntimeError, match="natspy_internals"):
         natspy_internals.hand_directly(Moved(), lambda msg: None)  # type: ignore[arg-type]
+
+
+# -- the bulk paths (Bus.request_raw, Endpoint(raw=True)) -------------------------------------------
+
+async def test_a_marked_subjects_large_payloads_arrive_whole_among_the_others(nc):
+    natspy_internals.read_bulk_in_place(nc).add(b"bulk.big")
+    big = [bytes(range(256)) * 3500, b"\x07" * 900_000]  # past BULK_BYTES, under the server's 1 MB
+    sent = [("bulk.small", b"a", None), ("bulk.big", big[0], {"K": "v"}), ("bulk.small", b"b", None),
+            ("bulk.big", big[1], None), ("bulk.other", big[1], None), ("bulk.big", b"small", None)]
+    got, done = await _collect(nc, "bulk.>", len(sent))
+    for subject, data, headers in sent:
+        await nc.publish(subject, data, headers=headers)
+    await asyncio.wait_for(done, 10)
+    assert [(m.subject, bytes(m.data), m.headers) for m in got] == sent
+    assert [type(m.data) for m in got] == [bytes, bytearray, bytes, bytearray, bytes, bytes]  # only marked, large
+
+
+async def test_a_bulk_request_is_answered_and_fails_as_nats_py_would(nc):
+    async def echo(msg: Msg) -> None:
+        await natspy_internals.publish_bulk(nc, msg.reply, "", {"Sandfleet-Meta": "{}"}, msg.data)
+
+    await nc.subscribe("svc.echo", cb=echo)  # queued: publish_bulk must send the SUB before its frame
+    payload = bytes(range(256)) * 3000
+    reply = await natspy_internals.request_bulk(nc, "svc.echo", {"A": "b"}, memoryview(payload), timeout=10)
+    assert bytes(reply.data) == payload and isinstance(reply.data, bytearray)
+    assert reply.headers == {"Sandfleet-Meta": "{}"}
+    small = await natspy_internals.request_bulk(nc, "svc.echo", {}, b"x", timeout=10)
+    assert small.data == b"x"
+    with pytest.raises(nats.errors.NoRespondersError):
+        await natspy_internals.request_bulk(nc, "svc.nobody", {}, b"x", timeout=10)
+    async def silent(msg: Msg) -> None:
+        pass
+
+    await nc.subscribe("svc.silent", cb=silent)
+    with pytest.raises(nats.errors.TimeoutError):
+        await natspy_internals.request_bulk(nc, "svc.silent", {}, b"x", timeout=0.2)
+    assert not nc._resp_map and len(natspy_internals.read_bulk_in_place(nc)) == 0  # nothing left marked
+
+
+def test_a_nats_py_parsing_elsewhere_is_refused_loudly():
+    class Elsewhere:
+        _ps = object()
+
+    with pytest.raises(RuntimeError, match="natspy_internals"):
+        natspy_internals.read_bulk_in_place(Elsewhere())  # type: ignore[arg-type]
+
+
+async def test_a_bulk_publish_goes_after_what_the_connection_had_pending(nc):
+    # A request's reply subscription may still be pending when its frame is written: it must
+    # reach the server first.
+    got, done = await _collect(nc, "order.>", 2)
+    await natspy_internals.write_frames(nc, b"PUB order.first 1\r\n1\r\n")  # pending, not flushed
+    await natspy_internals.publish_bulk(nc, "order.second", "", {}, b"2" * 300_000)
+    await asyncio.wait_for(done, 10)
+    assert [m.subject for m in got] == ["order.first", "order.second"]
