@@ -3,7 +3,8 @@
 Every message is JSON from a msgspec Struct, except bulk bytes (file chunks, process output):
 a `Raw` message carries its Struct as JSON in the `Sandfleet-Meta` header and its bytes as the
 body as they are, so a chunk costs no base64 and no JSON around its data (`request_raw`, and
-`Endpoint(raw=True)` or a handler returning `Raw` on the service side). Outgoing messages carry
+`Endpoint(raw=True)` or a handler returning `Raw` on the service side); those bytes are read
+into one buffer and sent unjoined to their frame (natspy_internals). Outgoing messages carry
 W3C trace context in headers; every handled request runs inside a span whose parent is the caller's. Handler
 errors become NATS micro error headers plus an `ErrorBody`, and transport failures become
 the `sandfleet.errors` tree, so neither side ever sees a foreign exception or a traceback.
@@ -217,10 +218,12 @@ class Bus:
             return _decoded(resp.data, reply, subject)
 
     async def request_raw(self, subject: str, msg: Any, reply: type[T], *, data: bytes | memoryview | None = None,
-                          timeout: float = 5.0) -> tuple[T, bytes]:
+                          timeout: float = 5.0) -> tuple[T, bytes | bytearray]:
         """A request/reply where either side may be raw: with `data`, `msg` goes in the META
         header and `data` is the body; a reply with a META header is decoded from it and its
-        body returned as it came, any other reply is decoded from its body (then b"").
+        body returned as it came (a large one as the bytearray it was read into), any other
+        reply is decoded from its body (then b""). Neither body is copied to be joined to its
+        frame (natspy_internals.request_bulk).
         No span of its own: it carries bulk bytes, many a second, under the caller's span."""
         headers = telemetry.inject()
         if data is not None:
