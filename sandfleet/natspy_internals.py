@@ -22,7 +22,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.aio.transport import TcpTransport
-from nats.protocol.parser import AWAITING_CONTROL_LINE, AWAITING_MSG_PAYLOAD, CRLF_SIZE, Parser
+from nats.protocol.parser import AWAITING_CONTROL_LINE, CRLF_SIZE, MAX_CONTROL_LINE_SIZE, Parser
 
 log = logging.getLogger("sandfleet.bus")
 
@@ -106,54 +106,89 @@ BULK_BYTES = 256 << 10  # a payload this large (of a marked subject) is read int
 
 
 class _BulkParser(Parser):
-    """nats-py's parser, but a marked subject's large payload is copied once, from each read
-    into a buffer of the payload's size, and handed on as that buffer (no further copy)."""
+    """nats-py's parser, but a marked subject's large payload never reaches it: while subjects
+    are marked, the frames are found here first (each control line, then its payload's size),
+    nats-py's parser is handed every other frame whole, and a marked one's payload is copied
+    once, from each read into a buffer of its size, handed on as that buffer."""
 
     bulk_subjects: set[bytes]
-    _body: bytearray | None
-    _filled: int
 
     def reset(self) -> None:
         super().reset()
-        self._body, self._filled = None, 0
+        self._clear()
+
+    def _clear(self) -> None:
+        self._scanning = False  # finding frames here (only from a frame's start: see parse)
+        self._line = b""  # a control line whose end has not come yet
+        self._skip = 0  # bytes of a frame handed to nats-py's parser still to come
+        self._body: bytearray | None = None  # the marked payload being filled
+        self._filled = 0
+        self._arg: tuple = ()
 
     async def parse(self, data: bytes = b"") -> None:
-        while True:
+        if not self._scanning:
+            if not (self.bulk_subjects and self.state == AWAITING_CONTROL_LINE and not self.buf):
+                return await super().parse(data)  # nothing marked, or mid-frame: as nats-py does
+            self._scanning = True
+        at, size = 0, len(data)
+        while at < size:
             if self._body is not None:
-                rest = await self._fill(data)
-                if rest is None:
+                at = await self._fill(data, at)
+            elif self._skip:
+                n = min(self._skip, size - at)
+                await super().parse(data[at:at + n])
+                self._skip, at = self._skip - n, at + n
+            else:
+                end = data.find(b"\n", at)
+                if end < 0:
+                    self._line += data[at:]
+                    if len(self._line) > MAX_CONTROL_LINE_SIZE:  # nats-py's parser says what is wrong
+                        line, self._line, self._scanning = self._line, b"", False
+                        await super().parse(line)
                     return
-                data = rest
-            await super().parse(data)  # what is whole in its buffer, as nats-py does
-            if not (self.state == AWAITING_MSG_PAYLOAD and self.needed >= BULK_BYTES
-                    and self.msg_arg["subject"] in self.bulk_subjects):
-                return
-            self._body = bytearray(self.needed + CRLF_SIZE)  # the payload's start is in self.buf
-            self._filled = len(self.buf)
-            memoryview(self._body)[:self._filled] = self.buf
-            self.buf.clear()
-            data = b""
+                line, self._line, at = self._line + data[at:end + 1], b"", end + 1
+                frame = _frame(line)
+                if frame is not None and frame[0] in self.bulk_subjects and frame[4] >= BULK_BYTES:
+                    self._arg, self._body, self._filled = frame, bytearray(frame[4] + CRLF_SIZE), 0
+                    continue
+                await super().parse(line)
+                if frame is not None:
+                    self._skip = frame[4] + CRLF_SIZE
+        if not (self.bulk_subjects or self._line or self._skip or self._body is not None):
+            self._scanning = False
 
-    async def _fill(self, data: bytes) -> memoryview | None:
-        """Copy `data` into the payload's buffer; once it is whole, hand the message on and return
-        what of `data` follows it (None while more is to come)."""
-        body, view = self._body, memoryview(data)
+    async def _fill(self, data: bytes, at: int) -> int:
+        """Copy what of `data` from `at` the payload still needs; once it is whole, hand the message
+        on. Returns where in `data` the rest begins."""
+        body = self._body
         assert body is not None
-        take = min(len(body) - self._filled, len(view))
-        memoryview(body)[self._filled:self._filled + take] = view[:take]
+        take = min(len(body) - self._filled, len(data) - at)
+        memoryview(body)[self._filled:self._filled + take] = memoryview(data)[at:at + take]
         self._filled += take
-        if self._filled < len(body):
-            return None
-        self._body = None
-        hdr = None
-        if self.header_needed:
-            hdr = bytes(body[:self.header_needed])
-            del body[:self.header_needed]  # a bytearray drops its front without moving the rest
-            self.header_needed = 0
-        del body[-CRLF_SIZE:]
-        self.state = AWAITING_CONTROL_LINE
-        await self.nc._process_msg(self.msg_arg["sid"], self.msg_arg["subject"], self.msg_arg["reply"], body, hdr)
-        return view[take:]
+        if self._filled == len(body):
+            subject, sid, reply, header_size, _ = self._arg
+            self._body, self._arg = None, ()
+            hdr = None
+            if header_size:
+                hdr = bytes(body[:header_size])
+                del body[:header_size]  # a bytearray drops its front without moving the rest
+            del body[-CRLF_SIZE:]
+            await self.nc._process_msg(sid, subject, reply, body, hdr)
+        return at + take
+
+
+def _frame(line: bytes) -> tuple[bytes, int, bytes, int, int] | None:
+    """(subject, sid, reply, header bytes, payload bytes with them) of a MSG or HMSG control line,
+    else None (another operation, or one nats-py's parser should judge)."""
+    parts = line.split()
+    try:
+        if parts[0] == b"MSG" and len(parts) in (4, 5):
+            return parts[1], int(parts[2]), parts[3] if len(parts) == 5 else b"", 0, int(parts[-1])
+        if parts[0] == b"HMSG" and len(parts) in (5, 6):
+            return parts[1], int(parts[2]), parts[3] if len(parts) == 6 else b"", int(parts[-2]), int(parts[-1])
+    except (IndexError, ValueError):
+        pass
+    return None
 
 
 def read_bulk_in_place(nc: Client) -> set[bytes]:
@@ -165,7 +200,8 @@ def read_bulk_in_place(nc: Client) -> set[bytes]:
         if type(ps) is not Parser or not hasattr(ps, "msg_arg"):
             raise RuntimeError("this nats-py parses elsewhere: see sandfleet/natspy_internals.py")
         ps.__class__ = _BulkParser
-        ps.bulk_subjects, ps._body, ps._filled = set(), None, 0
+        ps.bulk_subjects = set()
+        ps._clear()
     return ps.bulk_subjects  # type: ignore[union-attr]
 
 

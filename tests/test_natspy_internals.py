@@ -198,3 +198,36 @@ async def test_a_bulk_publish_goes_after_what_the_connection_had_pending(nc):
     await natspy_internals.publish_bulk(nc, "order.second", "", {}, b"2" * 300_000)
     await asyncio.wait_for(done, 10)
     assert [m.subject for m in got] == ["order.first", "order.second"]
+
+
+async def test_marked_frames_are_found_whether_a_read_holds_them_whole_or_in_pieces():
+    from nats.protocol.parser import Parser
+
+    class Conn:  # what the parser calls back: a message, and a ping
+        def __init__(self) -> None:
+            self._ps = Parser(self)
+            self.got: list[tuple] = []
+            self.pings = 0
+
+        async def _process_msg(self, sid, subject, reply, data, hdr) -> None:
+            self.got.append((subject, sid, reply, type(data), bytes(data), hdr))
+
+        async def _process_ping(self) -> None:
+            self.pings += 1
+
+    conn = Conn()
+    natspy_internals.read_bulk_in_place(conn).add(b"big")  # type: ignore[arg-type]
+    big, hdr = bytes(range(256)) * 2000, b"NATS/1.0\r\nA: b\r\n\r\n"
+    frames = (f"HMSG big 1 _INBOX.x {len(hdr)} {len(hdr) + len(big)}\r\n".encode() + hdr + big + b"\r\n"
+              + b"PING\r\nMSG small 2 3\r\nabc\r\n"
+              + f"MSG big 1 {len(big)}\r\n".encode() + big + b"\r\n"
+              + f"MSG other 4 {len(big)}\r\n".encode() + big + b"\r\n")
+    want = [(b"big", 1, b"_INBOX.x", bytearray, big, hdr), (b"small", 2, b"", bytes, b"abc", None),
+            (b"big", 1, b"", bytearray, big, None), (b"other", 4, b"", bytes, big, None)]
+    await conn._ps.parse(frames)  # every frame in one read
+    assert conn.got == want and conn.pings == 1
+    for cut in (13, 4096, 600_000):  # and in pieces cut anywhere, control lines too
+        conn.got, conn.pings = [], 0
+        for at in range(0, len(frames), cut):
+            await conn._ps.parse(frames[at:at + cut])
+        assert conn.got == want and conn.pings == 1, cut
