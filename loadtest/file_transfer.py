@@ -15,11 +15,12 @@ Beside each, the CPU seconds each side used (medians): the client (this process)
 and nats-server for the sdk; the two tars for direct. On a machine others share, wall time
 follows the load, CPU seconds say what the path itself costs.
 
-Where the time goes (py-spy of a 1 GiB upload, raw chunks): per GiB the client spends ~0.8 CPU-s
-in sha256, ~0.3 reading the file and ~1 in nats-py's frame concatenation and socket sends; the
-launcher ~0.8 in sha256, ~0.5 writing, and ~1.3 receiving (nats-py copies each payload about four
-times: the socket buffer, its reader's bytes, its parser's buffer, the message); nats-server
-~1.5 forwarding. A tree adds Python's tarfile (header checksums, parsing) on both sides.
+Where the time goes (perf of a 1 GiB transfer, raw chunks read into one buffer each and sent
+unjoined to their frame, see sandfleet/natspy_internals.py): per GiB each side spends ~0.9 CPU-s
+in sha256; the receiver ~1 more in the socket's copies (uvloop/asyncio's stream, then ours) and the
+page faults of fresh 4 MiB buffers; the node ~0.3 writing; nats-server ~1.4 forwarding. A tree adds
+tar: the client's own ustar headers (~26 us a member) and the node's own reader
+(linuxnode/process/ustar.py, ~26 us a member) up; tarfile on both sides down.
 """
 
 from __future__ import annotations

@@ -130,9 +130,9 @@ class Process:
                                    max_bytes=proc.MAX_READ_BYTES, wait_s=10.0 if follow else 0.0, raw=True)
             r, body = await self._request_raw(proc.READ, req, proc.RawReadReply, timeout=req.wait_s + 20)
             dropped = r.dropped
-            at = 0
+            at, view = 0, memoryview(body)  # a bulk reply's body is a bytearray: each span becomes bytes once
             for span in r.spans:
-                data = body if len(r.spans) == 1 else body[at:at + span.size]
+                data = bytes(view[at:at + span.size])
                 at += span.size
                 yield Output(STREAMS.get(span.stream, "stdout"), data, span.offset, dropped)
                 dropped = 0

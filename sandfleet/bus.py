@@ -3,7 +3,8 @@
 Every message is JSON from a msgspec Struct, except bulk bytes (file chunks, process output):
 a `Raw` message carries its Struct as JSON in the `Sandfleet-Meta` header and its bytes as the
 body as they are, so a chunk costs no base64 and no JSON around its data (`request_raw`, and
-`Endpoint(raw=True)` or a handler returning `Raw` on the service side). Outgoing messages carry
+`Endpoint(raw=True)` or a handler returning `Raw` on the service side); those bytes are read
+into one buffer and sent unjoined to their frame (natspy_internals). Outgoing messages carry
 W3C trace context in headers; every handled request runs inside a span whose parent is the caller's. Handler
 errors become NATS micro error headers plus an `ErrorBody`, and transport failures become
 the `sandfleet.errors` tree, so neither side ever sees a foreign exception or a traceback.
@@ -174,6 +175,7 @@ class Bus:
     def __init__(self, nc: nats.NATS, name: str) -> None:
         self.nc = nc
         self.name = name
+        self._bulk_subjects = natspy_internals.read_bulk_in_place(nc)  # the raw endpoints' (serve)
         self.js: JetStreamContext = ReplicatedJetStream(nc, js_replicas())
         self._tasks: set[asyncio.Task] = set()
         self._services: list[Service] = []
@@ -231,24 +233,33 @@ class Bus:
             return _decoded(resp.data, reply, subject)
 
     async def request_raw(self, subject: str, msg: Any, reply: type[T], *, data: bytes | memoryview | None = None,
-                          timeout: float = 5.0) -> tuple[T, bytes]:
+                          timeout: float = 5.0) -> tuple[T, bytes | bytearray]:
         """A request/reply where either side may be raw: with `data`, `msg` goes in the META
         header and `data` is the body; a reply with a META header is decoded from it and its
-        body returned as it came, any other reply is decoded from its body (then b"").
+        body returned as it came (a large one as the bytearray it was read into), any other
+        reply is decoded from its body (then b""). Neither body is copied to be joined to its
+        frame (natspy_internals.request_bulk).
         No span of its own: it carries bulk bytes, many a second, under the caller's span."""
         headers = telemetry.inject()
         if data is not None:
             headers[META] = encode(msg).decode()
-        resp = await self._ask(subject, encode(msg) if data is None else data, headers, timeout)
+        resp = await self._ask(subject, encode(msg) if data is None else data, headers, timeout, bulk=True)
         meta = (resp.headers or {}).get(META)
         if meta is not None:
             return _decoded(meta.encode(), reply, subject), resp.data
         return _decoded(resp.data, reply, subject), b""
 
-    async def _ask(self, subject: str, payload: bytes | memoryview, headers: dict[str, str], timeout: float) -> Msg:
-        """One request; transport failures and error replies as the sandfleet.errors tree."""
+    async def _ask(self, subject: str, payload: bytes | memoryview, headers: dict[str, str], timeout: float,
+                   bulk: bool = False) -> Msg:
+        """One request; transport failures and error replies as the sandfleet.errors tree. `bulk`:
+        sent and its reply read with fewer copies (natspy_internals.request_bulk), the reply's
+        body then a bytearray."""
         try:
-            resp = await self.nc.request(subject, payload, timeout=timeout, headers=headers)  # type: ignore[arg-type]
+            if bulk:
+                resp = await natspy_internals.request_bulk(self.nc, subject, headers, payload, timeout)
+            else:
+                resp = await self.nc.request(subject, payload, timeout=timeout,  # type: ignore[arg-type]
+                                             headers=headers)
         except nats.errors.NoRespondersError:
             raise errors.NoResponders(f"no service answers {subject}", subject=subject) from None
         except nats.errors.TimeoutError:
@@ -328,6 +339,8 @@ class Bus:
             self.nc, ServiceConfig(name=name, version=version, description=name, queue_group=queue_group)
         )
         for ep in endpoints:
+            if ep.raw:  # its requests' bodies are read into one buffer each (natspy_internals)
+                self._bulk_subjects.add(ep.subject.encode())
             await service.add_endpoint(
                 EndpointConfig(
                     name=ep.name,
@@ -375,8 +388,9 @@ class Bus:
                 if isinstance(sandbox_id, str):
                     span.set_attribute(telemetry.SANDBOX_ID, sandbox_id)
                 result = await (ep.handler(msg, req.data) if ep.raw else ep.handler(msg))
-                if isinstance(result, Raw):
-                    await req.respond(result.data, headers={META: encode(result.meta).decode()})  # type: ignore[arg-type]
+                if isinstance(result, Raw):  # its bytes go to the socket as they are, not joined to the frame
+                    await natspy_internals.publish_bulk(self.nc, natspy_internals.reply_to(req), "",
+                                                        {META: encode(result.meta).decode()}, result.data)
                 else:
                     await req.respond(encode(result))
             except errors.ServiceError as exc:

@@ -9,6 +9,7 @@ import inspect
 from collections.abc import AsyncIterator, Iterator
 
 import nats
+import nats.errors
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -142,3 +143,91 @@ def test_a_nats_py_without_the_queue_attribute_is_refused_loudly():
 
     with pytest.raises(RuntimeError, match="natspy_internals"):
         natspy_internals.hand_directly(Moved(), lambda msg: None)  # type: ignore[arg-type]
+
+
+# -- the bulk paths (Bus.request_raw, Endpoint(raw=True)) -------------------------------------------
+
+async def test_a_marked_subjects_large_payloads_arrive_whole_among_the_others(nc):
+    natspy_internals.read_bulk_in_place(nc).add(b"bulk.big")
+    big = [bytes(range(256)) * 3500, b"\x07" * 900_000]  # past BULK_BYTES, under the server's 1 MB
+    sent = [("bulk.small", b"a", None), ("bulk.big", big[0], {"K": "v"}), ("bulk.small", b"b", None),
+            ("bulk.big", big[1], None), ("bulk.other", big[1], None), ("bulk.big", b"small", None)]
+    got, done = await _collect(nc, "bulk.>", len(sent))
+    for subject, data, headers in sent:
+        await nc.publish(subject, data, headers=headers)
+    await asyncio.wait_for(done, 10)
+    assert [(m.subject, bytes(m.data), m.headers) for m in got] == sent
+    assert [type(m.data) for m in got] == [bytes, bytearray, bytes, bytearray, bytes, bytes]  # only marked, large
+
+
+async def test_a_bulk_request_is_answered_and_fails_as_nats_py_would(nc):
+    async def echo(msg: Msg) -> None:
+        await natspy_internals.publish_bulk(nc, msg.reply, "", {"Sandfleet-Meta": "{}"}, msg.data)
+
+    await nc.subscribe("svc.echo", cb=echo)  # queued: publish_bulk must send the SUB before its frame
+    payload = bytes(range(256)) * 3000
+    reply = await natspy_internals.request_bulk(nc, "svc.echo", {"A": "b"}, memoryview(payload), timeout=10)
+    assert bytes(reply.data) == payload and isinstance(reply.data, bytearray)
+    assert reply.headers == {"Sandfleet-Meta": "{}"}
+    small = await natspy_internals.request_bulk(nc, "svc.echo", {}, b"x", timeout=10)
+    assert small.data == b"x"
+    with pytest.raises(nats.errors.NoRespondersError):
+        await natspy_internals.request_bulk(nc, "svc.nobody", {}, b"x", timeout=10)
+    async def silent(msg: Msg) -> None:
+        pass
+
+    await nc.subscribe("svc.silent", cb=silent)
+    with pytest.raises(nats.errors.TimeoutError):
+        await natspy_internals.request_bulk(nc, "svc.silent", {}, b"x", timeout=0.2)
+    assert not nc._resp_map and len(natspy_internals.read_bulk_in_place(nc)) == 0  # nothing left marked
+
+
+def test_a_nats_py_parsing_elsewhere_is_refused_loudly():
+    class Elsewhere:
+        _ps = object()
+
+    with pytest.raises(RuntimeError, match="natspy_internals"):
+        natspy_internals.read_bulk_in_place(Elsewhere())  # type: ignore[arg-type]
+
+
+async def test_a_bulk_publish_goes_after_what_the_connection_had_pending(nc):
+    # A request's reply subscription may still be pending when its frame is written: it must
+    # reach the server first.
+    got, done = await _collect(nc, "order.>", 2)
+    await natspy_internals.write_frames(nc, b"PUB order.first 1\r\n1\r\n")  # pending, not flushed
+    await natspy_internals.publish_bulk(nc, "order.second", "", {}, b"2" * 300_000)
+    await asyncio.wait_for(done, 10)
+    assert [m.subject for m in got] == ["order.first", "order.second"]
+
+
+async def test_marked_frames_are_found_whether_a_read_holds_them_whole_or_in_pieces():
+    from nats.protocol.parser import Parser
+
+    class Conn:  # what the parser calls back: a message, and a ping
+        def __init__(self) -> None:
+            self._ps = Parser(self)
+            self.got: list[tuple] = []
+            self.pings = 0
+
+        async def _process_msg(self, sid, subject, reply, data, hdr) -> None:
+            self.got.append((subject, sid, reply, type(data), bytes(data), hdr))
+
+        async def _process_ping(self) -> None:
+            self.pings += 1
+
+    conn = Conn()
+    natspy_internals.read_bulk_in_place(conn).add(b"big")  # type: ignore[arg-type]
+    big, hdr = bytes(range(256)) * 2000, b"NATS/1.0\r\nA: b\r\n\r\n"
+    frames = (f"HMSG big 1 _INBOX.x {len(hdr)} {len(hdr) + len(big)}\r\n".encode() + hdr + big + b"\r\n"
+              + b"PING\r\nMSG small 2 3\r\nabc\r\n"
+              + f"MSG big 1 {len(big)}\r\n".encode() + big + b"\r\n"
+              + f"MSG other 4 {len(big)}\r\n".encode() + big + b"\r\n")
+    want = [(b"big", 1, b"_INBOX.x", bytearray, big, hdr), (b"small", 2, b"", bytes, b"abc", None),
+            (b"big", 1, b"", bytearray, big, None), (b"other", 4, b"", bytes, big, None)]
+    await conn._ps.parse(frames)  # every frame in one read
+    assert conn.got == want and conn.pings == 1
+    for cut in (13, 4096, 600_000):  # and in pieces cut anywhere, control lines too
+        conn.got, conn.pings = [], 0
+        for at in range(0, len(frames), cut):
+            await conn._ps.parse(frames[at:at + cut])
+        assert conn.got == want and conn.pings == 1, cut

@@ -1,0 +1,137 @@
+"""The node's tar reader (linuxnode/process/ustar.py) unpacks what tarfile writes, in every
+format a client may send, exactly as tarfile would, from chunks cut anywhere; and refuses
+what tree.py's rules refuse, and a malformed stream, with a ValueError (a bad request)."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from linuxnode.process import ustar
+from linuxnode.process.resolve import Escapes
+
+
+def _tar(fmt: int, add) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        add(tar)
+    return buf.getvalue()
+
+
+def _member(tar: tarfile.TarFile, name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", mode: int = 0o644,
+            mtime: float = 1_600_000_000, linkname: str = "") -> None:
+    info = tarfile.TarInfo(name)
+    info.type, info.mode, info.mtime, info.linkname, info.size = kind, mode, mtime, linkname, len(data)
+    tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+
+def _tree(tar: tarfile.TarFile) -> None:
+    long_dir = "d" * 120
+    _member(tar, ".", tarfile.DIRTYPE, mode=0o755)
+    _member(tar, "a", tarfile.DIRTYPE, mode=0o555)  # read-only: its children are written first
+    _member(tar, "a/file.txt", data=b"hello\n" * 1000, mode=0o640)
+    _member(tar, "a/empty", data=b"")
+    _member(tar, "a/exec", data=os.urandom(70_000), mode=0o4755)  # setuid is dropped
+    _member(tar, "a/link", tarfile.SYMTYPE, linkname="file.txt")
+    _member(tar, "a/hard", tarfile.LNKTYPE, linkname="a/file.txt", mode=0o640)  # (tarfile chmods the inode to it)
+    _member(tar, long_dir, tarfile.DIRTYPE)
+    _member(tar, f"{long_dir}/{'n' * 90}", data=b"long name")  # ustar's prefix, or pax/GNU records
+    _member(tar, "ünïcödé.txt", data="é".encode(), mtime=1_600_000_000.5)
+
+
+def _chunks(data: bytes, size: int):
+    pieces = [data[i:i + size] for i in range(0, len(data), size)] + [b""]
+    return iter(pieces).__next__
+
+
+def _unpack(data: bytes, where: Path, size: int = 1 << 20) -> None:
+    where.mkdir()
+    top = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        ustar.unpack(_chunks(data, size), top)
+    finally:
+        os.close(top)
+
+
+def _seen(where: Path) -> list[tuple]:
+    found = []
+    for path in sorted(where.rglob("*")):
+        st = path.lstat()
+        body = path.read_bytes() if stat.S_ISREG(st.st_mode) else os.readlink(path) if path.is_symlink() else ""
+        found.append((str(path.relative_to(where)), stat.S_IMODE(st.st_mode) if not path.is_symlink() else 0,
+                      st.st_mtime if not path.is_symlink() else 0, body, st.st_nlink if path.is_file() else 0))
+    return found
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
+@pytest.mark.parametrize("size", [1 << 20, 511, 7])
+def test_it_unpacks_what_tarfile_writes_as_tarfile_does(tmp_path, fmt, size):
+    def plain(tar):  # what ustar alone holds: ascii names, a long one split at a slash
+        _member(tar, "a", tarfile.DIRTYPE)
+        _member(tar, "a/b", data=b"x" * 5000)
+        _member(tar, "c" * 130, tarfile.DIRTYPE)
+        _member(tar, "c" * 130 + "/" + "e" * 99, data=b"y")
+
+    add = _tree if fmt != tarfile.USTAR_FORMAT else plain
+    data = _tar(fmt, add)
+    _unpack(data, tmp_path / "ours", size)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(tmp_path / "theirs")
+    ours, theirs = _seen(tmp_path / "ours"), _seen(tmp_path / "theirs")
+    strip = stat.S_ISUID | stat.S_ISGID
+    assert ours == [(p, m & ~strip, t, b, n) for p, m, t, b, n in theirs]
+    assert len(ours) >= 2
+
+
+def test_padding_after_the_end_is_read_to_the_stream_end(tmp_path):
+    data = _tar(tarfile.PAX_FORMAT, lambda tar: _member(tar, "f", data=b"x")) + b"\0" * 20_000
+    left = [data[i:i + 4096] for i in range(0, len(data), 4096)] + [b""]
+    (tmp_path / "t").mkdir()
+    top = os.open(tmp_path / "t", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        ustar.unpack(lambda: left.pop(0), top)
+    finally:
+        os.close(top)
+    assert left == []  # read to the end marker, which the caller's pipe needs taken
+    assert (tmp_path / "t" / "f").read_bytes() == b"x"
+
+
+def test_a_symlink_planted_to_write_through_is_refused(tmp_path):
+    def add(tar):
+        _member(tar, "out", tarfile.SYMTYPE, linkname=str(tmp_path / "victim"))
+        _member(tar, "out/pwned", data=b"x")
+
+    (tmp_path / "victim").mkdir()
+    with pytest.raises(Escapes):
+        _unpack(_tar(tarfile.PAX_FORMAT, add), tmp_path / "t")
+    assert not (tmp_path / "victim" / "pwned").exists()
+
+
+@pytest.mark.parametrize("name", ["../up", "a/../../up", "/abs/../../up"])
+def test_a_member_climbing_out_is_refused(tmp_path, name):
+    with pytest.raises(Escapes):
+        _unpack(_tar(tarfile.PAX_FORMAT, lambda tar: _member(tar, name, data=b"x")), tmp_path / "t")
+    assert not (tmp_path / "up").exists()
+
+
+def test_devices_and_fifos_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="only files, directories and links"):
+        _unpack(_tar(tarfile.PAX_FORMAT, lambda tar: _member(tar, "fifo", tarfile.FIFOTYPE)), tmp_path / "t")
+
+
+def test_garbage_a_bad_checksum_and_a_truncated_member_are_value_errors(tmp_path):
+    good = _tar(tarfile.PAX_FORMAT, lambda tar: _member(tar, "f", data=b"x" * 3000))
+    with pytest.raises(ValueError, match="checksum|not a number"):
+        _unpack(os.urandom(4096), tmp_path / "garbage")
+    flipped = bytearray(good)
+    flipped[0] ^= 1  # the first header's checksum no longer matches it
+    with pytest.raises(ValueError, match="checksum"):
+        _unpack(bytes(flipped), tmp_path / "flipped")
+    cut = good[:good.index(b"x" * 100) + 1000]
+    with pytest.raises(ValueError, match="ends inside"):
+        _unpack(cut, tmp_path / "cut")
