@@ -16,6 +16,7 @@ import nats
 import pytest
 
 from sandfleet import errors
+from sandfleet.credentials import connect_options
 from linuxnode import cgroups, netns
 from schemas import security
 from schemas.sandbox import Reason, State
@@ -211,7 +212,7 @@ async def test_bad_policy_input_gets_a_typed_error(fleet, platform):
             await fleet.set_policy(task="mon-bad", **bad)
     with pytest.raises(errors.InvalidRequest):
         await fleet.set_policy(task="no spaces allowed")
-    nc = await nats.connect(platform.url)
+    nc = await nats.connect(platform.url, **connect_options(platform.url))  # the operator's
     try:
         resp = await nc.request(security.POLICY_SET, b"{not json", timeout=5)
         assert resp.headers["Nats-Service-Error-Code"] == "400"
