@@ -151,8 +151,18 @@ def drop_all_capabilities(last_cap: int) -> None:
     With an empty bounding set, even uid 0 gains nothing at execve; no_new_privs is left to
     the caller because it is also wanted where capabilities are not dropped.
     """
+    drop_bounding_set(last_cap)
+    clear_capabilities()
+
+
+def drop_bounding_set(last_cap: int) -> None:
+    """Empty the bounding set (needs CAP_SETPCAP: before giving up root)."""
     for cap in range(last_cap + 1):
         _check(_prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
+
+
+def clear_capabilities() -> None:
+    """Empty the ambient, effective, permitted and inheritable sets."""
     _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)  # EINVAL on kernels without ambient caps
     header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
     data = (_CapData * 2)()

@@ -197,8 +197,6 @@ def image_config(config: dict) -> ImageConfig:
     user = str(config.get("User") or "")
     not_applied = [f"{key}: {json.dumps(value, sort_keys=True)}"[:4096]
                    for key, value in sorted(config.items()) if key not in HONOURED and value not in (None, "", [], {})]
-    if user not in ROOT_USERS:
-        not_applied.append(f"User: {user} (commands run as the sandbox's root; the node cannot switch users yet)")
     return ImageConfig(env=strings("Env"), working_dir=str(config.get("WorkingDir") or ""), user=user,
                        entrypoint=strings("Entrypoint"), cmd=strings("Cmd"),
                        labels={str(k): str(v) for k, v in labels.items()}, not_applied=not_applied[:256])

@@ -293,3 +293,18 @@ def test_driver_errors_become_the_bus_errors_by_what_they_are_about():
     # About the sandbox's own state, not a path the caller named: a vanished file is a conflict.
     gone = service_error(FileNotFoundError(2, "No such file or directory"), "cannot freeze sb-1", path=False)
     assert gone.code is ErrorCode.CONFLICT and gone.message == "cannot freeze sb-1: ENOENT No such file or directory"
+
+def test_an_images_user_reads_as_docker_reads_it():
+    from sandfleet.errors import ServiceError
+    from services.launcher.image_config import ids_of
+    passwd = b"root:x:0:0::/root:/bin/sh\napp:x:1000:1001::/home/app:/bin/sh\n# comment\nbroken\n"
+    group = b"root:x:0:\nstaff:x:50:app\n"
+    assert ids_of("app", passwd, group) == (1000, 1001)
+    assert ids_of("app:staff", passwd, group) == (1000, 50)
+    assert ids_of("app:7", passwd, group) == (1000, 7)
+    assert ids_of("1000", passwd, group) == (1000, 1001)  # a number in passwd takes its group
+    assert ids_of("4242", passwd, group) == (4242, 0)  # one that is not: gid 0, as docker does
+    for bad, why in (("ghost", "no user"), ("app:ghosts", "no group"), ("70000", "outside"), ("app:99999", "outside")):
+        with pytest.raises(ServiceError, match=why):
+            ids_of(bad, passwd, group)
+    assert ids_of("app", b"\xff\xfe:::\n" + passwd, group) == (1000, 1001)  # garbage lines are skipped

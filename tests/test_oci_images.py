@@ -136,6 +136,54 @@ async def test_a_sandbox_over_the_image_reads_its_layers_and_config(fleet, impor
         await sb.destroy()
 
 
+@pytest.mark.parametrize("isolation", ["process", "container"])
+async def test_the_images_user_runs_every_command_by_name_or_number(fleet, base_layer, tmp_path, isolation):
+    if isolation == "container":
+        require(shutil.which("crun") is not None, "crun is installed")
+    accounts = layer_of_members([
+        entry("etc", tarfile.DIRTYPE),
+        file_member("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\napp:x:1000:1001:app:/home/app:/bin/sh\n"),
+        file_member("etc/group", b"root:x:0:\napp:x:1001:\nstaff:x:50:\n"),
+        entry("home", tarfile.DIRTYPE), entry("home/app", tarfile.DIRTYPE, uid=1000, gid=1001, mode=0o755),
+        entry("roots", tarfile.DIRTYPE, mode=0o755),  # root's: root may write it (as its owner), app may not
+    ])
+    layers, made = Layers(fleet.bus), []
+    try:
+        for user, want in (("app", b"1000 1001"), ("app:staff", b"1000 50"), ("4242", b"4242 0")):
+            name = _name("user")
+            reply = await layers.import_image(name, Image([base_layer, accounts], {"User": user, "Env": ["PATH=/bin"]}
+                                                          ).oci_archive(tmp_path / f"{name}.tar"))
+            made.append(name)
+            assert not any(item.startswith("User") for item in reply.layer.config.not_applied)
+            sb = await fleet.create(isolation=isolation, memory_mb=128, layers=[name])
+            try:
+                r = await sb.exec(["sh", "-c", 'echo "$(id -u) $(id -g)"; touch /tmp/mine; ls -n /tmp/mine'])
+                assert r.exit_code == 0, r.stderr
+                lines = r.stdout.split(b"\n")
+                assert lines[0] == want and lines[1].split()[2:4] == want.split(), r.stdout
+                spawned = await sb.spawn(["id", "-u"])
+                await spawned.wait()
+                assert b"".join([o.data async for o in spawned.output(follow=False)]).strip() == want.split()[0]
+                if user == "app":  # the switch is real: a directory only root may write refuses it
+                    denied = await sb.exec(["sh", "-c", "touch /roots/x"])
+                    assert denied.exit_code != 0 and b"Permission denied" in denied.stderr, denied
+            finally:
+                await sb.destroy()
+        unknown = _name("user")
+        await layers.import_image(unknown, Image([base_layer, accounts], {"User": "nobody-here"}
+                                                 ).oci_archive(tmp_path / "unknown.tar"))
+        made.append(unknown)
+        sb = await fleet.create(isolation=isolation, memory_mb=128, layers=[unknown])
+        try:
+            with pytest.raises(errors.InvalidRequest, match="no user 'nobody-here'"):
+                await sb.exec(["true"])
+        finally:
+            await sb.destroy()
+    finally:
+        for name in made:
+            await layers.remove(name)
+
+
 async def test_image_command_on_layers_without_a_config_and_a_missing_argv_are_refused(fleet, imported):
     sb = await fleet.create(host_view=True)
     try:

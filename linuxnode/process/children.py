@@ -57,11 +57,11 @@ def _exec_under_apparmor(profile: str) -> None:
     raise FileNotFoundError(errno.ENOENT, "the kernel has no AppArmor attr/exec", profile)
 
 
-def _drop_privileges(last_cap: int, seccomp: bytes, user: int = -1) -> None:
+def _drop_privileges(last_cap: int, seccomp: bytes, user: int = -1, ids: tuple[int, int] = (-1, -1)) -> None:
     """Keep nothing of the spawner across exec but fds 0-2; the sandbox's user namespace
-    (`user`, an fd; -1: none), no capabilities, no_new_privs, the Landlock policy of the root
-    this process now has (linuxnode.landlock), and the sandbox seccomp filter
-    (linuxnode.seccomp), installed last."""
+    (`user`, an fd; -1: none), the uid and gid `ids` in it (an image's `User`; -1: its root),
+    no capabilities, no_new_privs, the Landlock policy of the root this process now has
+    (linuxnode.landlock), and the sandbox seccomp filter (linuxnode.seccomp), installed last."""
     linux.restore_signals()  # an empty mask (the spawner's may block some)
     linux.close_range_cloexec(3)
     os.umask(0o022)
@@ -69,7 +69,13 @@ def _drop_privileges(last_cap: int, seccomp: bytes, user: int = -1) -> None:
         linux.prctl(PR_SET_MEMORY_MERGE, 1)  # needs CAP_SYS_RESOURCE in the host's namespace: before `user`
     if user >= 0:
         userns.enter(user)
-    linux.drop_all_capabilities(last_cap)
+    linux.drop_bounding_set(last_cap)  # while still root: it takes CAP_SETPCAP
+    uid, gid = ids
+    if uid >= 0:  # giving up root clears the effective and permitted sets by itself
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+    linux.clear_capabilities()
     linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
     landlock.confine_sandbox(_LANDLOCK_ABI)
     if seccomp:
@@ -152,7 +158,7 @@ def exec_child(request: ExecCommand, last_cap: int, seccomp: bytes) -> None:
         step = "chdir " + request.cwd
         os.chdir(request.cwd)
         step = "drop privileges"
-        _drop_privileges(last_cap, seccomp, user)
+        _drop_privileges(last_cap, seccomp, user, (request.uid, request.gid))
         step = "spawn"
         path, code = _which(argv[0], env.get("PATH", ""))
         if killed:

@@ -133,6 +133,8 @@ class ExecCommand(_Wire):
     argv: tuple[str, ...]
     env: dict[str, str]
     apparmor: str = ""  # the sandbox's AppArmor profile, which the command execs into; "": none
+    uid: int = -1  # the uid and gid it runs as in the sandbox (an image's `User`); -1: the sandbox's root
+    gid: int = -1
     report: int = _fd()  # write end of the report pipe (reports.py)
     pidfd: int = _fd()  # the init's: whose namespaces the command enters
     root: int = _fd()  # the init's root directory (O_PATH)

@@ -65,8 +65,9 @@ async def exec_(launcher: Launcher, req: ExecRequest) -> ExecReply:
         raise ServiceError(ErrorCode.CONFLICT, f"sandbox {req.sandbox_id} is paused: resume it first")
     started = time.perf_counter()
     argv, env, cwd = image_config.resolve(live.rootfs, req.argv, req.env, req.cwd, req.image_command)
+    uid, gid = await image_config.image_ids(live)
     command = Command(argv=argv, env=env, cwd=cwd, stdin=req.stdin, timeout_s=req.timeout_s,
-                      max_output=MAX_OUTPUT_BYTES)
+                      max_output=MAX_OUTPUT_BYTES, uid=uid, gid=gid)
     # Tracked, so a quarantine can end it: a frozen command never answers a timeout's SIGTERM.
     running = asyncio.ensure_future(live.driver.exec(live.instance, command))
     live.execs.add(running)

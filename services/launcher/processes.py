@@ -190,7 +190,9 @@ async def start(table: ProcessTable, req: Any, launch: Launch, keep_stdin: bool 
     size = min(req.buffer_bytes or table.settings.process_buffer_bytes, table.settings.max_process_buffer_bytes)
     argv, env, cwd = image_config.resolve(live.rootfs, req.argv, req.env, req.cwd, req.image_command)
     process = Process(pid=next(table._pids), sandbox_id=req.sandbox_id, argv=argv, buffer=OutputBuffer(size))
-    command = Command(argv=argv, env=env, cwd=cwd, stdin=b"", timeout_s=req.timeout_s or 0, max_output=size)
+    uid, gid = await image_config.image_ids(live)
+    command = Command(argv=argv, env=env, cwd=cwd, stdin=b"", timeout_s=req.timeout_s or 0, max_output=size,
+                      uid=uid, gid=gid)
     try:
         running = await launch(live, command, process.buffer.append, lambda status: table.exited(process, status))
     except DRIVER_ERRORS as exc:

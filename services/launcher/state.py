@@ -42,6 +42,7 @@ class Live:
     # What a capability keeps for this sandbox (file transfers, watches...), by name; each is
     # ended, its resources released, before the sandbox's processes and root go.
     attached: dict[str, Attached] = field(default_factory=dict)
+    image_ids: tuple[int, int] | None = None  # (uid, gid) of its image's `User`, once looked up (image_config)
 
 
 @dataclass

@@ -89,6 +89,8 @@ class Command:
     stdin: bytes = b""
     timeout_s: float = 60.0
     max_output: int = 1 << 20  # a background command's: its output buffer (reads of at most half)
+    uid: int = -1  # who it runs as in the sandbox (an image's `User`); -1: the sandbox's root
+    gid: int = -1
 
 
 @dataclass(frozen=True)

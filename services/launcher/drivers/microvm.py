@@ -200,6 +200,8 @@ class MicroVMDriver:
 
     async def _start_command(self, sandbox: VMSandbox, command: Command, on_output: Callable[[int, bytes], None],
                              on_exit: Callable[[int], None]) -> GuestCommand:
+        if command.uid >= 0:
+            raise _unsupported("running a command as the image's user")
         try:
             return await sandbox.channel.start(list(command.argv), dict(command.env), command.cwd, on_output, on_exit)
         except CommandFailed as exc:

@@ -134,7 +134,7 @@ class ProcessDriver:
         try:
             r = await process_runtime.exec(
                 sandbox.init, list(command.argv), cgroup_procs=sandbox.confinement.cgroup_procs, env=command.env,
-                apparmor=sandbox.confinement.apparmor_profile,
+                apparmor=sandbox.confinement.apparmor_profile, uid=command.uid, gid=command.gid,
                 cwd=command.cwd, stdin=command.stdin, timeout_s=command.timeout_s, max_output=command.max_output,
             )
         except process_runtime.ExecError as exc:
@@ -199,7 +199,8 @@ class ProcessDriver:
         try:
             running = await background.spawn(sandbox.init, list(command.argv),
                                              cgroup_procs=sandbox.confinement.cgroup_procs, env=command.env,
-                                             apparmor=sandbox.confinement.apparmor_profile,
+                                             apparmor=sandbox.confinement.apparmor_profile, uid=command.uid,
+                                             gid=command.gid,
                                              cwd=command.cwd, on_output=on_output, on_exit=on_exit,
                                              read_bytes=command.max_output // 2)
         except process_runtime.ExecError as exc:
@@ -276,7 +277,8 @@ class ProcessDriver:
         try:
             running = await terminal.spawn(sandbox.init, list(command.argv),
                                            cgroup_procs=sandbox.confinement.cgroup_procs, env=command.env,
-                                           apparmor=sandbox.confinement.apparmor_profile,
+                                           apparmor=sandbox.confinement.apparmor_profile, uid=command.uid,
+                                           gid=command.gid,
                                            cwd=command.cwd, cols=cols, rows=rows, on_output=on_output,
                                            on_exit=on_exit, read_bytes=command.max_output // 2)
         except process_runtime.ExecError as exc:
