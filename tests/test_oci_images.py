@@ -161,7 +161,7 @@ async def test_the_images_user_runs_every_command_by_name_or_number(fleet, base_
                 assert r.exit_code == 0, r.stderr
                 lines = r.stdout.split(b"\n")
                 assert lines[0] == want and lines[1].split()[2:4] == want.split(), r.stdout
-                spawned = await sb.spawn(["id", "-u"])
+                spawned = await sb.spawn(["sh", "-c", "id -u"])
                 await spawned.wait()
                 assert b"".join([o.data async for o in spawned.output(follow=False)]).strip() == want.split()[0]
                 if user == "app":  # the switch is real: a directory only root may write refuses it
