@@ -111,7 +111,8 @@ def two_nodes(tmp_path_factory):
     base = f"{NODE_ID}m"
     nodes = [f"{base}-1", f"{base}-2"]
     data = tmp_path_factory.mktemp("two-nodes") / "data"
-    p = _up(data, base, "--nodes", "2")
+    # A subnet of its own: the session platform (same host) may have its DNS stub up on the default one.
+    p = _up(data, base, "--nodes", "2", "--egress-subnet", "10.202.0.0/16")
     try:
         yield p, nodes
     finally:
