@@ -30,6 +30,7 @@ import socket
 from pathlib import Path
 from typing import Protocol
 
+from linuxnode.process import InitProcess
 from schemas.layers import Rootfs
 from schemas.node import Confinement
 from schemas.sandbox import SandboxSpec
@@ -70,6 +71,10 @@ class Anchor:
 
     pid: int
     start_time: int
+
+    def process(self) -> InitProcess:
+        """The host process it names, as the process runtime checks and ends one."""
+        return InitProcess(pid=self.pid, start_time=self.start_time)
 
 
 class Instance(Protocol):

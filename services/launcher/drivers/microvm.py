@@ -28,7 +28,6 @@ from typing import Any, TypeVar
 from sandfleet import errors
 from linuxnode import cgroups
 from linuxnode import process as process_runtime
-from linuxnode.process import InitProcess
 from linuxnode.vm import layer_disks, machine
 from linuxnode.vm.channel import AgentChannel, CommandFailed, GuestBroken, GuestCommand
 from linuxnode.vm.guest_image import GuestImage, default_dir
@@ -87,10 +86,6 @@ def _own(instance: Instance) -> VMSandbox:
     return instance
 
 
-def _init(anchor: Anchor) -> InitProcess:
-    return InitProcess(pid=anchor.pid, start_time=anchor.start_time)
-
-
 def _unsupported(what: str) -> Unsupported:
     return Unsupported(f"{what} is not supported for isolation 'microvm' yet")
 
@@ -145,11 +140,11 @@ class MicroVMDriver:
         sandbox = self.live.pop(sandbox_id, None)
         if sandbox is not None:
             sandbox.channel.close()
-        process = _init(anchor) if anchor is not None else self.vms.qemu_of(sandbox_id)
+        process = anchor.process() if anchor is not None else self.vms.qemu_of(sandbox_id)
         await self.vms.stop(sandbox_id, process)
 
     def alive(self, anchor: Anchor) -> bool:
-        return process_runtime.is_alive(_init(anchor))
+        return process_runtime.is_alive(anchor.process())
 
     async def adopt(self, sandbox_id: str, anchor: Anchor, spec: SandboxSpec, confinement: Confinement,
                     rootfs: Rootfs | None) -> Instance:
@@ -278,20 +273,18 @@ class MicroVMDriver:
     # -- the machine from outside: pause, CPU weight, usage --------------------------------------
 
     async def freeze(self, instance: Instance) -> None:
-        sandbox = _own(instance)
-        try:
-            await asyncio.to_thread(cgroups.set_frozen, sandbox.confinement.cgroup_v2, True)
-        except cgroups.CgroupError as exc:
-            raise DriverFailure(str(exc)) from None
-        sandbox.frozen = True
+        await self._set_frozen(_own(instance), True)
 
     async def thaw(self, instance: Instance) -> None:
-        sandbox = _own(instance)
+        await self._set_frozen(_own(instance), False)
+
+    @staticmethod
+    async def _set_frozen(sandbox: VMSandbox, frozen: bool) -> None:
         try:
-            await asyncio.to_thread(cgroups.set_frozen, sandbox.confinement.cgroup_v2, False)
+            await asyncio.to_thread(cgroups.set_frozen, sandbox.confinement.cgroup_v2, frozen)
         except cgroups.CgroupError as exc:
             raise DriverFailure(str(exc)) from None
-        sandbox.frozen = False
+        sandbox.frozen = frozen
 
     def set_cpu_weight(self, instance: Instance, idle: bool) -> CpuWeight:
         sandbox = _own(instance)

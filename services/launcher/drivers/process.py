@@ -69,10 +69,6 @@ def _own(instance: Instance) -> NamespaceSandbox:
     return instance
 
 
-def _init(anchor: Anchor) -> InitProcess:
-    return InitProcess(pid=anchor.pid, start_time=anchor.start_time)
-
-
 CONNECT_TIMEOUT_S = 5.0  # a forward's connect to a port inside the sandbox
 
 
@@ -116,15 +112,15 @@ class ProcessDriver:
 
     async def stop(self, sandbox_id: str, anchor: Anchor | None) -> None:
         if anchor is not None:
-            await process_runtime.kill_async(_init(anchor))
+            await process_runtime.kill_async(anchor.process())
             reap(anchor.pid)
 
     def alive(self, anchor: Anchor) -> bool:
-        return process_runtime.is_alive(_init(anchor))
+        return process_runtime.is_alive(anchor.process())
 
     async def adopt(self, sandbox_id: str, anchor: Anchor, spec: SandboxSpec, confinement: Confinement,
                     rootfs: Rootfs | None) -> Instance:
-        return NamespaceSandbox(sandbox_id, _init(anchor), confinement, rootfs)
+        return NamespaceSandbox(sandbox_id, anchor.process(), confinement, rootfs)
 
     def watch(self, instance: Instance, on_exit: Callable[[], None]) -> Callable[[], None]:
         return watch_exit(_own(instance).init.pid, on_exit)
