@@ -25,12 +25,13 @@ def _spec(
     disk_mb: int = 1024,
     host_view: bool = False,
     desktop: sandbox.DesktopSpec | None = None,
+    build: bool = False,
 ) -> sandbox.CreateRequest:
     # Build through JSON so a bad value raises InvalidRequest here, as the service would.
     raw = dict(
         isolation=isolation, cpu=cpu, memory_mb=memory_mb, pids=pids, timeout_s=timeout_s,
         labels=labels or {}, layers=layers or [], allow=allow or [], disk_mb=disk_mb, host_view=host_view,
-        desktop=msgspec.to_builtins(desktop),
+        desktop=msgspec.to_builtins(desktop), build=build,
     )
     try:
         spec = msgspec.convert(raw, sandbox.CreateRequest)

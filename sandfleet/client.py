@@ -86,11 +86,15 @@ class Fleet(_FleetRollout, _FleetSecurity):
         disk_mb: int = 1024,
         host_view: bool = False,
         desktop: DesktopSpec | None = None,
+        build: bool = False,
         request_timeout_s: float = 60.0,
     ) -> Sandbox:
         """`desktop`: a virtual screen for the sandbox's programs, driven with `sb.screenshot`,
-        `sb.mouse`, `sb.keys`, `sb.type` (its layers bring the display: `sandfleet desktop layer`)."""
-        spec = _spec(isolation, cpu, memory_mb, pids, timeout_s, labels, layers, allow, disk_mb, host_view, desktop)
+        `sb.mouse`, `sb.keys`, `sb.type` (its layers bring the display: `sandfleet desktop layer`).
+        `build`: a build sandbox (system directories writable, root with a package manager's
+        capabilities in its user namespace), for the platform's own account only (SandboxSpec.build)."""
+        spec = _spec(isolation, cpu, memory_mb, pids, timeout_s, labels, layers, allow, disk_mb, host_view, desktop,
+                     build)
         with telemetry.tracer("sandfleet.sdk").start_as_current_span("sandbox.create", kind=SpanKind.INTERNAL) as span:
             reply = await self.bus.request(sandbox.CREATE, spec, sandbox.CreateReply, timeout=request_timeout_s)
             span.set_attributes({telemetry.SANDBOX_ID: reply.id, telemetry.NODE_ID: reply.node})

@@ -60,8 +60,16 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # A screen for computer use (a display server and window manager started in the sandbox as
     # its own processes); None: no screen, and the `screen.*` subjects answer `unsupported`.
     desktop: DesktopSpec | None = None
+    # A build sandbox (`sandfleet layer build` runs each Dockerfile RUN in one): its system
+    # directories are writable too, and its root keeps the capabilities a package manager needs
+    # (chown, fowner, fsetid, dac_override, kill, setuid, setgid), inside its user namespace only.
+    # `process` and `container` on a node whose roots run in user namespaces; asked for by the
+    # platform's own account only: a tenant's create of one fails with `invalid_request`.
+    build: bool = False
 
     def __post_init__(self) -> None:
+        if self.host_view and self.build:
+            raise ValueError("a build sandbox writes its own root: host_view=True cannot build")
         if self.host_view and self.layers:
             raise ValueError("host_view=True takes no layers")
         if self.host_view and self.desktop is not None:
