@@ -16,6 +16,10 @@ name inodes, and a restricted process may no longer change its mounts):
   `/tmp`, `/var`, `/home`, `/root`, `/run`, a task's own `/app`...) gets every access, as
   does `/dev/shm`; the device nodes under `/dev` may be written (`> /dev/null`).
 - nothing may be created, renamed or removed at the top level.
+A build sandbox (SandboxSpec.build: a Dockerfile RUN, a package manager) gets write on the
+whole of its root instead, top level and system content included: what keeps it in is still
+that nothing outside its root is beneath a rule, and the kernel's own checks on /proc and /sys,
+whose files its root (an unprivileged host id) does not own.
 Network (TCP bind/connect) is not handled here: the node agent's eBPF allowlists own it,
 with the DNS stub that opens allowed names, and Landlock cannot follow those rules. Scoping
 of signals and abstract sockets is off too: every exec gets a Landlock domain of its own,
@@ -115,14 +119,15 @@ def handled_fs(version: int) -> int:
     return mask
 
 
-def sandbox_rules(root: str = "/") -> list[tuple[str, int]]:
+def sandbox_rules(root: str = "/", writable_system: bool = False) -> list[tuple[str, int]]:
     """(path, allowed access) for the sandbox whose root is `root`: read on all of it, write
-    on each top-level directory that is not system content, devices under /dev."""
-    rules = [(root, READ)]
+    on each top-level directory that is not system content, devices under /dev. With
+    `writable_system` (a build sandbox), write on all of it."""
+    rules = [(root, (READ | WRITE) if writable_system else READ)]
     with os.scandir(root) as entries:
         for entry in entries:
             # A symlink gets no rule of its own: what it points at has one, or is read-only.
-            if entry.name not in READ_ONLY_DIRS and entry.is_dir(follow_symlinks=False):
+            if not writable_system and entry.name not in READ_ONLY_DIRS and entry.is_dir(follow_symlinks=False):
                 rules.append((entry.path, READ | WRITE))
     dev = os.path.join(root, "dev")
     if os.path.isdir(dev):
@@ -165,11 +170,11 @@ def restrict_self(rules: list[tuple[str, int]], version: int) -> None:
         os.close(ruleset)
 
 
-def confine_sandbox(version: int) -> None:
+def confine_sandbox(version: int, writable_system: bool = False) -> None:
     """Apply the sandbox policy to this process, whose root is now the sandbox's. Nothing
     happens on a kernel without Landlock (version 0); the node reports Landlock as off."""
     if version > 0:
-        restrict_self(sandbox_rules("/"), version)
+        restrict_self(sandbox_rules("/", writable_system), version)
 
 
 # -- audit attribution ------------------------------------------------------------------------------

@@ -155,17 +155,21 @@ def drop_all_capabilities(last_cap: int) -> None:
     clear_capabilities()
 
 
-def drop_bounding_set(last_cap: int) -> None:
-    """Empty the bounding set (needs CAP_SETPCAP: before giving up root)."""
+def drop_bounding_set(last_cap: int, keep: frozenset[int] = frozenset()) -> None:
+    """Empty the bounding set but `keep` (needs CAP_SETPCAP: before giving up root)."""
     for cap in range(last_cap + 1):
-        _check(_prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
+        if cap not in keep:
+            _check(_prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
 
 
-def clear_capabilities() -> None:
-    """Empty the ambient, effective, permitted and inheritable sets."""
+def clear_capabilities(keep: frozenset[int] = frozenset()) -> None:
+    """Empty the ambient and inheritable sets, and the effective and permitted ones but `keep`
+    (numbers below 32, which must be permitted already)."""
     _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)  # EINVAL on kernels without ambient caps
     header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
     data = (_CapData * 2)()
+    mask = sum(1 << cap for cap in keep)
+    data[0].effective = data[0].permitted = mask
     _check(_syscall(ctypes.c_long(_NR["capset"]), ctypes.byref(header), ctypes.byref(data)), "capset")
 
 

@@ -225,7 +225,7 @@ class BackgroundCommand:
 async def spawn(init: InitProcess, argv: list[str], *, cgroup_procs: list[str], env: dict[str, str] | None,
                 cwd: str, on_output: Callable[[int, bytes], object],
                 on_exit: Callable[[int], None], read_bytes: int = PIPE_BYTES, apparmor: str = "",
-                uid: int = -1, gid: int = -1) -> BackgroundCommand:
+                uid: int = -1, gid: int = -1, build: bool = False) -> BackgroundCommand:
     """Start argv in the sandbox in the background; returns once it runs (or exited at once: a
     command not found exits 127). A missing cwd raises FileNotFoundError."""
     import asyncio
@@ -236,7 +236,8 @@ async def spawn(init: InitProcess, argv: list[str], *, cgroup_procs: list[str], 
     (report_r, _), (_, in_w), (out_r, _), (err_r, _), (_, control_w) = send_command(
         init, 5, lambda pidfd, root, p: SpawnCommand(
             cgroup_procs=tuple(cgroup_procs), cwd=cwd, argv=tuple(argv), env=full_env, apparmor=apparmor, uid=uid,
-            gid=gid, report=p[0][1], pidfd=pidfd, root=root, stdin=p[1][0], stdout=p[2][1], stderr=p[3][1], control=p[4][0]))
+            gid=gid, build=build, report=p[0][1], pidfd=pidfd, root=root, stdin=p[1][0], stdout=p[2][1], stderr=p[3][1],
+            control=p[4][0]))
     os.set_blocking(control_w, False)
     command = BackgroundCommand(loop, {"report": report_r, "control": control_w, "stdin": in_w, "stdout": out_r,
                                        "stderr": err_r}, on_output, on_exit, read_bytes)

@@ -20,6 +20,12 @@ _LANDLOCK_ABI = landlock.abi()  # asked once, in the spawner: 0 where the kernel
 # Opt every sandbox process in to KSM page merging (inherited over fork and exec); ksmd only
 # merges while the node's reclaimer runs it (services/reclaimer). Needs CAP_SYS_RESOURCE.
 PR_SET_MEMORY_MERGE = 67
+# What a build sandbox's root keeps (linux/capability.h numbers): what dpkg and apt need to
+# install files as their packages own them (chown, fowner, fsetid, dac_override) and to run
+# apt's download methods as `_apt` (setuid, setgid, kill). Each holds only within the
+# sandbox's user namespace, over ids it maps; nothing to mount, trace or reach the host with.
+CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER, CAP_FSETID, CAP_KILL, CAP_SETGID, CAP_SETUID = 0, 1, 3, 4, 5, 6, 7
+BUILD_CAPABILITIES = frozenset((CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER, CAP_FSETID, CAP_KILL, CAP_SETGID, CAP_SETUID))
 _ENTER_NS = linux.CLONE_NEWNS | linux.CLONE_NEWNET | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS | linux.CLONE_NEWCGROUP
 
 
@@ -57,27 +63,34 @@ def _exec_under_apparmor(profile: str) -> None:
     raise FileNotFoundError(errno.ENOENT, "the kernel has no AppArmor attr/exec", profile)
 
 
-def _drop_privileges(last_cap: int, seccomp: bytes, user: int = -1, ids: tuple[int, int] = (-1, -1)) -> None:
+def _drop_privileges(last_cap: int, seccomp: bytes, user: int = -1, ids: tuple[int, int] = (-1, -1),
+                     build: bool = False) -> None:
     """Keep nothing of the spawner across exec but fds 0-2; the sandbox's user namespace
     (`user`, an fd; -1: none), the uid and gid `ids` in it (an image's `User`; -1: its root),
     no capabilities, no_new_privs, the Landlock policy of the root this process now has
-    (linuxnode.landlock), and the sandbox seccomp filter (linuxnode.seccomp), installed last."""
+    (linuxnode.landlock), and the sandbox seccomp filter (linuxnode.seccomp), installed last.
+    `build`: a build sandbox's command, whose root keeps BUILD_CAPABILITIES (its bounding set
+    and no_new_privs keep the same at exec) and may write all of its root."""
     linux.restore_signals()  # an empty mask (the spawner's may block some)
     linux.close_range_cloexec(3)
     os.umask(0o022)
     with contextlib.suppress(OSError):  # EINVAL on a kernel without KSM: nothing to merge, nothing lost
         linux.prctl(PR_SET_MEMORY_MERGE, 1)  # needs CAP_SYS_RESOURCE in the host's namespace: before `user`
+    if build and user < 0:  # capabilities here would be the host's
+        raise PermissionError(errno.EPERM, "a build command needs the sandbox's user namespace")
     if user >= 0:
         userns.enter(user)
-    linux.drop_bounding_set(last_cap)  # while still root: it takes CAP_SETPCAP
+    keep = BUILD_CAPABILITIES if build else frozenset()
+    linux.drop_bounding_set(last_cap, keep)  # while still root: it takes CAP_SETPCAP
     uid, gid = ids
     if uid >= 0:  # giving up root clears the effective and permitted sets by itself
         os.setgroups([])
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
-    linux.clear_capabilities()
+        keep = frozenset()
+    linux.clear_capabilities(keep)
     linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
-    landlock.confine_sandbox(_LANDLOCK_ABI)
+    landlock.confine_sandbox(_LANDLOCK_ABI, build)
     if seccomp:
         linux.install_seccomp(seccomp)
 
@@ -158,7 +171,7 @@ def exec_child(request: ExecCommand, last_cap: int, seccomp: bytes) -> None:
         step = "chdir " + request.cwd
         os.chdir(request.cwd)
         step = "drop privileges"
-        _drop_privileges(last_cap, seccomp, user, (request.uid, request.gid))
+        _drop_privileges(last_cap, seccomp, user, (request.uid, request.gid), request.build)
         step = "spawn"
         path, code = _which(argv[0], env.get("PATH", ""))
         if killed:

@@ -55,6 +55,7 @@ async def exec(
     apparmor: str = "",
     uid: int = -1,
     gid: int = -1,
+    build: bool = False,
     env: dict[str, str] | None = None,
     cwd: str = "/workspace",
     stdin: bytes = b"",
@@ -71,7 +72,7 @@ async def exec(
     deadline = loop.time() + timeout_s
     (report_r, _), (_, in_w), (out_r, _), (err_r, _) = send_command(init, 4, lambda pidfd, root, p: ExecCommand(
         cgroup_procs=tuple(cgroup_procs), cwd=cwd, argv=tuple(argv), env=full_env, apparmor=apparmor, uid=uid, gid=gid,
-        report=p[0][1], pidfd=pidfd, root=root, stdin=p[1][0], stdout=p[2][1], stderr=p[3][1]))
+        build=build, report=p[0][1], pidfd=pidfd, root=root, stdin=p[1][0], stdout=p[2][1], stderr=p[3][1]))
     run = _Run(loop, report_r, out_r, err_r, in_w, stdin, max_output)
     try:
         return await run.result(deadline)

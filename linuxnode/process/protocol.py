@@ -62,6 +62,7 @@ _KINDS: dict[str, type[_Wire]] = {}
 # object's keys are always strings).
 _TYPES: dict[str, tuple[Callable[[Any], bool], Callable[[Any], Any] | None]] = {
     "int": (lambda v: type(v) is int, None),
+    "bool": (lambda v: type(v) is bool, None),
     "str": (lambda v: type(v) is str, None),
     "str | None": (lambda v: v is None or type(v) is str, None),
     "tuple[str, ...]": (lambda v: type(v) is list and all(type(s) is str for s in v), tuple),
@@ -135,6 +136,10 @@ class ExecCommand(_Wire):
     apparmor: str = ""  # the sandbox's AppArmor profile, which the command execs into; "": none
     uid: int = -1  # the uid and gid it runs as in the sandbox (an image's `User`); -1: the sandbox's root
     gid: int = -1
+    # A build sandbox's command (SandboxSpec.build): its whole root writable under Landlock and,
+    # as the sandbox's root, BUILD_CAPABILITIES kept in the sandbox's user namespace (never
+    # without one: the helper refuses).
+    build: bool = False
     report: int = _fd()  # write end of the report pipe (reports.py)
     pidfd: int = _fd()  # the init's: whose namespaces the command enters
     root: int = _fd()  # the init's root directory (O_PATH)

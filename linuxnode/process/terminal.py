@@ -103,7 +103,7 @@ class Terminal(BackgroundCommand):
 async def spawn(init: InitProcess, argv: list[str], *, cgroup_procs: list[str], env: dict[str, str] | None,
                 cwd: str, cols: int, rows: int, on_output: Callable[[int, bytes], None],
                 on_exit: Callable[[int], None], read_bytes: int = PIPE_BYTES, apparmor: str = "",
-                uid: int = -1, gid: int = -1) -> Terminal:
+                uid: int = -1, gid: int = -1, build: bool = False) -> Terminal:
     """Start argv in the sandbox on a new terminal of `cols` x `rows`; returns once it runs (a
     command not found exits 127, saying so on the terminal). TERM is DEFAULT_TERM unless `env`
     names one. ValueError for a bad size or argv, FileNotFoundError for a missing cwd."""
@@ -122,7 +122,8 @@ async def spawn(init: InitProcess, argv: list[str], *, cgroup_procs: list[str], 
         opened += slaves
         (report_r, _), (_, control_w) = send_command(init, 2, lambda pidfd, root, p: TerminalCommand(
             cgroup_procs=tuple(cgroup_procs), cwd=cwd, argv=tuple(argv), env=full_env, apparmor=apparmor, uid=uid,
-            gid=gid, report=p[0][1], pidfd=pidfd, root=root, stdin=slaves[0], stdout=slaves[1], stderr=slaves[2], control=p[1][0]))
+            gid=gid, build=build, report=p[0][1], pidfd=pidfd, root=root, stdin=slaves[0], stdout=slaves[1],
+            stderr=slaves[2], control=p[1][0]))
     except BaseException:
         for fd in opened:  # send_command closes the slaves only once the spawner holds them
             with contextlib.suppress(OSError):
