@@ -1,6 +1,6 @@
 """The launcher's decisions that need no I/O, kept apart so they are read (and unit-tested) on
-their own: what a restarted launcher does with each record of its node, what a destroy may do
-and how it ends, and which live sandboxes fencing drops. Callers gather the facts (records,
+their own: what a restarted launcher does with each record of its node, who may launch a build
+sandbox, what a destroy may do and how it ends, and which live sandboxes fencing drops. Callers gather the facts (records,
 liveness, the layer-cache's roots) and act on the answer."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
-from schemas.sandbox import ENDED, Reason, SandboxRecord, State
+from schemas.sandbox import ENDED, Reason, SandboxRecord, SandboxSpec, State
 
 # -- recovery after a restart ---------------------------------------------------------------
 
@@ -71,6 +71,27 @@ def ending_after_restart(record: SandboxRecord, why: str = "") -> Ending:
 def orphan_roots(roots: Mapping[str, object] | None, live: Iterable[str]) -> list[str]:
     """The roots the layer-cache holds for sandboxes no longer live here."""
     return sorted(set(roots or {}) - set(live))
+
+
+# -- build sandboxes -----------------------------------------------------------------------
+
+BUILD_LEVELS = ("process", "container")  # where the spawner's build confinement applies
+
+
+def build_refusal(spec: SandboxSpec, tenant: str) -> ServiceError | None:
+    """Why a build sandbox (SandboxSpec.build) may not be launched, or None. Its root keeps
+    capabilities and may write its system directories: the platform's own builder asks for
+    one (`sandfleet layer build`, the operator), a tenant's record never may, whatever its
+    body said. Whether this node has the user namespace it needs is the driver's to say."""
+    if not spec.build:
+        return None
+    if tenant:
+        return ServiceError(ErrorCode.INVALID_REQUEST, "a build sandbox (build=true) is the platform's own "
+                                                       f"(sandfleet layer build); tenant {tenant} may not ask for one")
+    if spec.isolation not in BUILD_LEVELS:
+        return ServiceError(ErrorCode.UNSUPPORTED, f"a build sandbox runs at {' or '.join(BUILD_LEVELS)}, "
+                                                   f"not {spec.isolation}")
+    return None
 
 
 # -- destroy -------------------------------------------------------------------------------

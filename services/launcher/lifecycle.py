@@ -91,6 +91,13 @@ class Launcher:
             refused = await marks.claim(item.id)
             if refused is not None:
                 return LaunchResult(id=item.id, ok=False, error=refused.message, code=refused.code)
+        if item.spec.build:  # rare: the record is read when placement did not send it
+            tenant = item.record.tenant if item.record is not None else (await self.store.get(item.id))[0].tenant
+            refused = decisions.build_refusal(item.spec, tenant)
+            if refused is not None:
+                log.warning("launch of %s refused: %s", item.id, refused.message, extra=about(item.id))
+                return await self._refuse(item, marks, Reason.LAUNCH_FAILED, refused.message, refused.message,
+                                          refused.code)
         self.launching.add(item.id)
         try:
             async with self.slots:

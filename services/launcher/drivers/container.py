@@ -30,6 +30,7 @@ class ContainerDriver(ProcessDriver):
                     rootfs: Rootfs | None) -> Instance:
         if rootfs is None:
             raise LaunchRefused("a container has no host view: name its layers, e.g. layers=['base']")
+        self.check_build(spec, rootfs)
         try:
             init = await self.crun.start(
                 ContainerSpec(sandbox_id=sandbox_id, rootfs=rootfs.path, cgroup_procs=confinement.cgroup_procs,
@@ -38,7 +39,7 @@ class ContainerDriver(ProcessDriver):
             )
         except ContainerError as exc:
             raise StartFailed(str(exc)) from None
-        return NamespaceSandbox(sandbox_id, init, confinement, rootfs)
+        return NamespaceSandbox(sandbox_id, init, confinement, rootfs, spec.build)
 
     async def stop(self, sandbox_id: str, anchor: Anchor | None) -> None:
         init = InitProcess(anchor.pid, anchor.start_time) if anchor is not None else None

@@ -35,6 +35,7 @@ from services.launcher.drivers.base import (
     ExecFailed,
     ExecOutcome,
     Instance,
+    LaunchRefused,
     NoWritableLayer,
     RunningCommand,
     RunningTerminal,
@@ -57,6 +58,7 @@ class NamespaceSandbox:
     init: InitProcess
     confinement: Confinement
     rootfs: Rootfs | None
+    build: bool = False  # a build sandbox (SandboxSpec.build): its commands may write its system dirs
 
     @property
     def anchor(self) -> Anchor:
@@ -91,8 +93,15 @@ class ProcessDriver:
             return rootfs.id_host
         return self.ids.host if self.ids is not None else 0
 
+    def check_build(self, spec: SandboxSpec, rootfs: Rootfs | None) -> None:
+        """A build sandbox's root keeps capabilities, which only a user namespace makes harmless."""
+        if spec.build and not self.id_host(rootfs):
+            raise LaunchRefused("a build sandbox needs a user namespace, and this node runs sandbox roots as the "
+                                "host's root (SANDFLEET_USERNS=off)")
+
     async def start(self, sandbox_id: str, spec: SandboxSpec, confinement: Confinement,
                     rootfs: Rootfs | None) -> Instance:
+        self.check_build(spec, rootfs)
         try:
             init = await process_runtime.start_async(
                 ProcessSpec(
@@ -108,7 +117,7 @@ class ProcessDriver:
             )
         except process_runtime.RuntimeStartError as exc:
             raise StartFailed(str(exc)) from None
-        return NamespaceSandbox(sandbox_id, init, confinement, rootfs)
+        return NamespaceSandbox(sandbox_id, init, confinement, rootfs, spec.build)
 
     async def stop(self, sandbox_id: str, anchor: Anchor | None) -> None:
         if anchor is not None:
@@ -120,7 +129,7 @@ class ProcessDriver:
 
     async def adopt(self, sandbox_id: str, anchor: Anchor, spec: SandboxSpec, confinement: Confinement,
                     rootfs: Rootfs | None) -> Instance:
-        return NamespaceSandbox(sandbox_id, anchor.process(), confinement, rootfs)
+        return NamespaceSandbox(sandbox_id, anchor.process(), confinement, rootfs, spec.build)
 
     def watch(self, instance: Instance, on_exit: Callable[[], None]) -> Callable[[], None]:
         return watch_exit(_own(instance).init.pid, on_exit)
@@ -130,7 +139,7 @@ class ProcessDriver:
         try:
             r = await process_runtime.exec(
                 sandbox.init, list(command.argv), cgroup_procs=sandbox.confinement.cgroup_procs, env=command.env,
-                apparmor=sandbox.confinement.apparmor_profile, uid=command.uid, gid=command.gid,
+                apparmor=sandbox.confinement.apparmor_profile, uid=command.uid, gid=command.gid, build=sandbox.build,
                 cwd=command.cwd, stdin=command.stdin, timeout_s=command.timeout_s, max_output=command.max_output,
             )
         except process_runtime.ExecError as exc:
@@ -196,7 +205,7 @@ class ProcessDriver:
             running = await background.spawn(sandbox.init, list(command.argv),
                                              cgroup_procs=sandbox.confinement.cgroup_procs, env=command.env,
                                              apparmor=sandbox.confinement.apparmor_profile, uid=command.uid,
-                                             gid=command.gid,
+                                             gid=command.gid, build=sandbox.build,
                                              cwd=command.cwd, on_output=on_output, on_exit=on_exit,
                                              read_bytes=command.max_output // 2)
         except process_runtime.ExecError as exc:
@@ -274,7 +283,7 @@ class ProcessDriver:
             running = await terminal.spawn(sandbox.init, list(command.argv),
                                            cgroup_procs=sandbox.confinement.cgroup_procs, env=command.env,
                                            apparmor=sandbox.confinement.apparmor_profile, uid=command.uid,
-                                           gid=command.gid,
+                                           gid=command.gid, build=sandbox.build,
                                            cwd=command.cwd, cols=cols, rows=rows, on_output=on_output,
                                            on_exit=on_exit, read_bytes=command.max_output // 2)
         except process_runtime.ExecError as exc:
