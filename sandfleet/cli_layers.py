@@ -43,6 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--build-arg", action="append", default=[], metavar="KEY=VALUE", help="an ARG's value")
     build.add_argument("--isolation", choices=["process", "container"], default="container",
                        help="the level RUN steps of --dockerfile run at")
+    build.add_argument("--allow", action="append", default=[], metavar="RULE",
+                       help="network the RUN steps of --dockerfile may reach (an allow rule; none by default)")
     build.add_argument("--suite", default="", help="Debian suite (default: the building node's release)")
     build.add_argument("--on", default=None, metavar="LAYER", help="the layer this one goes over")
     build.add_argument("--tag", action="append", default=[], help="also tag this build (repeatable)")
@@ -160,16 +162,16 @@ async def _build(layers: Layers, args: argparse.Namespace) -> int:
 
 
 async def _dockerfile(layers: Layers, args: argparse.Namespace) -> BuildReply:
-    from sandfleet import dockerfile
+    from sandfleet import dockerfile_build
     from sandfleet.client import Fleet
 
     build_args = dict(a.partition("=")[::2] for a in args.build_arg)
     context = args.context or args.dockerfile.parent
     if not context.is_dir():
         raise errors.InvalidRequest(f"{context} is not a directory")
-    return await dockerfile.build(Fleet(layers.bus), layers, args.name, args.dockerfile, context,
+    return await dockerfile_build.build(Fleet(layers.bus), layers, args.name, args.dockerfile, context,
                                   build_args=build_args, isolation=args.isolation, tags=args.tag,
-                                  log=lambda line: print(line, file=sys.stderr))
+                                  allow=args.allow, log=lambda line: print(line, file=sys.stderr))
 
 
 async def _import(layers: Layers, args: argparse.Namespace) -> int:

@@ -9,11 +9,19 @@ sandfleet layers, shared by digest like any other; and the build context never l
 caller's machine except as files written into a build sandbox (COPY), through the same file
 API a user has, which resolves every path inside the sandbox's root.
 
+Each step runs in a *build sandbox* (SandboxSpec.build): its system directories writable and
+its root, inside its user namespace only, with the capabilities dpkg and apt need (chown,
+fowner, dac_override, setuid/setgid...), so `RUN apt-get install` and writes to /usr or /etc
+work as under docker; its network is what the build's allow rules open (none by default).
+
 Taken: FROM (a layer or image name, or an image archive path, imported first), RUN, COPY and
-ADD of local files, ENV, WORKDIR, USER (recorded; commands still run as root, said in the
-image's `not_applied`), ENTRYPOINT, CMD, LABEL, ARG. Anything else (a second FROM, HEALTHCHECK,
-ADD of a URL, `--chown`...) is a `DockerfileError` naming the line. The parsing is pure; the
-build is `build(fleet, layers, ...)`.
+ADD of local files (`--chown`, `--chmod`), ENV, WORKDIR, USER (the RUN steps after it run as
+that user, and the image's commands too), SHELL, ENTRYPOINT, CMD, LABEL, ARG. EXPOSE, VOLUME,
+STOPSIGNAL, HEALTHCHECK, ONBUILD and MAINTAINER are kept in the image's `not_applied`, as an
+import lists what sandfleet does not do. Anything that would change what is built (a second
+FROM, ADD of a URL or an archive, `COPY --from`, RUN flags) is a `DockerfileError` naming the
+line. Parsing and planning are pure (here); the build on the platform is
+`sandfleet.dockerfile_build.build(fleet, layers, ...)`.
 """
 
 from __future__ import annotations
@@ -21,15 +29,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandfleet import errors
+from sandfleet.oci_archive import ROOT_USERS
 from schemas.layers import ImageConfig
 
-SUPPORTED = ("FROM", "RUN", "COPY", "ADD", "ENV", "WORKDIR", "USER", "ENTRYPOINT", "CMD", "LABEL", "ARG")
+SUPPORTED = ("FROM", "RUN", "COPY", "ADD", "ENV", "WORKDIR", "USER", "SHELL", "ENTRYPOINT", "CMD", "LABEL", "ARG")
+# Read, and listed in the image's `not_applied`: nothing in them changes what is built.
+NOT_APPLIED = ("EXPOSE", "VOLUME", "STOPSIGNAL", "HEALTHCHECK", "ONBUILD", "MAINTAINER")
+DEFAULT_SHELL = ["/bin/sh", "-c"]
+_OWNER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(:[A-Za-z0-9_][A-Za-z0-9_.\-]*)?$")
+_MODE = re.compile(r"^[0-7]{3,4}$")
 _VAR = re.compile(r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?::(?P<op>[-+])(?P<word>[^}]*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
 
 
@@ -66,9 +79,10 @@ def parse(text: str) -> list[Instruction]:
     if pending:
         found.append(Instruction(start, pending.split(" ", 1)[0].upper(), pending.partition(" ")[2].strip()))
     for ins in found:
-        if ins.keyword not in SUPPORTED:
+        if ins.keyword not in SUPPORTED + NOT_APPLIED:
             raise DockerfileError(f"line {ins.line}: {ins.keyword} is not supported by sandfleet's builder "
-                                  f"(it takes {', '.join(SUPPORTED)})")
+                                  f"(it takes {', '.join(SUPPORTED)}; it lists {', '.join(NOT_APPLIED)} "
+                                  "as not applied)")
     return found
 
 
@@ -105,16 +119,21 @@ def _pairs(ins: Instruction, values: dict[str, str]) -> dict[str, str]:
     return found
 
 
-def command(ins: Instruction) -> list[str]:
-    """The exec form (a JSON list) as it is, the shell form under `/bin/sh -c`."""
-    if ins.text.startswith("["):
+def command(ins: Instruction, shell: list[str] | None = None) -> list[str]:
+    """The exec form (a JSON list) as it is, the shell form under `shell` (SHELL's, else `/bin/sh -c`)."""
+    argv = _json_list(ins.text)
+    return argv if argv is not None else [*(shell or DEFAULT_SHELL), ins.text]
+
+
+def _json_list(text: str) -> list[str] | None:
+    if text.startswith("["):
         try:
-            argv = json.loads(ins.text)
+            argv = json.loads(text)
         except ValueError:
-            argv = None
+            return None
         if isinstance(argv, list) and all(isinstance(a, str) for a in argv):
             return argv
-    return ["/bin/sh", "-c", ins.text]
+    return None
 
 
 # -- the plan: what each instruction does ------------------------------------------------
@@ -126,6 +145,8 @@ class Copy:
     sources: list[Path]  # inside the context, resolved
     dest: str  # absolute in the image
     into_dir: bool  # dest names a directory the sources go into
+    chown: str = ""  # `--chown=user[:group]`, names as the image's files have them
+    chmod: str = ""  # `--chmod=0755`
 
 
 @dataclass(frozen=True)
@@ -134,6 +155,7 @@ class Run:
     argv: list[str]
     env: dict[str, str]
     cwd: str
+    user: str = ""  # who runs it (the USER before it); "": root
 
 
 @dataclass
@@ -167,6 +189,7 @@ def plan(instructions: list[Instruction], context: Path, base_config: ImageConfi
     env = dict(e.partition("=")[::2] for e in config.env if "=" in e)
     labels, workdir, user = dict(config.labels), config.working_dir or "/", config.user
     entrypoint, cmd, set_entrypoint, set_cmd = list(config.entrypoint), list(config.cmd), False, False
+    shell, ignored = list(DEFAULT_SHELL), []
     result = Plan(base=words[0])
     for ins in instructions:
         if ins.line <= froms[0].line:
@@ -184,8 +207,15 @@ def plan(instructions: list[Instruction], context: Path, base_config: ImageConfi
             result.steps.append(workdir)
         elif ins.keyword == "USER":
             user = substitute(ins.text, values).strip()
+        elif ins.keyword == "SHELL":
+            given = _json_list(ins.text)
+            if not given:
+                raise DockerfileError(f"line {ins.line}: SHELL takes a JSON list, e.g. [\"/bin/bash\", \"-c\"]")
+            shell = given
+        elif ins.keyword in NOT_APPLIED:
+            ignored.append(f"{ins.keyword}: {ins.text} (Dockerfile line {ins.line})"[:4096])
         elif ins.keyword in ("ENTRYPOINT", "CMD"):
-            argv = command(ins) if ins.text else []
+            argv = command(ins, shell) if ins.text else []
             if ins.keyword == "ENTRYPOINT":
                 entrypoint, set_entrypoint = argv, True
             else:
@@ -193,23 +223,33 @@ def plan(instructions: list[Instruction], context: Path, base_config: ImageConfi
         elif ins.keyword == "RUN":
             if ins.text.startswith("--"):
                 raise DockerfileError(f"line {ins.line}: RUN flags ({ins.text.split()[0]}) are not supported")
-            result.steps.append(Run(ins.line, command(ins), {**args, **env}, workdir))
+            result.steps.append(Run(ins.line, command(ins, shell), {**args, **env}, workdir,
+                                    "" if user in ROOT_USERS else user))
         else:  # COPY, ADD
             result.steps.append(_copy(ins, context, workdir, values))
     if set_entrypoint and not set_cmd:
         cmd = []  # as docker does: a new ENTRYPOINT drops the base's CMD
-    not_applied = [n for n in config.not_applied if not n.startswith("User:")]
-    if user not in ("", "root", "0", "0:0"):
-        not_applied.append(f"User: {user} (commands, RUN steps included, run as the sandbox's root)")
+    # A base built before USER was applied may still say so: it is applied now.
+    not_applied = [n for n in config.not_applied if not n.startswith("User:")] + ignored
     result.config = ImageConfig(env=[f"{k}={v}" for k, v in env.items()], working_dir=workdir if workdir != "/" else "",
-                                user=user, entrypoint=entrypoint, cmd=cmd, labels=labels, not_applied=not_applied)
+                                user=user, entrypoint=entrypoint, cmd=cmd, labels=labels, not_applied=not_applied[:256])
     return result
 
 
 def _copy(ins: Instruction, context: Path, workdir: str, values: dict[str, str]) -> Copy:
     text = substitute(ins.text, values)
-    if text.startswith("--"):
-        raise DockerfileError(f"line {ins.line}: {ins.keyword} flags ({text.split()[0]}) are not supported")
+    flags: dict[str, str] = {}
+    while text.startswith("--"):
+        flag, _, text = text.partition(" ")
+        key, _, value = flag[2:].partition("=")
+        if key == "chown" and _OWNER.match(value):
+            flags["chown"] = value
+        elif key == "chmod" and _MODE.match(value):
+            flags["chmod"] = value
+        elif key != "link":  # --link changes how docker caches the layer, not what it holds
+            raise DockerfileError(f"line {ins.line}: {ins.keyword} {flag} is not supported (it takes --chown=USER[:GROUP], "
+                                  "--chmod=OCTAL and --link)")
+        text = text.lstrip()
     words = json.loads(text) if text.startswith("[") else shlex.split(text)
     if len(words) < 2:
         raise DockerfileError(f"line {ins.line}: {ins.keyword} needs a source and a destination")
@@ -235,78 +275,4 @@ def _copy(ins: Instruction, context: Path, workdir: str, values: dict[str, str])
             found.append(resolved)
     target = dest if dest.startswith("/") else os.path.join(workdir, dest)
     into_dir = dest.endswith("/") or len(found) > 1 or dest in (".", "./")
-    return Copy(ins.line, found, os.path.normpath(target), into_dir)
-
-
-# -- the build ---------------------------------------------------------------------------
-
-
-async def build(fleet, layers, name: str, dockerfile: Path, context: Path, *, build_args: dict[str, str] | None = None,
-                isolation: str = "container", tags: list[str] | None = None, log=print):
-    """Build `dockerfile` over its FROM and record the result as stack `name`; returns its BuildReply.
-    `fleet` is a `sandfleet.Fleet`, `layers` a `sandfleet.layers_client.Layers`."""
-    instructions = parse(dockerfile.read_text())
-    first = plan(instructions, context, None, build_args)
-    token = secrets.token_hex(3)
-    scratch: list[str] = []  # names made on the way, removed at the end (their images stay under `name`)
-    try:
-        base = first.base
-        candidate = Path(base) if Path(base).is_absolute() else (dockerfile.parent / base)
-        if candidate.is_file():
-            base = f"{name[:50]}-from-{token}"
-            log(f"FROM {first.base}: importing the archive as {base}")
-            await layers.import_image(base, candidate)
-            scratch.append(base)
-        try:
-            base_layer = await layers.get(base)
-        except errors.NotFound:
-            raise DockerfileError(f"FROM {first.base}: no such layer or image, and no such archive file") from None
-        result = plan(instructions, context, base_layer.config, build_args)
-        current, pending, step = base, [], 0
-        for item in result.steps + [None]:  # None: capture what the last steps wrote
-            if item is not None:
-                pending.append(item)
-            if pending and (item is None or isinstance(item, Run)):
-                step += 1
-                current = await _one_step(fleet, layers, current, pending, f"{name[:40]}-{token}-{step}",
-                                          isolation, scratch, log)
-                pending = []
-        return await layers.stack(name, [current], result.config, tags=tags or [])
-    finally:
-        for leftover in reversed(scratch):
-            try:
-                await layers.remove(leftover)
-            except errors.SandfleetError:
-                pass
-
-
-async def _one_step(fleet, layers, current: str, steps: list, prefix: str, isolation: str, scratch: list[str],
-                    log) -> str:
-    """Run `steps` in one sandbox over `current`, capture its writable layer, and name the stack
-    so far (one reference, so a long Dockerfile never passes the layers a spec takes)."""
-    sb = await fleet.create(isolation=isolation, layers=[current], memory_mb=1024, timeout_s=3600)
-    try:
-        for item in steps:
-            if isinstance(item, str):
-                await sb.files.mkdir(item, parents=True)
-            elif isinstance(item, Copy):
-                log(f"line {item.line}: COPY {' '.join(p.name for p in item.sources)} {item.dest}")
-                for source in item.sources:
-                    target = os.path.join(item.dest, source.name) if item.into_dir and source.is_file() else item.dest
-                    await sb.files.mkdir(os.path.dirname(target) if source.is_file() else target, parents=True)
-                    await sb.upload(source, target)
-            else:
-                log(f"line {item.line}: RUN {' '.join(item.argv)[:100]}")
-                await sb.files.mkdir(item.cwd, parents=True)
-                r = await sb.exec(item.argv, env=item.env, cwd=item.cwd, timeout_s=3600)
-                if r.exit_code != 0:
-                    tail = (r.stderr or r.stdout).decode(errors="replace").strip().splitlines()[-3:]
-                    raise errors.InvalidRequest(f"line {item.line}: RUN exited {r.exit_code}: {' | '.join(tail)}")
-        checkpoint = await sb.checkpoint(prefix)
-    finally:
-        await sb.destroy()
-    scratch.append(checkpoint.name)
-    so_far = prefix + "-s"
-    await layers.stack(so_far, [current, checkpoint.name])
-    scratch.append(so_far)
-    return so_far
+    return Copy(ins.line, found, os.path.normpath(target), into_dir, **flags)
