@@ -26,7 +26,7 @@ from pathlib import Path
 
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
-from schemas.layers import BuildReply, BuildRequest, ImageConfig, ImageSource, Layer, StackLayer, StackSource
+from schemas.layers import BuildRequest, ImageConfig, ImageSource, Layer, StackLayer, StackSource
 from sandfleet import oci_archive as oci
 from services.layer_cache.build import make_image, sha256_file, unpack
 from services.layer_cache.store import LayerStore
