@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from loadtest.container_rate import TICK, platform_ticks
+from loadtest.container_rate import platform_ticks
 from loadtest.create_rate import platform_round
 from loadtest.platform import CLI, running_platform
-from loadtest.report import percentiles, print_table, write_json
+from loadtest.report import alternating_rounds, print_rounds, write_json
 from sandfleet.credentials import CREDS_ENV
 
 SIDES = ("on", "off")
@@ -63,50 +62,16 @@ def main() -> int:
     common = {"SANDFLEET_CPU_PSI_LIMIT": "0", "SANDFLEET_MEMORY_PSI_LIMIT": "0"}
     envs = {"on": {**common, "SANDFLEET_AUTH": "on", "SANDFLEET_EGRESS_SUBNET": "10.219.0.0/17"},
             "off": {**common, "SANDFLEET_AUTH": "off", "SANDFLEET_EGRESS_SUBNET": "10.219.128.0/17"}}
-    cpu_ms: dict[str, list[float]] = {s: [] for s in SIDES}
-    rates: dict[str, list[float]] = {s: [] for s in SIDES}
-    lat: dict[str, dict[str, list[float]]] = {s: {"create": [], "exec": [], "destroy": []} for s in SIDES}
     with running_platform(f"{args.node_id}-on", envs["on"]) as (url_on, data_on), \
             running_platform(f"{args.node_id}-off", envs["off"]) as (url_off, data_off):
         urls, data = {"on": url_on, "off": url_off}, {"on": data_on, "off": data_off}
         creds = {"on": _tenant_creds(data_on) if args.role == "tenant" else None, "off": None}
-        for side in SIDES:  # warm-up, not counted
-            _round(urls[side], min(20, args.n), args.concurrency, creds[side])
-        for r in range(args.rounds):
-            for side in SIDES if r % 2 == 0 else reversed(SIDES):
-                before = platform_ticks(data[side])
-                rate, got = _round(urls[side], args.n, args.concurrency, creds[side])
-                after = platform_ticks(data[side])
-                cpu = sum((after[k] - before.get(k, 0)) * 1000 / TICK / args.n for k in after)
-                cpu_ms[side].append(cpu)
-                rates[side].append(rate)
-                for k, v in got.items():
-                    lat[side][k].extend(v)
-                print(f"round {r + 1}/{args.rounds} auth {side:<3} {rate:7.1f} cycles/s {cpu:6.1f} ms CPU/cycle",
-                      flush=True)
-
-    results: dict = {
-        side: {
-            "cycles_per_s": round(statistics.median(rates[side]), 1),
-            "rounds_cycles_per_s": [round(x, 1) for x in rates[side]],
-            "cpu_ms_per_cycle": round(statistics.median(cpu_ms[side]), 2),
-            **{k: percentiles(v) for k, v in lat[side].items()},
-        }
-        for side in SIDES
-    }
-    results["ratio_on_over_off"] = round(results["on"]["cycles_per_s"] / results["off"]["cycles_per_s"], 3)
-    results["ratio_on_over_off_paired_median"] = round(
-        statistics.median(on / off for on, off in zip(rates["on"], rates["off"])), 3)
-    results["ratio_cpu_off_over_on"] = round(results["off"]["cpu_ms_per_cycle"] / results["on"]["cpu_ms_per_cycle"], 3)
-    rows = [[f"auth {side}", results[side]["cycles_per_s"], results[side]["cpu_ms_per_cycle"],
-             *(results[side][k][p] for k in ("create", "exec", "destroy") for p in ("p50", "p99"))] for side in SIDES]
-    print_table(
-        f"create → exec true → destroy as {args.role}, n={args.n} x {args.rounds} rounds, "
-        f"concurrency {args.concurrency} (ms)",
-        ["side", "cycles/s", "CPU ms/cycle", "create p50", "create p99", "exec p50", "exec p99", "destroy p50",
-         "destroy p99"], rows)
-    print(f"ratio on/off: {results['ratio_on_over_off']} (target >= 0.95); median of the rounds' ratios: "
-          f"{results['ratio_on_over_off_paired_median']}; CPU per cycle off/on: {results['ratio_cpu_off_over_on']}")
+        measured = alternating_rounds(SIDES, args.rounds, args.n,
+                                      lambda side, n: _round(urls[side], n, args.concurrency, creds[side]),
+                                      label="auth", cpu_ticks=lambda side: platform_ticks(data[side]))
+    results = measured.results()
+    print_rounds(results, SIDES, "auth", f"create → exec true → destroy as {args.role}, n={args.n} x {args.rounds} "
+                 f"rounds, concurrency {args.concurrency} (ms)", target=0.95)
     out = write_json(args.out, "auth_cost", vars(args) | {"out": str(args.out)}, results)
     print(f"wrote {out}")
     return 0

@@ -32,10 +32,10 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from loadtest.container_rate import TICK, platform_ticks
+from loadtest.container_rate import platform_ticks
 from loadtest.create_rate import platform_round
 from loadtest.platform import running_platform
-from loadtest.report import percentiles, print_table, write_json
+from loadtest.report import alternating_rounds, print_rounds, print_table, write_json
 from sandfleet import metrics, prometheus
 
 SIDES = ("on", "off")
@@ -108,67 +108,32 @@ def main() -> int:
                "SANDFLEET_EGRESS_SUBNET": "10.218.0.0/17"},
         "off": {**common, metrics.SWITCH_ENV: "off", "SANDFLEET_EGRESS_SUBNET": "10.218.128.0/17"},
     }
-    cpu_ms: dict[str, list[float]] = {s: [] for s in SIDES}
-    by_process: dict[str, list[dict[str, float]]] = {s: [] for s in SIDES}  # ms per cycle, each round
-    rates: dict[str, list[float]] = {s: [] for s in SIDES}
-    lat: dict[str, dict[str, list[float]]] = {s: {"create": [], "exec": [], "destroy": []} for s in SIDES}
     with running_platform(f"{args.node_id}-on", envs["on"]) as (url_on, data_on), \
             running_platform(f"{args.node_id}-off", envs["off"]) as (url_off, data_off):
         urls, data = {"on": url_on, "off": url_off}, {"on": data_on, "off": data_off}
-        for side in SIDES:  # warm-up, not counted
-            asyncio.run(platform_round(urls[side], min(20, args.n), args.concurrency))
-        for r in range(args.rounds):
-            for side in SIDES if r % 2 == 0 else reversed(SIDES):
-                before = platform_ticks(data[side])
-                rate, got = asyncio.run(platform_round(urls[side], args.n, args.concurrency))
-                after = platform_ticks(data[side])
-                used = {k: (after[k] - before.get(k, 0)) * 1000 / TICK / args.n for k in after}
-                by_process[side].append(used)
-                cpu = sum(used.values())
-                cpu_ms[side].append(cpu)
-                rates[side].append(rate)
-                for k, v in got.items():
-                    lat[side][k].extend(v)
-                print(f"round {r + 1}/{args.rounds} metrics {side:<3} {rate:7.1f} cycles/s {cpu:6.1f} ms CPU/cycle",
-                      flush=True)
+        measured = alternating_rounds(
+            SIDES, args.rounds, args.n, lambda side, n: asyncio.run(platform_round(urls[side], n, args.concurrency)),
+            label="metrics", cpu_ticks=lambda side: platform_ticks(data[side]))
         state = json.loads((data_on / "supervisor.json").read_text())
         expected = args.rounds * args.n + min(20, args.n)  # and the warm-up
         counted = _counted_creations(state["prometheus"], expected, deadline_s=3 * args.scrape_s + 5)
         records = 0.0 if args.calibrate else _records_per_cycle(state["prometheus"], counted)
 
-    results: dict = {
-        side: {
-            "cycles_per_s": round(statistics.median(rates[side]), 1),
-            "rounds_cycles_per_s": [round(x, 1) for x in rates[side]],
-            "cpu_ms_per_cycle": round(statistics.median(cpu_ms[side]), 2),
-            "rounds_cpu_ms_per_cycle": [round(x, 2) for x in cpu_ms[side]],
-            **{k: percentiles(v) for k, v in lat[side].items()},
-        }
-        for side in SIDES
-    }
+    results = measured.results()
     for side in SIDES:
-        names = sorted({k for r in by_process[side] for k in r})
+        names = sorted({k for r in measured.by_process[side] for k in r})
         results[side]["cpu_ms_per_cycle_by_process"] = {
-            k: round(statistics.median(r.get(k, 0.0) for r in by_process[side]), 2) for k in names}
-    results["ratio_on_over_off"] = round(results["on"]["cycles_per_s"] / results["off"]["cycles_per_s"], 3)
-    paired = [on / off for on, off in zip(rates["on"], rates["off"])]
-    results["ratio_on_over_off_paired_median"] = round(statistics.median(paired), 3)
+            k: round(statistics.median(r.get(k, 0.0) for r in measured.by_process[side]), 2) for k in names}
     us = _us_per_record()
     estimate_ms = records * us / 1000
     results["instruments"] = {"records_per_cycle": round(records, 1), "us_per_record": round(us, 2),
                               "cpu_ms_per_cycle": round(estimate_ms, 3),
                               "ratio_estimate": round(results["off"]["cpu_ms_per_cycle"] /
                                                       (results["off"]["cpu_ms_per_cycle"] + estimate_ms), 4)}
-    results["ratio_cpu_off_over_on"] = round(results["off"]["cpu_ms_per_cycle"] / results["on"]["cpu_ms_per_cycle"], 3)
     results["creations_counted_by_prometheus"] = counted
-    rows = [[f"metrics {side}", results[side]["cycles_per_s"], results[side]["cpu_ms_per_cycle"],
-             *(results[side][k][p] for k in ("create", "exec", "destroy") for p in ("p50", "p99"))] for side in SIDES]
-    print_table(
-        f"create → exec true → destroy, n={args.n} x {args.rounds} rounds, concurrency {args.concurrency} (ms)",
-        ["side", "cycles/s", "CPU ms/cycle", "create p50", "create p99", "exec p50", "exec p99", "destroy p50", "destroy p99"], rows)
+    print_rounds(results, SIDES, "metrics", f"create → exec true → destroy, n={args.n} x {args.rounds} rounds, "
+                 f"concurrency {args.concurrency} (ms)", target=0.97)
     inst = results["instruments"]
-    print(f"ratio on/off: {results['ratio_on_over_off']} (target >= 0.97); median of the rounds' ratios: "
-          f"{results['ratio_on_over_off_paired_median']}; CPU per cycle off/on: {results['ratio_cpu_off_over_on']}")
     print(f"instruments: {inst['records_per_cycle']} records per cycle x {inst['us_per_record']} us = "
           f"{inst['cpu_ms_per_cycle']} ms CPU per cycle: ratio {inst['ratio_estimate']}; "
           f"Prometheus counted {counted:.0f} creations on the `on` side")

@@ -18,35 +18,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 from pathlib import Path
 
 from linuxnode import cgroups, userns
 from loadtest.create_rate import BENCH_NODE, DirectSide, platform_round, run_round
 from loadtest.platform import running_platform
-from loadtest.report import percentiles, print_table, write_json
+from loadtest.report import Rounds, alternating_rounds, print_rounds, write_json
 
 SIDES = ("on", "off")
 
 
-
-
-def _direct_rounds(args, rates: dict, lat: dict) -> None:
+def _direct_rounds(args) -> Rounds:
     ids = {"on": userns.node_range("on").host, "off": 0}
     offset = 0
-    try:
-        for side in SIDES:  # warm-up, not counted (the `on` side's first start makes its namespace)
-            asyncio.run(run_round(DirectSide(offset, ids[side]), min(20, args.n), args.concurrency))
-            offset += args.n
-        for r in range(args.rounds):
-            for side in SIDES if r % 2 == 0 else reversed(SIDES):
-                rate, got = asyncio.run(run_round(DirectSide(offset, ids[side]), args.n, args.concurrency))
-                offset += args.n
-                rates[side].append(rate)
-                for k, v in got.items():
-                    lat[side][k].extend(v)
-                print(f"round {r + 1}/{args.rounds} userns {side:<3} {rate:7.1f} cycles/s (direct)", flush=True)
+
+    def one(side: str, n: int):
+        nonlocal offset
+        offset += n
+        return asyncio.run(run_round(DirectSide(offset - n, ids[side]), n, args.concurrency))
+
+    try:  # the `on` side's first start makes its namespace: in the warm-up, not counted
+        return alternating_rounds(SIDES, args.rounds, args.n, one, label="userns", note=" (direct)")
     finally:
         cgroups.remove_node_root(cgroups.CgroupLayout.detect(), BENCH_NODE)
 
@@ -65,36 +58,18 @@ def main() -> int:
     common = {"SANDFLEET_CPU_PSI_LIMIT": "0", "SANDFLEET_MEMORY_PSI_LIMIT": "0"}
     envs = {"on": {**common, "SANDFLEET_USERNS": "on", "SANDFLEET_EGRESS_SUBNET": "10.219.0.0/17"},
             "off": {**common, "SANDFLEET_USERNS": "off", "SANDFLEET_EGRESS_SUBNET": "10.219.128.0/17"}}
-    rates: dict[str, list[float]] = {s: [] for s in SIDES}
-    lat: dict[str, dict[str, list[float]]] = {s: {"create": [], "exec": [], "destroy": []} for s in SIDES}
     if args.direct:
-        _direct_rounds(args, rates, lat)
+        measured = _direct_rounds(args)
     else:
         with running_platform(f"{args.node_id}-on", envs["on"]) as (url_on, _), \
                 running_platform(f"{args.node_id}-off", envs["off"]) as (url_off, _):
             urls = {"on": url_on, "off": url_off}
-            for side in SIDES:  # warm-up, not counted
-                asyncio.run(platform_round(urls[side], min(20, args.n), args.concurrency))
-            for r in range(args.rounds):
-                for side in SIDES if r % 2 == 0 else reversed(SIDES):
-                    rate, got = asyncio.run(platform_round(urls[side], args.n, args.concurrency))
-                    rates[side].append(rate)
-                    for k, v in got.items():
-                        lat[side][k].extend(v)
-                    print(f"round {r + 1}/{args.rounds} userns {side:<3} {rate:7.1f} cycles/s", flush=True)
-    results: dict = {side: {"cycles_per_s": round(statistics.median(rates[side]), 1),
-                            "rounds_cycles_per_s": [round(x, 1) for x in rates[side]],
-                            **{k: percentiles(v) for k, v in lat[side].items()}} for side in SIDES}
-    results["ratio_on_over_off"] = round(results["on"]["cycles_per_s"] / results["off"]["cycles_per_s"], 3)
-    results["ratio_on_over_off_paired_median"] = round(
-        statistics.median(on / off for on, off in zip(rates["on"], rates["off"])), 3)
-    rows = [[f"userns {side}", results[side]["cycles_per_s"],
-             *(results[side][k][p] for k in ("create", "exec", "destroy") for p in ("p50", "p99"))] for side in SIDES]
-    print_table(f"create → exec true → destroy{' (direct)' if args.direct else ''}, n={args.n} x {args.rounds} rounds, concurrency {args.concurrency} (ms)",
-                ["side", "cycles/s", "create p50", "create p99", "exec p50", "exec p99", "destroy p50", "destroy p99"],
-                rows)
-    print(f"ratio on/off: {results['ratio_on_over_off']} (target >= 0.9); "
-          f"median of the rounds' ratios: {results['ratio_on_over_off_paired_median']}")
+            measured = alternating_rounds(
+                SIDES, args.rounds, args.n, lambda side, n: asyncio.run(platform_round(urls[side], n, args.concurrency)),
+                label="userns")
+    results = measured.results()
+    print_rounds(results, SIDES, "userns", f"create → exec true → destroy{' (direct)' if args.direct else ''}, "
+                 f"n={args.n} x {args.rounds} rounds, concurrency {args.concurrency} (ms)", target=0.9)
     out = write_json(args.out, "userns_cost", vars(args) | {"out": str(args.out)}, results)
     print(f"wrote {out}")
     return 0
