@@ -123,7 +123,8 @@ def print_rounds(results: dict, sides: tuple[str, ...], label: str, title: str, 
     first, second = sides[:2]
     cpu = all("cpu_ms_per_cycle" in results[side] for side in sides)
     phases = [k for k, v in results[first].items() if isinstance(v, dict) and "p50" in v]
-    columns = ["side", "cycles/s", *(["CPU ms/cycle"] if cpu else []), *(f"{k} {p}" for k in phases for p in ("p50", "p99"))]
+    columns = ["side", "cycles/s", *(["CPU ms/cycle"] if cpu else []),
+               *(f"{k} {p}" for k in phases for p in ("p50", "p99"))]
     rows = [[f"{label} {side}", results[side]["cycles_per_s"], *([results[side]["cpu_ms_per_cycle"]] if cpu else []),
              *(results[side][k][p] for k in phases for p in ("p50", "p99"))] for side in sides]
     print_table(title, columns, rows)

@@ -247,8 +247,8 @@ def _copy(ins: Instruction, context: Path, workdir: str, values: dict[str, str])
         elif key == "chmod" and _MODE.match(value):
             flags["chmod"] = value
         elif key != "link":  # --link changes how docker caches the layer, not what it holds
-            raise DockerfileError(f"line {ins.line}: {ins.keyword} {flag} is not supported (it takes --chown=USER[:GROUP], "
-                                  "--chmod=OCTAL and --link)")
+            raise DockerfileError(f"line {ins.line}: {ins.keyword} {flag} is not supported "
+                                  "(it takes --chown=USER[:GROUP], --chmod=OCTAL and --link)")
         text = text.lstrip()
     words = json.loads(text) if text.startswith("[") else shlex.split(text)
     if len(words) < 2:

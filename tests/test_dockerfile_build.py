@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 import sandfleet
+from linuxnode import landlock
 from sandfleet import dockerfile, dockerfile_build, errors
 from sandfleet.layers_client import Layers
-from services.launcher import decisions
 from schemas.sandbox import SandboxSpec
-from linuxnode import landlock
+from services.launcher import decisions
 from tests.kernel import require
 
 pytestmark = pytest.mark.timeout(900)  # the module's Debian root is built first (debootstrap)
@@ -43,7 +43,8 @@ async def debian(fleet):
     name = _name("dkr-debian")
     started = time.monotonic()
     built = await Layers(fleet.bus).build_debian(name, [])
-    print(f"\ndockerfile: Debian minbase {name}: {built.layer.size / 2**20:.0f} MiB in {time.monotonic() - started:.0f} s")
+    print(f"\ndockerfile: Debian minbase {name}: {built.layer.size / 2**20:.0f} MiB, "
+          f"{time.monotonic() - started:.0f} s")
     yield name
     await Layers(fleet.bus).remove(name)
 

@@ -1,7 +1,7 @@
 """The launcher's decisions that need no I/O, kept apart so they are read (and unit-tested) on
 their own: what a restarted launcher does with each record of its node, who may launch a build
-sandbox, what a destroy may do and how it ends, and which live sandboxes fencing drops. Callers gather the facts (records,
-liveness, the layer-cache's roots) and act on the answer."""
+sandbox, what a destroy may do and how it ends, and which live sandboxes fencing drops. Callers
+gather the facts (records, liveness, the layer-cache's roots) and act on the answer."""
 
 from __future__ import annotations
 
