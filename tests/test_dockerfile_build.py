@@ -23,6 +23,7 @@ from sandfleet.layers_client import Layers
 from schemas.sandbox import SandboxSpec
 from services.launcher import decisions
 from tests.kernel import require
+from tests.security.test_user_namespaces import _bind_into  # a host file bound into a sandbox on purpose
 
 pytestmark = pytest.mark.timeout(900)  # the module's Debian root is built first (debootstrap)
 
@@ -98,6 +99,23 @@ async def test_a_build_sandbox_writes_system_dirs_as_root_of_its_user_namespace_
     finally:
         await build.destroy()
         await plain.destroy()
+
+
+@pytest.mark.parametrize("isolation", ["process", "container"])
+async def test_a_build_roots_capabilities_do_not_reach_a_host_file_bound_in(fleet, debian, isolation, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("host secret\n")
+    secret.chmod(0o600)  # the host root's alone; dac_override inside holds only over ids the namespace maps
+    build = await fleet.create(isolation=isolation, layers=[debian], build=True)
+    try:
+        _bind_into((await build.info()).init_pid, secret, "/tmp/secret")
+        r = await build.exec(["sh", "-c", "stat -c %u /tmp/secret; cat /tmp/secret; chown 0:0 /tmp/secret; "
+                                          "chmod 644 /tmp/secret; cat /tmp/secret"])
+        assert r.stdout.decode().splitlines() == ["65534"], r  # unmapped: nobody, and nothing else printed
+        assert r.stderr.count(b"ermitted") + r.stderr.count(b"ermission denied") == 4, r
+        assert os.stat(secret).st_mode & 0o777 == 0o600 and os.stat(secret).st_uid == 0
+    finally:
+        await build.destroy()
 
 
 async def test_the_build_flag_is_refused_to_a_tenant_and_kept_off_what_cannot_hold_it(platform, fleet, debian,
