@@ -281,6 +281,7 @@ class ConfineRequest(msgspec.Struct, frozen=True, kw_only=True):
     allow: list[str] = []  # SandboxSpec.allow: egress rules (empty: no egress, no veth)
     labels: dict[str, str] = {}
     host_view: bool = False  # SandboxSpec.host_view: what its AppArmor profile lets it write
+    build: bool = False  # SandboxSpec.build: its profile grants the whole root and a build's capabilities
 
 
 class Confinement(msgspec.Struct, frozen=True, kw_only=True):

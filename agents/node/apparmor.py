@@ -41,6 +41,10 @@ def profile_name(sandbox_id: str) -> str:
 
 
 HOST_VIEW_WRITABLE = ["tmp", "workspace"]  # a host_view sandbox (linuxnode.process.rootfs)
+# What a build sandbox's root keeps inside its user namespace (linuxnode.process.children
+# BUILD_CAPABILITIES, by AppArmor's names): a package manager installing files as their
+# packages own them and switching to their users.
+BUILD_CAPABILITIES = ("chown", "dac_override", "fowner", "fsetid", "kill", "setgid", "setuid")
 PROFILES_FILE = "/sys/kernel/security/apparmor/profiles"
 # A top-level name that is not exactly `dev` (AppArmor globs have no negation of a word).
 _ALL_BUT_DEV = "/{[^d]*,d,d[^e]*,de,de[^v]*,dev?*}"
@@ -54,11 +58,14 @@ def writable_dirs(rootfs_dir: str | None) -> list[str]:
                   if access & landlock.MAKE_REG and not path.endswith("/dev/shm"))
 
 
-def profile(sandbox_id: str, writable: list[str] | None) -> str:
+def profile(sandbox_id: str, writable: list[str] | None, build: bool = False) -> str:
     """The profile text for one sandbox. `writable` names the top-level directories it may
     write; None means every one but system content (landlock.READ_ONLY_DIRS), which is what
     Landlock decides for a root of layers whatever its top level holds, so the agent can load
-    the profile before the root is composed (the two are made at once)."""
+    the profile before the root is composed (the two are made at once). A `build` sandbox
+    (SandboxSpec.build: a Dockerfile's RUN) may write its whole root, system content and top
+    level included, and keeps BUILD_CAPABILITIES, as its Landlock rules and exec helper let it;
+    /proc and /sys stay denied as for every sandbox."""
     for name in writable or ():
         if not name or "/" in name or not all(c.isalnum() or c in "._-" for c in name):
             raise ProfileError(f"top-level directory {name!r} cannot be named in a profile")
@@ -68,7 +75,9 @@ def profile(sandbox_id: str, writable: list[str] | None) -> str:
         "  # its own root: read, map and execute (staying in this profile); system content read-only",
         "  /** mrix,",
     ]
-    if writable is None:
+    if build:
+        lines.append("  /** rwlkmix,")
+    elif writable is None:
         # Every top-level directory but /dev (whose devices are granted one by one below);
         # nothing made at the top level itself (as Landlock, which grants the root read only).
         lines.append(f"  {_ALL_BUT_DEV}/** rwlkmix,")
@@ -87,8 +96,8 @@ def profile(sandbox_id: str, writable: list[str] | None) -> str:
         "  deny /sys/** wkl,",
         "  deny /proc/*/attr/** w,",
         "  deny /proc/*/loginuid w,",
-        "  # no capability, no mount table changes, no ptrace, no raw or packet sockets",
-        "  deny capability,",
+        "  # no capability (a build's own few), no mount table changes, no ptrace, no raw or packet sockets",
+        *([f"  capability {name}," for name in BUILD_CAPABILITIES] if build else ["  deny capability,"]),
         "  deny mount,",
         "  deny remount,",
         "  deny umount,",
@@ -161,17 +170,18 @@ class SandboxProfiles:
         try:
             validate(profile("probe", None))
             validate(profile("probe", HOST_VIEW_WRITABLE))
+            validate(profile("probe", None, build=True))
         except ProfileError as exc:
             return cls(False, f"off: {exc}")
         if lsm.apparmor_enabled():
             return cls(True, "on: one profile per sandbox, loaded when it is confined and removed when it is released")
         return cls(False, "off: not in this kernel (profiles are generated and validated offline with apparmor_parser)")
 
-    def load(self, sandbox_id: str, host_view: bool) -> str:
+    def load(self, sandbox_id: str, host_view: bool, build: bool = False) -> str:
         """Load the sandbox's profile; its name, or "" where AppArmor is off."""
         if not self.on:
             return ""
-        load(profile(sandbox_id, HOST_VIEW_WRITABLE if host_view else None))
+        load(profile(sandbox_id, HOST_VIEW_WRITABLE if host_view else None, build))
         return profile_name(sandbox_id)
 
     def unload(self, sandbox_id: str) -> None:

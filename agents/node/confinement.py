@@ -71,7 +71,7 @@ class NodeConfinement:
                 assert self.network is not None and cg is not None
                 address = str(self.network.setup(req.sandbox_id, ns, cg, rules).address.ip)
             with telemetry.phase("agent.apparmor"):
-                profile = self.profiles.load(req.sandbox_id, req.host_view)
+                profile = self.profiles.load(req.sandbox_id, req.host_view, req.build)
         except Exception:
             self.profiles.unload(req.sandbox_id)
             if self.network is not None:

@@ -162,7 +162,7 @@ class NodeAgent:
         """The sandbox's confinement, made (or, for one that has it already, found again)."""
         request = ConfineRequest(
             sandbox_id=sandbox_id, isolation=spec.isolation, cpu=spec.cpu, memory_mb=spec.memory_mb, pids=spec.pids,
-            allow=list(spec.allow), labels=dict(spec.labels), host_view=spec.host_view,
+            allow=list(spec.allow), labels=dict(spec.labels), host_view=spec.host_view, build=spec.build,
         )
         return await self._service.call(
             lambda: self.bus.request(self._confine, request, Confinement, timeout=AGENT_TIMEOUT_S),

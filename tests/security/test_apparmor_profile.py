@@ -114,3 +114,20 @@ def test_without_the_parser_the_node_says_why(monkeypatch):
     monkeypatch.setattr(apparmor, "parser_path", lambda: None)
     assert "apparmor_parser is not installed" in apparmor.node_status()
 
+
+
+def test_a_build_sandbox_may_write_its_whole_root_with_a_builds_capabilities_and_no_other():
+    """A Dockerfile RUN's sandbox (SandboxSpec.build): Landlock and the exec helper let it write
+    system content and keep a package manager's capabilities; its profile must say the same,
+    or on an AppArmor host every `apt-get install` of a build would be refused."""
+    text = apparmor.profile("sb-x", None, build=True)
+    apparmor.validate(text)
+    assert "  /** rwlkmix," in text
+    assert "deny /* wl," not in text and "deny /{bin," not in text
+    assert "deny capability," not in text
+    granted = {line.strip().removeprefix("capability ").rstrip(",") for line in text.splitlines()
+               if line.strip().startswith("capability ")}
+    assert granted == {"chown", "dac_override", "fowner", "fsetid", "kill", "setgid", "setuid"}
+    assert "deny /sys/** wkl," in text and "deny mount," in text and "deny ptrace," in text
+    ordinary = apparmor.profile("sb-x", None)
+    assert "deny capability," in ordinary and "  capability chown," not in ordinary
