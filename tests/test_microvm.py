@@ -73,6 +73,7 @@ async def test_a_microvm_runs_the_guest_kernel_and_leaves_nothing(fleet, platfor
         assert r.exit_code == 0, r
         assert r.stdout.decode().strip() == guest.release != os.uname().release
         assert (await sb.exec(["cat", "/etc/hostname"])).stdout == b"vm\n"  # the layer is the root
+        assert (await sb.exec(["ls", "/sys/class/net"])).stdout.split() == [b"lo"]  # no allow rules, no NIC
         qemu = (await sb.info()).init_pid
         with open(f"/proc/{qemu}/status") as f:
             uids = next(line.split()[1:] for line in f if line.startswith("Uid:"))
@@ -177,8 +178,8 @@ async def test_a_microvm_outlives_a_launcher_crash(fleet, platform, guest):
 
 
 async def test_what_a_microvm_cannot_have_is_refused_typed(fleet, guest):
-    with pytest.raises(errors.Unsupported, match="allow rules"):
-        await fleet.create(isolation="microvm", layers=[LAYER], allow=["example.com:443"])
+    with pytest.raises(errors.InvalidRequest, match="http://evil.test"):  # the agent's check, as for any level
+        await fleet.create(isolation="microvm", layers=[LAYER], allow=["http://evil.test"])
     with pytest.raises(errors.InvalidRequest, match="memory_mb"):
         await fleet.create(isolation="microvm", layers=[LAYER], memory_mb=128)
     with pytest.raises(errors.InvalidRequest, match="host view"):

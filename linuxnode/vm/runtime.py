@@ -65,9 +65,12 @@ class Shape:
     vcpus: int
     memory_mb: int  # guest RAM
     layers: tuple[str, ...]  # digests, bottom first
+    network: bool = False  # a user-mode NIC (a device: a state with one restores only with one)
 
     def key(self, guest: GuestImage, accelerator: Accelerator) -> str:
         text = f"{guest.digest}|{accelerator.name}|{self.vcpus}|{self.memory_mb}|{','.join(self.layers)}"
+        if self.network:
+            text += "|net"
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -98,7 +101,8 @@ class MicroVMs:
         run_dir = self.vms_dir / sandbox_id
         run_dir.mkdir()
         spec = MachineSpec(self.guest, self.accelerator, shape.vcpus, shape.memory_mb, tuple(map(str, images)),
-                           Path("."), disk_mb=disk_mb, incoming=state is not None, uid=machine.vm_uid(sandbox_id))
+                           Path("."), disk_mb=disk_mb, incoming=state is not None, uid=machine.vm_uid(sandbox_id),
+                           network="policed" if shape.network else "")
         try:
             pid = machine.spawn(spec, self.qemu, cgroup_procs, netns, state, cwd=run_dir)
         except OSError as exc:
@@ -155,7 +159,8 @@ class MicroVMs:
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir()
         spec = MachineSpec(self.guest, self.accelerator, shape.vcpus, shape.memory_mb, tuple(map(str, images)),
-                           Path("."), uid=machine.vm_uid(key))
+                           Path("."), uid=machine.vm_uid(key),
+                           network="sealed" if shape.network else "")
         pid = machine.spawn(spec, self.qemu, [], "", None, cwd=run_dir)
         stat = procfs.read_stat(pid)
         partial = state.with_suffix(".part")
