@@ -20,7 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from linuxnode.vm import frames
-from linuxnode.vm.frames import Answer, Data, Done, Exited, Failed, GuestProtocolError, Hello, Output, Pong, Started
+from linuxnode.vm.frames import (Answer, Data, Done, Exited, Failed, GuestProtocolError, Hello, Output, PortAcked,
+                                 PortClosed, PortData, PortEof, PortOpened, Pong, Started)
+from linuxnode.vm.ports import GuestPort
 
 REPLY_TIMEOUT_S = 30.0  # a request's answer: ms when quiet, seconds for a TCG guest on a loaded node
 
@@ -62,6 +64,7 @@ class AgentChannel:
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Answer]] = {}
         self._commands: dict[int, GuestCommand] = {}
+        self._ports: dict[int, GuestPort] = {}  # forwarded connections (ports.py)
         self._hello: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._frames = frames.FrameReader()
         self._pump = asyncio.ensure_future(self._read())
@@ -119,6 +122,16 @@ class AgentChannel:
                 command.exited.set_result(answer.status)
                 command.on_exit(answer.status)
             return
+        if isinstance(answer, (PortData, PortAcked, PortEof, PortClosed)):
+            port = self._ports.get(answer.id)
+            if port is None and self._resetting:
+                return
+            if port is None:
+                raise GuestProtocolError(f"{_kind(answer)} for connection {answer.id}, which is not open")
+            port.take(answer)
+            if isinstance(answer, PortClosed):
+                del self._ports[answer.id]
+            return
         waiting = self._waiting.pop(answer.id, None)
         if waiting is None and self._resetting:
             return  # an answer to the earlier launcher
@@ -143,6 +156,9 @@ class AgentChannel:
                 command.exited.set_exception(GuestBroken(why))
                 command.exited.exception()  # retrieved: nobody may be waiting on it
         self._commands.clear()
+        for port in self._ports.values():
+            port.broken(why)
+        self._ports.clear()
         if not self._hello.done():
             self._hello.set_exception(GuestBroken(why))
             self._hello.exception()
@@ -264,6 +280,50 @@ class AgentChannel:
                 raise ValueError(f"larger than {max_bytes} bytes")
             if answer.eof:
                 return bytes(out)
+
+    # -- port forwards (ports.py) ---------------------------------------------------------------
+
+    async def open_port(self, ipv6: bool, port: int) -> GuestPort:
+        """A connection the agent opened to the guest's loopback at `port`; ConnectionRefusedError
+        (or another OSError of the guest's connect) when it could not."""
+        request_id = next(self._ids)
+        opened = GuestPort(request_id)
+        self._ports[request_id] = opened  # its data may follow `opened` in the same read
+        try:
+            answer = await self._ask(request_id, frames.port_open_request(request_id, ipv6, port))
+        except BaseException:
+            self._ports.pop(request_id, None)
+            raise
+        if isinstance(answer, Failed):
+            self._ports.pop(request_id, None)
+            raise OSError(answer.errno, f"{answer.what} to port {port} in the guest")
+        if not isinstance(answer, PortOpened):
+            raise self._lie(answer, "opened")
+        return opened
+
+    def send_port(self, frame: bytes) -> None:
+        self._send(frame)
+
+    async def close_port(self, port: GuestPort) -> None:
+        """Close the guest's end and wait for its `pclosed` (a guest that never sends it is silent)."""
+        if self.broken or port.id not in self._ports or port.closing:
+            return
+        port.closing = True
+        self._send(frames.request(frames.Op.PORT_CLOSE, port.id))
+        try:
+            async with asyncio.timeout(self.reply_timeout):
+                await asyncio.shield(port.closed)
+        except TimeoutError:
+            self._break(f"the guest agent did not close connection {port.id} in {self.reply_timeout:g} s")
+
+    async def port_listens(self, ipv6: bool, port: int) -> bool:
+        request_id = next(self._ids)
+        answer = await self._ask(request_id, frames.port_listens_request(request_id, ipv6, port))
+        if isinstance(answer, Failed):
+            raise OSError(answer.errno, f"{answer.what} in the guest")
+        if not isinstance(answer, Done) or answer.count > 1:
+            raise self._lie(answer, "done")
+        return bool(answer.count)
 
     def fail(self, why: str) -> GuestBroken:
         """The node found the guest wanting (a killed command that never ended): cut it off."""

@@ -22,6 +22,10 @@ from msgspec import Meta
 MAX_FRAME = (1 << 20) + 64  # the agent's own cap on a frame, plus its msgpack header
 CHUNK = 64 << 10  # what the agent reads from a command's pipe at once
 MAX_READ = 8 * CHUNK  # the most one read-file answer carries
+# A forwarded connection's bytes in flight each way, acknowledged by the receiving end as it
+# passes them on: a guest that sends beyond the node's acks is breaking the protocol, and the
+# agent never holds more than this of the node's for a socket that does not read.
+PORT_WINDOW = 4 * CHUNK
 _LEN = struct.Struct(">I")
 
 
@@ -39,6 +43,13 @@ class Op(IntEnum):
     PING = 7
     SETUP = 8
     RESET = 9
+    # port forwards (see PORT_WINDOW): a TCP connection the agent opens to the guest's loopback
+    PORT_OPEN = 10
+    PORT_DATA = 11
+    PORT_EOF = 12  # the node's side is done writing: the agent shuts down its socket's write side
+    PORT_CLOSE = 13
+    PORT_ACK = 14  # the node has passed on this many bytes of the guest's
+    PORT_LISTENS = 15
 
 
 # -- requests -----------------------------------------------------------------------------------
@@ -81,6 +92,20 @@ def signal_request(request_id: int, number: int) -> bytes:
 
 def setup_request(request_id: int, disk_mb: int) -> bytes:
     return request(Op.SETUP, request_id, _LEN.pack(disk_mb))
+
+
+def port_open_request(request_id: int, ipv6: bool, port: int) -> bytes:
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} is not a TCP port")
+    return request(Op.PORT_OPEN, request_id, _LEN.pack(6 if ipv6 else 4) + _LEN.pack(port))
+
+
+def port_listens_request(request_id: int, ipv6: bool, port: int) -> bytes:
+    return request(Op.PORT_LISTENS, request_id, _LEN.pack(6 if ipv6 else 4) + _LEN.pack(port))
+
+
+def port_ack_request(port_id: int, count: int) -> bytes:
+    return request(Op.PORT_ACK, port_id, _LEN.pack(count))
 
 
 def _path(path: str) -> str:
@@ -143,7 +168,34 @@ class Done(_Answer, tag="done"):
     count: Annotated[int, Meta(ge=0, le=0xFFFFFFFF)]
 
 
-Answer = Union[Hello, Pong, Started, Output, Exited, Failed, Data, Done]
+class PortOpened(_Answer, tag="opened"):
+    id: RequestId
+
+
+class PortData(_Answer, tag="pdata"):
+    id: RequestId
+    data: Annotated[bytes, Meta(min_length=1, max_length=CHUNK)]
+
+
+class PortAcked(_Answer, tag="packed"):
+    id: RequestId
+    count: Annotated[int, Meta(ge=1, le=PORT_WINDOW)]
+
+
+class PortEof(_Answer, tag="peof"):
+    """The guest's socket will send no more (it shut down its write side, or closed)."""
+
+    id: RequestId
+
+
+class PortClosed(_Answer, tag="pclosed"):
+    """The answer to the node's PORT_CLOSE: the agent has closed its socket."""
+
+    id: RequestId
+
+
+Answer = Union[Hello, Pong, Started, Output, Exited, Failed, Data, Done, PortOpened, PortData, PortAcked, PortEof,
+               PortClosed]
 _decoder = msgspec.msgpack.Decoder(Answer)
 
 

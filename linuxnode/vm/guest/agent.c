@@ -23,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netinet/in.h>
 #include <sys/mount.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -40,7 +41,8 @@
 #define MAX_PROCS 64
 
 enum { OP_EXEC = 1, OP_STDIN = 2, OP_CLOSE_STDIN = 3, OP_SIGNAL = 4, OP_WRITE_FILE = 5,
-       OP_READ_FILE = 6, OP_PING = 7, OP_SETUP = 8, OP_RESET = 9 };
+       OP_READ_FILE = 6, OP_PING = 7, OP_SETUP = 8, OP_RESET = 9, OP_PORT_OPEN = 10, OP_PORT_DATA = 11,
+       OP_PORT_EOF = 12, OP_PORT_CLOSE = 13, OP_PORT_ACK = 14, OP_PORT_LISTENS = 15 };
 
 #define MAX_PENDING (16u << 20) /* stdin a command has not read yet, held here for it */
 
@@ -55,6 +57,22 @@ struct proc {
 };
 
 static struct proc procs[MAX_PROCS];
+
+/* A port forward: a TCP connection this agent opened to the guest's loopback for the node. Each
+ * way at most PORT_WINDOW bytes are in flight: we send no more than the node has acknowledged,
+ * and acknowledge the node's as our socket takes them. */
+#define MAX_CONNS 64
+#define PORT_WINDOW (4u * CHUNK)
+struct conn {
+    uint32_t id;
+    int fd; /* 0: a free slot (fd 0 is /dev/console's or closed, never a socket of ours) */
+    unsigned char *pending; /* the node's bytes the socket has not taken yet */
+    uint32_t pending_len;
+    uint32_t unacked; /* ours the node has not acknowledged */
+    int shut_pending; /* the node's side ended: shut our write side once pending is written */
+    int read_done; /* "peof" sent */
+};
+static struct conn conns[MAX_CONNS];
 static int port = -1;
 static unsigned char *rx;
 static uint32_t rx_len;
@@ -283,6 +301,112 @@ static void queue_stdin(struct proc *pr, const unsigned char *p, uint32_t n) {
     flush_stdin(pr);
 }
 
+
+/* -- port forwards ------------------------------------------------------------------------- */
+
+static struct conn *find_conn(uint32_t id) {
+    for (int i = 0; i < MAX_CONNS; i++)
+        if (conns[i].fd > 0 && conns[i].id == id) return &conns[i];
+    return NULL;
+}
+
+static void send_id(const char *kind, uint32_t id) { begin(kind, 1); mp_uint(id); send_frame(); }
+
+static void conn_read_done(struct conn *cn) {
+    if (!cn->read_done) { cn->read_done = 1; send_id("peof", cn->id); }
+}
+
+static void do_port_open(uint32_t id, struct cursor *c) {
+    uint32_t family = get_u32(c), port = get_u32(c);
+    if (c->bad || (family != 4 && family != 6) || port == 0 || port > 65535) {
+        send_failed(id, EINVAL, "bad port request"); return;
+    }
+    struct conn *slot = NULL;
+    for (int i = 0; i < MAX_CONNS && !slot; i++) if (conns[i].fd <= 0) slot = &conns[i];
+    if (!slot || find_conn(id)) { send_failed(id, slot ? EEXIST : EAGAIN, "too many connections"); return; }
+    int fd = socket(family == 6 ? AF_INET6 : AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) { send_failed(id, errno, "socket"); return; }
+    if (fd == 0) { int moved = fcntl(fd, F_DUPFD_CLOEXEC, 3); close(fd); fd = moved; }
+    /* A listener with a full accept queue would hold a blocking connect for minutes. */
+    struct timeval limit = {.tv_sec = 5};
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof limit);
+    int r;
+    if (family == 6) {
+        struct sockaddr_in6 a = {.sin6_family = AF_INET6, .sin6_port = htons(port), .sin6_addr = IN6ADDR_LOOPBACK_INIT};
+        do r = connect(fd, (struct sockaddr *)&a, sizeof a); while (r < 0 && errno == EINTR);
+    } else {
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        do r = connect(fd, (struct sockaddr *)&a, sizeof a); while (r < 0 && errno == EINTR);
+    }
+    if (r < 0) { int e = errno; close(fd); send_failed(id, e == EINPROGRESS ? ETIMEDOUT : e, "connect"); return; }
+    fcntl(fd, F_SETFL, O_NONBLOCK);
+    *slot = (struct conn){.id = id, .fd = fd};
+    send_id("opened", id);
+}
+
+/* What the socket takes now; the rest when poll says POLLOUT. Each write is acknowledged, so
+ * the node may send more; bytes a broken socket cannot take are acknowledged too (dropped),
+ * so the node never waits for room that will not come. */
+static void flush_conn(struct conn *cn) {
+    while (cn->pending_len) {
+        ssize_t w = send(cn->fd, cn->pending, cn->pending_len, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0 && errno == EAGAIN) return;
+        if (w <= 0) { w = cn->pending_len; conn_read_done(cn); }
+        memmove(cn->pending, cn->pending + w, cn->pending_len - w);
+        cn->pending_len -= w;
+        begin("packed", 2); mp_uint(cn->id); mp_uint(w); send_frame();
+    }
+    if (cn->shut_pending) { shutdown(cn->fd, SHUT_WR); cn->shut_pending = 0; }
+}
+
+static void port_data(struct conn *cn, const unsigned char *p, uint32_t n) {
+    if (!n || cn->shut_pending) return;
+    if (n > PORT_WINDOW - cn->pending_len) n = PORT_WINDOW - cn->pending_len; /* the node keeps to it */
+    unsigned char *grown = realloc(cn->pending, cn->pending_len + n);
+    if (!grown) return;
+    cn->pending = grown;
+    memcpy(cn->pending + cn->pending_len, p, n);
+    cn->pending_len += n;
+    flush_conn(cn);
+}
+
+static void pump_conn(struct conn *cn) {
+    static unsigned char buf[CHUNK];
+    uint32_t room = PORT_WINDOW - cn->unacked;
+    ssize_t n;
+    do n = recv(cn->fd, buf, room < CHUNK ? room : CHUNK, 0); while (n < 0 && errno == EINTR);
+    if (n < 0 && errno == EAGAIN) return;
+    if (n <= 0) { conn_read_done(cn); return; }
+    cn->unacked += n;
+    begin("pdata", 2); mp_uint(cn->id); mp_bin(buf, n); send_frame();
+}
+
+static void free_conn(struct conn *cn) {
+    close(cn->fd);
+    free(cn->pending);
+    memset(cn, 0, sizeof *cn);
+}
+
+/* Whether a TCP socket listens on the loopback (or any) address at `port`: /proc/net/tcp{,6}
+ * rows "sl local_address rem_address st ...", st 0A being LISTEN. */
+static void do_port_listens(uint32_t id, struct cursor *c) {
+    uint32_t family = get_u32(c), port = get_u32(c);
+    if (c->bad || (family != 4 && family != 6)) { send_failed(id, EINVAL, "bad port request"); return; }
+    FILE *f = fopen(family == 6 ? "/proc/net/tcp6" : "/proc/net/tcp", "re");
+    if (!f) { send_failed(id, errno, "/proc/net/tcp"); return; }
+    char line[512], local[64], state[8];
+    unsigned found = 0, at;
+    const char *loop = family == 6 ? "00000000000000000000000001000000" : "0100007F";
+    const char *any = family == 6 ? "00000000000000000000000000000000" : "00000000";
+    while (fgets(line, sizeof line, f)) {
+        if (sscanf(line, " %*d: %63[0-9A-Fa-f]:%x %*s %7s", local, &at, state) != 3) continue;
+        if (at == port && strcmp(state, "0A") == 0 && (!strcmp(local, loop) || !strcmp(local, any))) found = 1;
+    }
+    fclose(f);
+    send_done(id, found);
+}
+
 /* A new node end (the launcher restarted): what ran for the old one is killed and forgotten,
  * since nobody waits for its output or exit any more. */
 static void do_reset(uint32_t id) {
@@ -295,6 +419,7 @@ static void do_reset(uint32_t id) {
         free(pr->pending);
         memset(pr, 0, sizeof *pr);
     }
+    for (int i = 0; i < MAX_CONNS; i++) if (conns[i].fd > 0) free_conn(&conns[i]);
     send_done(id, killed);
 }
 
@@ -305,6 +430,7 @@ static void handle(const unsigned char *p, uint32_t n) {
     c.p++; c.left--;
     uint32_t id = get_u32(&c);
     struct proc *pr;
+    struct conn *cn;
     switch (op) {
     case OP_EXEC: do_exec(id, &c); break;
     case OP_STDIN:
@@ -325,6 +451,22 @@ static void handle(const unsigned char *p, uint32_t n) {
     case OP_READ_FILE: do_read_file(id, &c); break;
     case OP_SETUP: do_setup(id, &c); break;
     case OP_RESET: do_reset(id); break;
+    case OP_PORT_OPEN: do_port_open(id, &c); break;
+    case OP_PORT_LISTENS: do_port_listens(id, &c); break;
+    case OP_PORT_DATA:
+        if ((cn = find_conn(id))) port_data(cn, c.p, c.left);
+        break;
+    case OP_PORT_EOF:
+        if ((cn = find_conn(id))) { cn->shut_pending = 1; flush_conn(cn); }
+        break;
+    case OP_PORT_ACK: {
+        uint32_t n = get_u32(&c);
+        if ((cn = find_conn(id)) && !c.bad) cn->unacked -= n < cn->unacked ? n : cn->unacked;
+        break;
+    }
+    case OP_PORT_CLOSE: /* answered once; a port we do not hold was closed already */
+        if ((cn = find_conn(id))) { free_conn(cn); send_id("pclosed", id); }
+        break;
     case OP_PING: {
         struct utsname u; uname(&u);
         begin("pong", 2); mp_uint(id); mp_str(u.release); send_frame();
@@ -406,8 +548,9 @@ int main(void) {
     struct utsname u; uname(&u);
     begin("hello", 1); mp_str(u.release); send_frame();
     for (;;) {
-        struct pollfd fds[2 + 3 * MAX_PROCS];
-        struct proc *owner[2 + 3 * MAX_PROCS];
+        struct pollfd fds[2 + 3 * MAX_PROCS + MAX_CONNS];
+        struct proc *owner[2 + 3 * MAX_PROCS + MAX_CONNS];
+        struct conn *owner_conn[2 + 3 * MAX_PROCS + MAX_CONNS];
         int nfds = 0;
         fds[nfds++] = (struct pollfd){.fd = port, .events = POLLIN};
         fds[nfds++] = (struct pollfd){.fd = sfd, .events = POLLIN};
@@ -418,13 +561,27 @@ int main(void) {
             if (pr->err >= 0) { owner[nfds] = pr; fds[nfds++] = (struct pollfd){.fd = pr->err, .events = POLLIN}; }
             if (pr->in >= 0 && pr->pending_len) { owner[nfds] = pr; fds[nfds++] = (struct pollfd){.fd = pr->in, .events = POLLOUT}; }
         }
+        int first_conn = nfds;
+        for (int i = 0; i < MAX_CONNS; i++) {
+            struct conn *cn = &conns[i];
+            short events = (cn->read_done || cn->unacked >= PORT_WINDOW ? 0 : POLLIN) | (cn->pending_len ? POLLOUT : 0);
+            if (cn->fd <= 0 || !events) continue;
+            owner_conn[nfds] = cn;
+            fds[nfds++] = (struct pollfd){.fd = cn->fd, .events = events};
+        }
         if (poll(fds, nfds, -1) < 0) continue;
         if (fds[1].revents) {
             struct signalfd_siginfo si;
             while (read(sfd, &si, sizeof si) > 0) {}
             reap();
         }
-        for (int i = 2; i < nfds; i++) {
+        for (int i = first_conn; i < nfds; i++) {
+            struct conn *cn = owner_conn[i];
+            if (fds[i].revents & POLLOUT || (cn->pending_len && fds[i].revents & (POLLERR | POLLHUP))) flush_conn(cn);
+            if (cn->fd > 0 && fds[i].revents & (POLLIN | POLLERR | POLLHUP) && !cn->read_done && cn->unacked < PORT_WINDOW)
+                pump_conn(cn);
+        }
+        for (int i = 2; i < first_conn; i++) {
             if (!fds[i].revents) continue;
             struct proc *pr = owner[i];
             if (fds[i].fd == pr->out) pump(pr, &pr->out, 1);

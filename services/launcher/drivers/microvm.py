@@ -3,14 +3,15 @@ stack as read-only disks, everything inside reached through the guest agent.
 
 The hypervisor is the boundary: QEMU runs in the sandbox's cgroups (so freeze is pause, the
 memory limit holds guest RAM and QEMU together, kill is destroy) and network namespace, with
-its seccomp sandbox on and no network device. The composed overlay the layer-cache makes for
+its seccomp sandbox on and no network device unless the sandbox has allow rules (then a
+user-mode NIC whose host-side sockets the node's egress policing sees). The composed overlay the layer-cache makes for
 every sandbox is not entered: its mounts only say which image files to attach
 (linuxnode/vm/layer_disks.py). A guest that breaks the agent protocol, floods it with what it
 does not allow or stops answering is killed on the spot; the launcher then sees QEMU end and
 fails the sandbox (`process_exited`), and the log says why.
 
-Not yet at this level (each a typed Unsupported): egress allow rules (no network at all),
-port forwards, chunked transfers and the file tree, watches, terminals, checkpoints.
+Not yet at this level (each a typed Unsupported): chunked transfers and the file tree,
+watches, terminals, checkpoints.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import math
 import os
 import signal
+import socket
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,7 @@ from sandfleet import errors
 from linuxnode import cgroups
 from linuxnode import process as process_runtime
 from linuxnode.vm import layer_disks, machine
+from linuxnode.vm import ports as vm_ports
 from linuxnode.vm.channel import AgentChannel, CommandFailed, GuestBroken, GuestCommand
 from linuxnode.vm.guest_image import GuestImage, default_dir
 from linuxnode.vm.runtime import MicroVMs, RunningVM, Shape, VMStartError
@@ -70,6 +73,7 @@ class VMSandbox:
     frozen: bool = False
     killed: str = ""  # why the node killed the guest
     commands: set[GuestCommand] = field(default_factory=set)
+    forwards: set[asyncio.Future] = field(default_factory=set)  # port forwards being carried
 
     @property
     def anchor(self) -> Anchor:
@@ -90,6 +94,16 @@ def _unsupported(what: str) -> Unsupported:
     return Unsupported(f"{what} is not supported for isolation 'microvm' yet")
 
 
+def _loopback_is_ipv6(host: str) -> bool:
+    """A forward reaches the guest's loopback only: the guest's own NIC address is slirp's, the
+    same in every guest, and nothing the node can name from outside."""
+    if host in ("127.0.0.1", "localhost"):
+        return False
+    if host == "::1":
+        return True
+    raise Unsupported(f"a microvm forwards to its loopback (127.0.0.1 or ::1), not to {host!r}")
+
+
 def _exit_code(status: int) -> int:
     code = os.waitstatus_to_exitcode(status)
     return 128 - code if code < 0 else code
@@ -106,8 +120,13 @@ class MicroVMDriver:
                     rootfs: Rootfs | None) -> Instance:
         if rootfs is None:
             raise LaunchRefused("a microvm has no host view: name its layers, e.g. layers=['base']")
-        if spec.allow:
-            raise errors.Unsupported("a microvm has no network yet: egress allow rules are not supported at this level")
+        # With allow rules the guest gets a user-mode NIC: its traffic leaves as QEMU's own sockets
+        # in the sandbox's namespace and cgroup, so the agent's veth, BPF allowlist, DNS stub and
+        # violation reports apply unchanged (linuxnode/vm/machine.py network_args).
+        network = bool(spec.allow)
+        if network and not confinement.address:
+            raise errors.Unsupported("egress allow rules need the node's egress network, which gave this "
+                                     "sandbox no address")
         try:
             guest_mb = machine.guest_memory_mb(spec.memory_mb)
         except ValueError as exc:
@@ -116,7 +135,8 @@ class MicroVMDriver:
             images = await asyncio.to_thread(layer_disks.images_under, rootfs.path)
         except layer_disks.NoLayerImages as exc:
             raise StartFailed(f"no layer images to attach: {exc}") from None
-        shape = Shape(vcpus=max(1, math.ceil(spec.cpu)), memory_mb=guest_mb, layers=tuple(rootfs.layers))
+        shape = Shape(vcpus=max(1, math.ceil(spec.cpu)), memory_mb=guest_mb, layers=tuple(rootfs.layers),
+                      network=network)
         holder: list[VMSandbox] = []
         try:
             vm = await self.vms.start(sandbox_id, shape, images, spec.disk_mb, confinement.cgroup_procs,
@@ -311,13 +331,43 @@ class MicroVMDriver:
                      memory_peak_bytes=used.memory_peak_bytes, memory_limit_bytes=used.memory_limit_bytes,
                      disk_bytes=-1, processes=used.processes, interfaces=[])
 
-    # -- not at this level yet -------------------------------------------------------------------
+    # -- ports: through the agent, to the guest's own loopback (linuxnode/vm/ports.py) ----------
 
-    async def connect_port(self, instance: Instance, host: str, port: int):
-        raise _unsupported("port forwarding")
+    async def connect_port(self, instance: Instance, host: str, port: int) -> socket.socket:
+        sandbox = self._usable(instance)
+        ipv6 = _loopback_is_ipv6(host)
+        try:
+            opened = await sandbox.channel.open_port(ipv6, port)
+        except GuestBroken as exc:
+            raise SandboxGone(f"the microVM is gone: {exc}") from None
+        theirs, ours = vm_ports.make_pair()
+        task = asyncio.ensure_future(vm_ports.forward(sandbox.channel, opened, ours))
+        sandbox.forwards.add(task)
+        task.add_done_callback(sandbox.forwards.discard)
+        return theirs
 
     def port_listens(self, instance: Instance, host: str, port: int) -> bool:
-        raise _unsupported("port forwarding")
+        """Asked of the guest from a worker thread. The launcher's probe calls it on the event
+        loop's thread, which cannot wait for the guest's answer: there it says yes, and a port
+        nobody listens on is refused at the forward's first connection instead of at `forward()`
+        (the launcher awaiting `listening` would close that gap)."""
+        sandbox = self._usable(instance)
+        ipv6 = _loopback_is_ipv6(host)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self._on_loop(sandbox, lambda: sandbox.channel.port_listens(ipv6, port))
+        return True
+
+    async def listening(self, instance: Instance, host: str, port: int) -> bool:
+        """`port_listens`, asked of the guest's agent (its /proc/net/tcp) from the event loop."""
+        sandbox = self._usable(instance)
+        try:
+            return await sandbox.channel.port_listens(_loopback_is_ipv6(host), port)
+        except GuestBroken as exc:
+            raise SandboxGone(f"the microVM is gone: {exc}") from None
+
+    # -- not at this level yet -------------------------------------------------------------------
 
     def open_upload(self, instance: Instance, path: str, kind: str, mode: int, depth: int):
         raise _unsupported("chunked uploads")
