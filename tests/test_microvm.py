@@ -39,7 +39,7 @@ async def guest(fleet, platform, tmp_path_factory) -> GuestImage:
     require(isinstance(found, GuestImage), f"a built guest ({found})")
     assert isinstance(found, GuestImage)
     src = tmp_path_factory.mktemp("vm-src") / "base"
-    make_busybox_base(src, hostname="vm", applets=(*APPLETS, "uname", "printf", "cut", "grep", "wc"))
+    make_busybox_base(src, hostname="vm", applets=(*APPLETS, "uname", "printf", "cut", "grep", "wc", "stty", "tty", "pwd"))
     await Layers(fleet.bus).build_dir(LAYER, src)
     # The module's machine state, booted and saved by the first create. Under TCG on a loaded
     # node that boot can outlast placement's 30 s launch budget; the node finishes saving it
@@ -104,6 +104,42 @@ async def test_a_microvm_runs_the_guest_kernel_and_leaves_nothing(fleet, platfor
         timed = await sb.exec(["sleep", "30"], timeout_s=1)
         assert timed.timed_out
         assert (await sb.exec(["true"])).exit_code == 0
+    finally:
+        await sb.destroy()
+    assert await _gone(platform, sb.id) == []
+
+
+async def test_a_microvm_has_terminals_and_shell_sessions(fleet, platform, guest):
+    """A terminal of the guest's own devpts (the agent holds its master): the controlling tty of
+    its command, sized and resized from the node; `sb.shell()` rides on a background process."""
+    import re
+
+    from tests.test_pty import Screen
+
+    sb = await fleet.create(isolation="microvm", layers=[LAYER], memory_mb=MEMORY_MB)
+    try:
+        term = await sb.pty(["sh", "-c", "tty; stty size; [ -t 0 ] && [ -t 2 ] && echo 'is''atty'"], cols=90, rows=20)
+        assert (await term.wait()).exit_code == 0
+        assert re.fullmatch(rb"/dev/pts/\d+\r\n20 90\r\nisatty\r\n", b"".join([c async for c in term.output(0)]))
+        term = await sb.pty(["sh"], cols=80, rows=24)
+        screen = Screen(term)
+        await term.write(b"stty size\r")
+        await screen.until(r"\b24 80\r\n")
+        await term.resize(132, 50)
+        await term.write(b"stty size; echo sid=$(cut -d' ' -f6 /proc/$$/stat) pid=$$\r")
+        await screen.until(r"\b50 132\r\n")
+        found = await screen.until(r"sid=(\d+) pid=(\d+)")
+        assert found[1] == found[2]  # a session leader with the terminal as its controlling tty
+        await term.write(b"exit 7\r")
+        assert (await term.wait()).exit_code == 7
+        with pytest.raises(errors.InvalidRequest):
+            await sb.pty(["sh"], cols=0, rows=24)
+        sh = await sb.shell()
+        try:
+            assert (await sh.run("cd /tmp && export X=kept")).exit_code == 0
+            assert (await sh.run("pwd; echo $X")).stdout == b"/tmp\nkept\n"
+        finally:
+            await sh.close()
     finally:
         await sb.destroy()
     assert await _gone(platform, sb.id) == []

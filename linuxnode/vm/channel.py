@@ -222,13 +222,16 @@ class AgentChannel:
             raise self._lie(answer, "done")
 
     async def start(self, argv: list[str], env: dict[str, str], cwd: str,
-                    on_output: Callable[[int, bytes], None], on_exit: Callable[[int], None]) -> GuestCommand:
-        """A command running in the guest; OSError (its errno) if it could not start there."""
+                    on_output: Callable[[int, bytes], None], on_exit: Callable[[int], None],
+                    terminal: tuple[int, int] | None = None) -> GuestCommand:
+        """A command running in the guest (on a terminal of `terminal` (cols, rows)); OSError
+        (its errno) if it could not start there."""
         request_id = next(self._ids)
+        frame = frames.exec_request(request_id, argv, env, cwd, terminal)
         command = GuestCommand(request_id, on_output, on_exit)
         self._commands[request_id] = command  # its output may follow `started` in the same read
         try:
-            answer = await self._ask(request_id, frames.exec_request(request_id, argv, env, cwd))
+            answer = await self._ask(request_id, frame)
         except BaseException:
             self._commands.pop(request_id, None)
             raise
@@ -250,6 +253,9 @@ class AgentChannel:
 
     def signal(self, command: GuestCommand, number: int) -> None:
         self._send(frames.signal_request(command.id, number))
+
+    def resize(self, command: GuestCommand, cols: int, rows: int) -> None:
+        self._send(frames.request(frames.Op.RESIZE, command.id, frames.window(cols, rows)))
 
     async def write_file(self, path: str, data: bytes, mode: int) -> int:
         written, step = 0, frames.MAX_READ

@@ -50,6 +50,7 @@ class Op(IntEnum):
     PORT_CLOSE = 13
     PORT_ACK = 14  # the node has passed on this many bytes of the guest's
     PORT_LISTENS = 15
+    RESIZE = 16  # a terminal's window
 
 
 # -- requests -----------------------------------------------------------------------------------
@@ -66,7 +67,10 @@ def request(op: Op, request_id: int, body: bytes = b"") -> bytes:
     return _LEN.pack(len(payload)) + payload
 
 
-def exec_request(request_id: int, argv: list[str], env: dict[str, str], cwd: str) -> bytes:
+def exec_request(request_id: int, argv: list[str], env: dict[str, str], cwd: str,
+                 terminal: tuple[int, int] | None = None) -> bytes:
+    """`terminal` (cols, rows): the command's stdin, stdout and stderr are one terminal of the
+    guest's, its output coming as stream 1."""
     if not argv:
         raise ValueError("an empty argv")
     for s in (*argv, cwd, *env, *env.values()):
@@ -74,7 +78,16 @@ def exec_request(request_id: int, argv: list[str], env: dict[str, str], cwd: str
             raise ValueError("a NUL byte in an argument, the environment or the cwd")
     body = _LEN.pack(len(argv)) + _LEN.pack(len(env))
     body += b"".join(_string(a) for a in argv) + b"".join(_string(f"{k}={v}") for k, v in env.items())
-    return request(Op.EXEC, request_id, body + _string(cwd))
+    body += _string(cwd)
+    if terminal is not None:
+        body += _LEN.pack(1) + window(*terminal)
+    return request(Op.EXEC, request_id, body)
+
+
+def window(cols: int, rows: int) -> bytes:
+    if not (1 <= cols <= 1000 and 1 <= rows <= 1000):
+        raise ValueError(f"a terminal of {cols}x{rows} (each 1..1000)")
+    return _LEN.pack(cols) + _LEN.pack(rows)
 
 
 def write_request(request_id: int, path: str, data: bytes, mode: int, append: bool) -> bytes:

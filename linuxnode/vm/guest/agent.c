@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <netinet/in.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -42,7 +43,7 @@
 
 enum { OP_EXEC = 1, OP_STDIN = 2, OP_CLOSE_STDIN = 3, OP_SIGNAL = 4, OP_WRITE_FILE = 5,
        OP_READ_FILE = 6, OP_PING = 7, OP_SETUP = 8, OP_RESET = 9, OP_PORT_OPEN = 10, OP_PORT_DATA = 11,
-       OP_PORT_EOF = 12, OP_PORT_CLOSE = 13, OP_PORT_ACK = 14, OP_PORT_LISTENS = 15 };
+       OP_PORT_EOF = 12, OP_PORT_CLOSE = 13, OP_PORT_ACK = 14, OP_PORT_LISTENS = 15, OP_RESIZE = 16 };
 
 #define MAX_PENDING (16u << 20) /* stdin a command has not read yet, held here for it */
 
@@ -54,6 +55,7 @@ struct proc {
     unsigned char *pending; /* stdin waiting for room in the pipe */
     uint32_t pending_len;
     int close_in; /* close stdin once pending is written */
+    int tty; /* out is a terminal's master (in its dup), err unused */
 };
 
 static struct proc procs[MAX_PROCS];
@@ -154,18 +156,34 @@ static void do_exec(uint32_t id, struct cursor *c) {
     }
     if (!has_path) envp[envc] = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
     char *cwd = get_str(c);
+    /* optional: a terminal of cols x rows instead of pipes */
+    uint32_t tty = c->left >= 12 ? get_u32(c) : 0, cols = tty ? get_u32(c) : 0, rows = tty ? get_u32(c) : 0;
     struct proc *slot = NULL;
     for (int i = 0; i < MAX_PROCS && !slot; i++) if (procs[i].pid == 0) slot = &procs[i];
     if (c->bad || !slot) { send_failed(id, c->bad ? EINVAL : EAGAIN, c->bad ? "bad exec request" : "too many commands"); goto out; }
     int in[2], out[2], err[2], report[2];
-    if (pipe2(in, O_CLOEXEC) || pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC) || pipe2(report, O_CLOEXEC)) {
+    if (tty) {
+        /* The sandbox root's own devpts instance (mounted by /init): its ptys are the guest's. */
+        int master = open(ROOT "/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC), unlock = 0;
+        int slave = master < 0 || ioctl(master, TIOCSPTLCK, &unlock) ? -1 : ioctl(master, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
+        struct winsize ws = {.ws_row = rows, .ws_col = cols};
+        if (slave < 0 || ioctl(master, TIOCSWINSZ, &ws) || (in[1] = fcntl(master, F_DUPFD_CLOEXEC, 3)) < 0) {
+            int e = errno;
+            if (master >= 0) close(master);
+            if (slave >= 0) close(slave);
+            send_failed(id, e, "terminal"); goto out;
+        }
+        in[0] = out[1] = slave; out[0] = master; err[0] = err[1] = -1;
+    } else if (pipe2(in, O_CLOEXEC) || pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC)) {
         send_failed(id, errno, "pipe"); goto out;
     }
+    if (pipe2(report, O_CLOEXEC)) { send_failed(id, errno, "pipe"); goto out; }
     pid_t pid = fork();
     if (pid == 0) {
         sigset_t none; sigemptyset(&none); sigprocmask(SIG_SETMASK, &none, NULL);
         setsid();
-        dup2(in[0], 0); dup2(out[1], 1); dup2(err[1], 2);
+        if (tty) { ioctl(in[0], TIOCSCTTY, 0); dup2(in[0], 0); dup2(in[0], 1); dup2(in[0], 2); }
+        else { dup2(in[0], 0); dup2(out[1], 1); dup2(err[1], 2); }
         int e = 0;
         if (chroot(ROOT) || chdir("/")) e = errno;
         else if (chdir(cwd)) e = -errno; /* negative: the cwd, not the command, is at fault */
@@ -174,19 +192,19 @@ static void do_exec(uint32_t id, struct cursor *c) {
         (void)!write(report[1], &e, sizeof e);
         _exit(127);
     }
-    close(in[0]); close(out[1]); close(err[1]); close(report[1]);
+    close(in[0]); if (!tty) { close(out[1]); close(err[1]); } close(report[1]);
     int e = 0;
     ssize_t got = pid < 0 ? -1 : read(report[0], &e, sizeof e); /* EOF: the exec happened */
     close(report[0]);
     if (pid < 0 || got == sizeof e) {
         if (pid > 0) waitpid(pid, NULL, 0);
-        close(in[1]); close(out[0]); close(err[0]);
+        close(in[1]); close(out[0]); if (err[0] >= 0) close(err[0]);
         if (pid > 0 && e < 0) send_failed(id, -e, "chdir");
         else send_failed(id, pid < 0 ? errno : e, argv[0] ? argv[0] : "");
         goto out;
     }
     fcntl(in[1], F_SETFL, O_NONBLOCK);
-    *slot = (struct proc){.id = id, .pid = pid, .in = in[1], .out = out[0], .err = err[0]};
+    *slot = (struct proc){.id = id, .pid = pid, .in = in[1], .out = out[0], .err = err[0], .tty = !!tty};
     begin("started", 2); mp_uint(id); mp_uint(pid); send_frame();
 out:
     for (uint32_t i = 0; i < argc; i++) free(argv[i]);
@@ -451,6 +469,12 @@ static void handle(const unsigned char *p, uint32_t n) {
     case OP_READ_FILE: do_read_file(id, &c); break;
     case OP_SETUP: do_setup(id, &c); break;
     case OP_RESET: do_reset(id); break;
+    case OP_RESIZE: {
+        uint32_t cols = get_u32(&c), rows = get_u32(&c);
+        struct winsize ws = {.ws_row = rows, .ws_col = cols};
+        if ((pr = find(id)) && pr->tty && pr->out >= 0 && !c.bad) ioctl(pr->out, TIOCSWINSZ, &ws);
+        break;
+    }
     case OP_PORT_OPEN: do_port_open(id, &c); break;
     case OP_PORT_LISTENS: do_port_listens(id, &c); break;
     case OP_PORT_DATA:

@@ -11,7 +11,7 @@ does not allow or stops answering is killed on the spot; the launcher then sees 
 fails the sandbox (`process_exited`), and the log says why.
 
 Not yet at this level (each a typed Unsupported): chunked transfers and the file tree,
-watches, terminals, checkpoints.
+watches, checkpoints.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from linuxnode import cgroups
 from linuxnode import process as process_runtime
 from linuxnode.vm import layer_disks, machine
 from linuxnode.vm import ports as vm_ports
+from linuxnode.vm.frames import window as frames_window
 from linuxnode.vm.channel import AgentChannel, CommandFailed, GuestBroken, GuestCommand
 from linuxnode.vm.guest_image import GuestImage, default_dir
 from linuxnode.vm.runtime import MicroVMs, RunningVM, Shape, VMStartError
@@ -50,6 +51,7 @@ from services.launcher.drivers.base import (
     LaunchRefused,
     NoWritableLayer,
     RunningCommand,
+    RunningTerminal,
     SandboxGone,
     StartFailed,
     StdinClosed,
@@ -214,11 +216,13 @@ class MicroVMDriver:
         return sandbox
 
     async def _start_command(self, sandbox: VMSandbox, command: Command, on_output: Callable[[int, bytes], None],
-                             on_exit: Callable[[int], None]) -> GuestCommand:
+                             on_exit: Callable[[int], None],
+                             terminal: tuple[int, int] | None = None) -> GuestCommand:
         if command.uid >= 0:
             raise _unsupported("running a command as the image's user")
         try:
-            return await sandbox.channel.start(list(command.argv), dict(command.env), command.cwd, on_output, on_exit)
+            return await sandbox.channel.start(list(command.argv), dict(command.env), command.cwd, on_output, on_exit,
+                                               terminal)
         except CommandFailed as exc:
             raise ExecFailed(f"{exc.strerror}: {os.strerror(exc.errno or 0)}") from None
         except GuestBroken as exc:
@@ -382,8 +386,12 @@ class MicroVMDriver:
         raise _unsupported("watching files")
 
     async def spawn_terminal(self, instance: Instance, command: Command, cols: int, rows: int,
-                             on_output: Callable[[int, bytes], None], on_exit: Callable[[int], None]):
-        raise _unsupported("terminals")
+                             on_output: Callable[[int, bytes], None], on_exit: Callable[[int], None]) -> RunningTerminal:
+        """On a terminal of the guest's own devpts (the agent holds its master)."""
+        sandbox = self._usable(instance)
+        frames_window(cols, rows)  # ValueError for a bad size, before anything runs
+        running = await self._start_command(sandbox, command, on_output, on_exit, terminal=(cols, rows))
+        return _GuestTerminal(sandbox, running)
 
 
 class _GuestBackground:
@@ -419,6 +427,14 @@ class _GuestBackground:
 
     def close(self) -> None:
         self.signal(signal.SIGKILL)
+
+
+class _GuestTerminal(_GuestBackground):
+    def resize(self, cols: int, rows: int) -> bool:
+        if self.running.exited.done() or self.sandbox.channel.broken:
+            return False
+        self.sandbox.channel.resize(self.running, cols, rows)
+        return True
 
 
 async def detect_microvm(state_dir: Path) -> tuple[MicroVMDriver | None, str]:
