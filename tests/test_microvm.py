@@ -145,6 +145,43 @@ async def test_a_microvm_has_terminals_and_shell_sessions(fleet, platform, guest
     assert await _gone(platform, sb.id) == []
 
 
+async def test_a_microvm_takes_files_of_any_size_and_its_tree_is_worked_from_outside(fleet, platform, guest,
+                                                                                   tmp_path):
+    """Uploads and downloads of one file in chunks, and stat/list/mkdir/remove/rename, through the
+    agent; the node hashes both ways itself. A directory as one transfer is a typed Unsupported."""
+    sb = await fleet.create(isolation="microvm", layers=[LAYER], memory_mb=MEMORY_MB)
+    try:
+        data = os.urandom((9 << 20) + 12345)  # several chunks, not a whole number of them
+        done = await sb.upload(data, "/workspace/big.bin", mode=0o640)
+        assert done.size == len(data)
+        r = await sb.exec(["sh", "-c", "wc -c < /workspace/big.bin; ls -l /workspace/big.bin | cut -c1-10; "
+                                       "ls -a /workspace | grep -c sandfleet || true"])
+        assert r.stdout.split() == [str(len(data)).encode(), b"-rw-r-----", b"0"], r  # no temporary left
+        back = tmp_path / "back.bin"
+        await sb.download("/workspace/big.bin", back)
+        assert back.read_bytes() == data
+        files = sb.files
+        await files.mkdir("/workspace/a/b/c", parents=True)
+        await sb.write_file("/workspace/a/b/c/x.txt", b"x")
+        await files.rename("/workspace/a/b/c/x.txt", "/workspace/a/y.txt")
+        listed = {(e.path, e.kind) for e in await files.list("/workspace/a", depth=3)}
+        assert listed == {("/workspace/a/b", "dir"), ("/workspace/a/b/c", "dir"), ("/workspace/a/y.txt", "file")}
+        entry = await files.stat("/workspace/big.bin")
+        assert (entry.kind, entry.size, entry.mode) == ("file", len(data), 0o640)
+        with pytest.raises(errors.NotFound):
+            await files.stat("/workspace/nothing")
+        with pytest.raises(errors.InvalidRequest):
+            await files.remove("/workspace/a")  # not empty
+        await files.remove("/workspace/a", recursive=True)
+        assert not await files.exists("/workspace/a")
+        with pytest.raises(errors.Unsupported, match="directory tree"):
+            await sb.download("/workspace", tmp_path / "tree")
+        assert (await sb.exec(["true"])).exit_code == 0
+    finally:
+        await sb.destroy()
+    assert await _gone(platform, sb.id) == []
+
+
 async def test_two_restored_microvms_do_not_share_their_writable_layer(fleet, platform, guest):
     a, b = await asyncio.gather(*(fleet.create(isolation="microvm", layers=[LAYER], memory_mb=MEMORY_MB)
                                   for _ in range(2)))

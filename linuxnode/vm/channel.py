@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from linuxnode.vm import frames
-from linuxnode.vm.frames import (Answer, Data, Done, Exited, Failed, GuestProtocolError, Hello, Output, PortAcked,
-                                 PortClosed, PortData, PortEof, PortOpened, Pong, Started)
+from linuxnode.vm.frames import (Answer, Data, Done, Entries, Exited, Failed, GuestProtocolError, Hello, Output,
+                                 PortAcked, PortClosed, PortData, PortEof, PortOpened, Pong, Started)
 from linuxnode.vm.ports import GuestPort
 
 REPLY_TIMEOUT_S = 30.0  # a request's answer: ms when quiet, seconds for a TCG guest on a loaded node
@@ -257,18 +258,41 @@ class AgentChannel:
     def resize(self, command: GuestCommand, cols: int, rows: int) -> None:
         self._send(frames.request(frames.Op.RESIZE, command.id, frames.window(cols, rows)))
 
-    async def write_file(self, path: str, data: bytes, mode: int) -> int:
+    async def write_file(self, path: str, data: bytes, mode: int, append: bool = False) -> int:
+        """The file made (mode applied) or truncated, or with `append` added to, with `data`."""
         written, step = 0, frames.MAX_READ
         for at in range(0, max(len(data), 1), step):
             request_id = next(self._ids)
             answer = await self._ask(request_id, frames.write_request(request_id, path, data[at:at + step], mode,
-                                                                      append=at > 0))
+                                                                      append=append or at > 0))
             if isinstance(answer, Failed):
                 raise OSError(answer.errno, f"{answer.what}: {path}")
             if not isinstance(answer, Done) or answer.count != len(data[at:at + step]):
                 raise self._lie(answer, "done")
             written += answer.count
         return written
+
+    async def read_at(self, path: str, offset: int, count: int) -> tuple[bytes, bool]:
+        """At most `count` bytes (up to MAX_READ) of the file from `offset`, and whether that was its end."""
+        request_id = next(self._ids)
+        answer = await self._ask(request_id, frames.read_request(request_id, path, offset, count))
+        if isinstance(answer, Failed):
+            raise OSError(answer.errno, f"{answer.what}: {path}")
+        if not isinstance(answer, Data) or len(answer.data) > min(count, frames.MAX_READ):
+            raise self._lie(answer, "data")
+        return answer.data, answer.eof
+
+    async def file_tree(self, op: frames.FsOp, *fields: int | str) -> Entries | None:
+        """One operation on the sandbox's tree (frames.fs_request): the entries of a stat or a
+        listing, None for a change; OSError with the guest's errno when it failed."""
+        request_id = next(self._ids)
+        answer = await self._ask(request_id, frames.fs_request(request_id, op, *fields))
+        if isinstance(answer, Failed):
+            raise OSError(answer.errno, os.strerror(answer.errno), answer.what)
+        listing = op in (frames.FsOp.STAT, frames.FsOp.LIST)
+        if not isinstance(answer, Entries if listing else Done) or (op == frames.FsOp.STAT and len(answer.entries) != 1):
+            raise self._lie(answer, "entries" if listing else "done")
+        return answer if isinstance(answer, Entries) else None
 
     async def read_file(self, path: str, max_bytes: int) -> bytes:
         """The file's first `max_bytes` bytes; ValueError when it is longer."""

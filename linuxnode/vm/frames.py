@@ -51,6 +51,15 @@ class Op(IntEnum):
     PORT_ACK = 14  # the node has passed on this many bytes of the guest's
     PORT_LISTENS = 15
     RESIZE = 16  # a terminal's window
+    FS = 17  # one operation on the file tree (FsOp), done by the agent in the sandbox's root
+
+
+class FsOp(IntEnum):
+    STAT = 1
+    LIST = 2
+    MKDIR = 3
+    REMOVE = 4
+    RENAME = 5
 
 
 # -- requests -----------------------------------------------------------------------------------
@@ -105,6 +114,13 @@ def signal_request(request_id: int, number: int) -> bytes:
 
 def setup_request(request_id: int, disk_mb: int) -> bytes:
     return request(Op.SETUP, request_id, _LEN.pack(disk_mb))
+
+
+def fs_request(request_id: int, op: FsOp, *fields: int | str) -> bytes:
+    """Numbers as u32, strings (paths) as length and bytes, in the op's order: STAT path; LIST
+    depth limit path; MKDIR parents mode path; REMOVE recursive path; RENAME src dst."""
+    body = _LEN.pack(op) + b"".join(_LEN.pack(f) if isinstance(f, int) else _string(_path(f)) for f in fields)
+    return request(Op.FS, request_id, body)
 
 
 def port_open_request(request_id: int, ipv6: bool, port: int) -> bytes:
@@ -207,8 +223,29 @@ class PortClosed(_Answer, tag="pclosed"):
     id: RequestId
 
 
+MAX_LISTED = 10_000
+GuestPath = Annotated[str, Meta(min_length=1, max_length=4096)]
+
+
+class Entry(msgspec.Struct, frozen=True, array_like=True):
+    path: GuestPath
+    kind: Literal["file", "dir", "symlink", "other"]
+    size: Annotated[int, Meta(ge=0, le=1 << 62)]
+    mode: Annotated[int, Meta(ge=0, le=0o7777)]
+    mtime: float
+    target: Annotated[str, Meta(max_length=4096)]
+
+
+class Entries(_Answer, tag="entries"):
+    """A stat (one entry) or a listing, cut where the agent's frame was full (`truncated`)."""
+
+    id: RequestId
+    entries: Annotated[list[Entry], Meta(max_length=MAX_LISTED)]
+    truncated: bool
+
+
 Answer = Union[Hello, Pong, Started, Output, Exited, Failed, Data, Done, PortOpened, PortData, PortAcked, PortEof,
-               PortClosed]
+               PortClosed, Entries]
 _decoder = msgspec.msgpack.Decoder(Answer)
 
 

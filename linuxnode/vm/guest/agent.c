@@ -15,6 +15,7 @@
  */
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <ftw.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -43,7 +44,9 @@
 
 enum { OP_EXEC = 1, OP_STDIN = 2, OP_CLOSE_STDIN = 3, OP_SIGNAL = 4, OP_WRITE_FILE = 5,
        OP_READ_FILE = 6, OP_PING = 7, OP_SETUP = 8, OP_RESET = 9, OP_PORT_OPEN = 10, OP_PORT_DATA = 11,
-       OP_PORT_EOF = 12, OP_PORT_CLOSE = 13, OP_PORT_ACK = 14, OP_PORT_LISTENS = 15, OP_RESIZE = 16 };
+       OP_PORT_EOF = 12, OP_PORT_CLOSE = 13, OP_PORT_ACK = 14, OP_PORT_LISTENS = 15, OP_RESIZE = 16,
+       OP_FS = 17 };
+enum { FS_STAT = 1, FS_LIST = 2, FS_MKDIR = 3, FS_REMOVE = 4, FS_RENAME = 5 };
 
 #define MAX_PENDING (16u << 20) /* stdin a command has not read yet, held here for it */
 
@@ -96,6 +99,8 @@ static void mp_str(const char *s) {
     put_u8(0xdb); put_be32(n); put(s, n);
 }
 static void mp_bin(const void *p, uint32_t n) { put_u8(0xc6); put_be32(n); put(p, n); }
+static void mp_u64(uint64_t v) { put_u8(0xcf); put_be32(v >> 32); put_be32((uint32_t)v); }
+static void mp_f64(double d) { uint64_t v; memcpy(&v, &d, 8); put_u8(0xcb); put_be32(v >> 32); put_be32((uint32_t)v); }
 
 static void begin(const char *kind, uint8_t fields) { tx_len = 0; mp_array(fields + 1); mp_str(kind); }
 
@@ -425,6 +430,150 @@ static void do_port_listens(uint32_t id, struct cursor *c) {
     send_done(id, found);
 }
 
+
+/* -- the file tree: one operation in a child chrooted into the sandbox's root ------------------ */
+
+#define ENTRY_ROOM 8300 /* the most one entry takes in a frame (two 4 KiB paths and its fields) */
+
+static uint32_t listed, list_limit;
+static int list_cut;
+
+static const char *kind_of(mode_t m) {
+    return S_ISREG(m) ? "file" : S_ISDIR(m) ? "dir" : S_ISLNK(m) ? "symlink" : "other";
+}
+
+static void put_entry(const char *path, const struct stat *st) {
+    char target[4097] = "";
+    if (S_ISLNK(st->st_mode)) {
+        ssize_t n = readlink(path, target, sizeof target - 1);
+        target[n > 0 ? n : 0] = 0;
+    }
+    mp_array(6); mp_str(path); mp_str(kind_of(st->st_mode)); mp_u64(st->st_size); mp_uint(st->st_mode & 07777);
+    mp_f64(st->st_mtim.tv_sec + st->st_mtim.tv_nsec / 1e9); mp_str(target);
+    listed++;
+}
+
+static int cmp_names(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* Entries under `dir` (sorted, `depth` levels, never through a symlink), until the limit or the
+ * frame is full (then the listing says it was cut). */
+static void walk(const char *dir, uint32_t depth) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    char **names = NULL;
+    size_t n = 0, cap = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        if (n == cap) { cap = cap ? cap * 2 : 64; names = realloc(names, cap * sizeof *names); }
+        names[n++] = strdup(e->d_name);
+    }
+    closedir(d);
+    qsort(names, n, sizeof *names, cmp_names);
+    for (size_t i = 0; i < n; i++) {
+        char path[4097];
+        struct stat st;
+        if (list_cut || listed >= list_limit || tx_len + ENTRY_ROOM > MAX_FRAME) { list_cut = 1; break; }
+        if (snprintf(path, sizeof path, "%s/%s", strcmp(dir, "/") ? dir : "", names[i]) >= (int)sizeof path) continue;
+        if (lstat(path, &st)) continue;
+        put_entry(path, &st);
+        if (depth > 1 && S_ISDIR(st.st_mode)) walk(path, depth - 1);
+    }
+    for (size_t i = 0; i < n; i++) free(names[i]);
+    free(names);
+}
+
+static int remove_one(const char *path, const struct stat *st, int flag, struct FTW *f) {
+    (void)st; (void)f;
+    return flag == FTW_DP ? rmdir(path) : unlink(path);
+}
+
+static int make_dirs(char *path, uint32_t mode, int parents) {
+    if (!parents) return mkdir(path, mode) ? errno : 0;
+    for (char *p = path + 1; ; p++) {
+        if (*p != '/' && *p) continue;
+        char was = *p;
+        *p = 0;
+        struct stat st;
+        if (mkdir(path, mode) && (errno != EEXIST || stat(path, &st) || !S_ISDIR(st.st_mode))) {
+            int e = errno == EEXIST ? ENOTDIR : errno;
+            *p = was;
+            return e;
+        }
+        *p = was;
+        if (!was) return 0;
+    }
+}
+
+/* The child's work; its answer (a whole frame) goes to `out`. */
+static void fs_child(uint32_t id, uint32_t op, struct cursor *c, int out) {
+    int e = 0;
+    if (chroot(ROOT) || chdir("/")) e = errno;
+    if (op == FS_STAT || op == FS_LIST) {
+        uint32_t depth = op == FS_LIST ? get_u32(c) : 0, limit = op == FS_LIST ? get_u32(c) : 1;
+        char *path = get_str(c);
+        struct stat st;
+        if (!e && (c->bad || !path || path[0] != '/')) e = EINVAL;
+        if (!e && lstat(path, &st)) e = errno;
+        if (!e && op == FS_LIST && !S_ISDIR(st.st_mode)) e = ENOTDIR;
+        if (e) { send_failed(id, e, op == FS_STAT ? "stat" : "list"); goto sent; }
+        begin("entries", 3); mp_uint(id);
+        uint32_t header = tx_len; /* an array32 whose count is set at the end */
+        put_u8(0xdd); put_be32(0);
+        list_limit = limit;
+        if (op == FS_STAT) put_entry(path, &st);
+        else walk(path, depth);
+        uint8_t count[4] = {listed >> 24, listed >> 16, listed >> 8, listed};
+        memcpy(tx + 4 + header + 1, count, 4);
+        mp_bool(list_cut);
+        send_frame();
+        goto sent;
+    }
+    uint32_t flag = op == FS_RENAME ? 0 : get_u32(c), mode = op == FS_MKDIR ? get_u32(c) : 0;
+    char *path = get_str(c), *dst = op == FS_RENAME ? get_str(c) : NULL;
+    if (!e && (c->bad || !path || (op == FS_RENAME && !dst))) e = EINVAL;
+    struct stat st;
+    if (e) {}
+    else if (op == FS_MKDIR) e = make_dirs(path, mode & 07777, flag);
+    else if (op == FS_RENAME) e = rename(path, dst) ? errno : 0;
+    else if (lstat(path, &st)) e = errno;
+    else if (!S_ISDIR(st.st_mode)) e = unlink(path) ? errno : 0;
+    else if (flag) e = nftw(path, remove_one, 32, FTW_DEPTH | FTW_PHYS) ? errno : 0;
+    else e = rmdir(path) ? errno : 0;
+    if (e) send_failed(id, e, op == FS_MKDIR ? "mkdir" : op == FS_RENAME ? "rename" : "remove");
+    else send_done(id, 0);
+sent:
+    (void)out;
+}
+
+static void do_fs(uint32_t id, struct cursor *c) {
+    uint32_t op = get_u32(c);
+    if (c->bad || op < FS_STAT || op > FS_RENAME) { send_failed(id, EINVAL, "bad file request"); return; }
+    int fds[2];
+    if (pipe2(fds, O_CLOEXEC)) { send_failed(id, errno, "pipe"); return; }
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(fds[0]);
+        port = fds[1]; /* the child's frame goes to the pipe, whole, and the agent sends it on */
+        fs_child(id, op, c, fds[1]);
+        _exit(0);
+    }
+    close(fds[1]);
+    if (pid < 0) { close(fds[0]); send_failed(id, errno, "fork"); return; }
+    uint32_t got = 0;
+    ssize_t n;
+    while (got < sizeof tx && (n = read(fds[0], tx + got, sizeof tx - got)) != 0) {
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) break;
+        got += n;
+    }
+    close(fds[0]);
+    waitpid(pid, NULL, 0);
+    if (got < 4) { send_failed(id, EIO, "file request"); return; }
+    tx_len = got - 4;
+    send_frame();
+}
+
 /* A new node end (the launcher restarted): what ran for the old one is killed and forgotten,
  * since nobody waits for its output or exit any more. */
 static void do_reset(uint32_t id) {
@@ -475,6 +624,7 @@ static void handle(const unsigned char *p, uint32_t n) {
         if ((pr = find(id)) && pr->tty && pr->out >= 0 && !c.bad) ioctl(pr->out, TIOCSWINSZ, &ws);
         break;
     }
+    case OP_FS: do_fs(id, &c); break;
     case OP_PORT_OPEN: do_port_open(id, &c); break;
     case OP_PORT_LISTENS: do_port_listens(id, &c); break;
     case OP_PORT_DATA:

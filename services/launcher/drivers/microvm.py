@@ -10,8 +10,8 @@ every sandbox is not entered: its mounts only say which image files to attach
 does not allow or stops answering is killed on the spot; the launcher then sees QEMU end and
 fails the sandbox (`process_exited`), and the log says why.
 
-Not yet at this level (each a typed Unsupported): chunked transfers and the file tree,
-watches, checkpoints.
+Not yet at this level (each a typed Unsupported): directory trees as one transfer (files of any
+size and the tree's operations work), watches, checkpoints.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from sandfleet import errors
 from linuxnode import cgroups
 from linuxnode import process as process_runtime
 from linuxnode.vm import layer_disks, machine
+from linuxnode.vm import files as vm_files
 from linuxnode.vm import ports as vm_ports
 from linuxnode.vm.frames import window as frames_window
 from linuxnode.vm.channel import AgentChannel, CommandFailed, GuestBroken, GuestCommand
@@ -44,6 +45,7 @@ from services.launcher.drivers.base import (
     Anchor,
     Command,
     CpuWeight,
+    DownloadSource,
     DriverFailure,
     ExecFailed,
     ExecOutcome,
@@ -56,6 +58,7 @@ from services.launcher.drivers.base import (
     StartFailed,
     StdinClosed,
     Unsupported,
+    UploadSink,
     Usage,
     watch_exit,
 )
@@ -191,6 +194,12 @@ class MicroVMDriver:
             on_exit()
 
         return watch_exit(sandbox.vm.pid, exited)
+
+    def why_ended(self, instance: Instance) -> str:
+        """Why the node killed the guest (it broke the protocol, flooded or went silent), for the
+        record's `detail`; "" when QEMU ended by itself."""
+        killed = _own(instance).killed
+        return f"the node killed the microVM: {killed}" if killed else ""
 
     async def leftovers(self, keep: set[str]) -> list[str]:
         """VMs a crash left (QEMU still in its directory, or the directory alone) that no kept
@@ -373,14 +382,36 @@ class MicroVMDriver:
 
     # -- not at this level yet -------------------------------------------------------------------
 
-    def open_upload(self, instance: Instance, path: str, kind: str, mode: int, depth: int):
-        raise _unsupported("chunked uploads")
+    def open_upload(self, instance: Instance, path: str, kind: str, mode: int, depth: int) -> UploadSink:
+        sandbox = self._usable(instance)
+        if kind == "dir":
+            raise _unsupported("uploading a directory tree")
+        return self._on_guest(sandbox, lambda call: vm_files.FileSink(sandbox.channel, call, path, mode))
 
-    def open_download(self, instance: Instance, path: str, chunk: int, depth: int):
-        raise _unsupported("chunked downloads")
+    def open_download(self, instance: Instance, path: str, chunk: int, depth: int) -> DownloadSource:
+        sandbox = self._usable(instance)
+        try:
+            return self._on_guest(sandbox, lambda call: vm_files.FileSource(sandbox.channel, call, path, chunk))
+        except IsADirectoryError:
+            raise _unsupported("downloading a directory tree") from None
+
+    _FILE_OPS: dict[str, Callable[..., object]] = {"stat": vm_files.stat, "list": vm_files.list_dir,
+                                                   "mkdir": vm_files.mkdir, "remove": vm_files.remove,
+                                                   "rename": vm_files.rename}
 
     def file_op(self, instance: Instance, op: str, *args) -> object:
-        raise _unsupported(f"the file operation {op!r}")
+        sandbox = self._usable(instance)
+        found = self._FILE_OPS.get(op)
+        if found is None:
+            raise ValueError(f"no file operation {op!r}")
+        return self._on_guest(sandbox, lambda call: found(sandbox.channel, call, *args))
+
+    def _on_guest(self, sandbox: VMSandbox, work: Callable[[vm_files.Call], T]) -> T:
+        """`work(call)` on this worker thread, each of its agent requests run on the loop by `call`."""
+        try:
+            return work(lambda make: self._on_loop(sandbox, make))
+        except GuestBroken as exc:
+            raise SandboxGone(f"the microVM is gone: {exc}") from None
 
     def open_watch(self, instance: Instance, path: str, recursive: bool, max_dirs: int):
         raise _unsupported("watching files")
