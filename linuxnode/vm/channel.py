@@ -214,6 +214,26 @@ class AgentChannel:
         self._resetting = False
         return answer.count
 
+    async def _done(self, op: frames.Op) -> int:
+        request_id = next(self._ids)
+        answer = await self._ask(request_id, frames.request(op, request_id))
+        if not isinstance(answer, Done):
+            raise self._lie(answer, "done")
+        return answer.count
+
+    async def quiesce(self) -> None:
+        """The agent stops sending (its answer is its last frame): the port's stream stands at a
+        frame's end while the machine's state is saved."""
+        await self._done(frames.Op.QUIESCE)
+
+    async def resume(self) -> None:
+        await self._done(frames.Op.RESUME)
+
+    async def detach(self) -> int:
+        """In a machine restored from a saved running state: the commands of the node that saved
+        it keep running for nobody; how many."""
+        return await self._done(frames.Op.DETACH)
+
     async def setup(self, disk_mb: int) -> None:
         request_id = next(self._ids)
         answer = await self._ask(request_id, frames.setup_request(request_id, disk_mb))

@@ -52,6 +52,11 @@ class Op(IntEnum):
     PORT_LISTENS = 15
     RESIZE = 16  # a terminal's window
     FS = 17  # one operation on the file tree (FsOp), done by the agent in the sandbox's root
+    # saving a running machine's state: QUIESCE (answered, then the agent sends nothing), then
+    # RESUME in the machine that goes on, DETACH in one restored from the state
+    QUIESCE = 18
+    RESUME = 19
+    DETACH = 20
 
 
 class FsOp(IntEnum):

@@ -45,7 +45,7 @@
 enum { OP_EXEC = 1, OP_STDIN = 2, OP_CLOSE_STDIN = 3, OP_SIGNAL = 4, OP_WRITE_FILE = 5,
        OP_READ_FILE = 6, OP_PING = 7, OP_SETUP = 8, OP_RESET = 9, OP_PORT_OPEN = 10, OP_PORT_DATA = 11,
        OP_PORT_EOF = 12, OP_PORT_CLOSE = 13, OP_PORT_ACK = 14, OP_PORT_LISTENS = 15, OP_RESIZE = 16,
-       OP_FS = 17 };
+       OP_FS = 17, OP_QUIESCE = 18, OP_RESUME = 19, OP_DETACH = 20 };
 enum { FS_STAT = 1, FS_LIST = 2, FS_MKDIR = 3, FS_REMOVE = 4, FS_RENAME = 5 };
 
 #define MAX_PENDING (16u << 20) /* stdin a command has not read yet, held here for it */
@@ -59,7 +59,11 @@ struct proc {
     uint32_t pending_len;
     int close_in; /* close stdin once pending is written */
     int tty; /* out is a terminal's master (in its dup), err unused */
+    int detached; /* a node before a machine-state restore ran it: its output and exit go nowhere */
 };
+/* Between QUIESCE and RESUME/DETACH the agent sends nothing (a machine state is being saved: the
+ * port's stream must stand at a frame's end) and reads no command's output. */
+static int quiet;
 
 static struct proc procs[MAX_PROCS];
 
@@ -587,8 +591,12 @@ static void do_reset(uint32_t id) {
         memset(pr, 0, sizeof *pr);
     }
     for (int i = 0; i < MAX_CONNS; i++) if (conns[i].fd > 0) free_conn(&conns[i]);
+    quiet = 0;
     send_done(id, killed);
 }
+
+static void speak_again(void);
+static void do_detach(uint32_t id);
 
 static void handle(const unsigned char *p, uint32_t n) {
     struct cursor c = {p, n, 0};
@@ -625,6 +633,9 @@ static void handle(const unsigned char *p, uint32_t n) {
         break;
     }
     case OP_FS: do_fs(id, &c); break;
+    case OP_QUIESCE: send_done(id, 0); quiet = 1; break; /* the last frame until RESUME or DETACH */
+    case OP_RESUME: speak_again(); send_done(id, 0); break;
+    case OP_DETACH: do_detach(id); break;
     case OP_PORT_OPEN: do_port_open(id, &c); break;
     case OP_PORT_LISTENS: do_port_listens(id, &c); break;
     case OP_PORT_DATA:
@@ -680,18 +691,26 @@ static void pump(struct proc *pr, int *fd, int stream) {
     ssize_t n;
     do n = read(*fd, buf, sizeof buf); while (n < 0 && errno == EINTR);
     if (n <= 0) { close_fd(fd); return; }
-    begin("out", 3); mp_uint(pr->id); mp_uint(stream); mp_bin(buf, n); send_frame();
+    if (!pr->detached) { begin("out", 3); mp_uint(pr->id); mp_uint(stream); mp_bin(buf, n); send_frame(); }
 }
 
 static void finish_ended(void) {
+    if (quiet) return;
     for (int i = 0; i < MAX_PROCS; i++) {
         struct proc *pr = &procs[i];
         if (pr->pid <= 0 || !pr->reaped || pr->out >= 0 || pr->err >= 0) continue;
         close_fd(&pr->in);
-        begin("exited", 2); mp_uint(pr->id); mp_int(pr->status); send_frame();
+        if (!pr->detached) { begin("exited", 2); mp_uint(pr->id); mp_int(pr->status); send_frame(); }
         free(pr->pending);
         memset(pr, 0, sizeof *pr);
     }
+}
+
+/* What an ended command wrote is in its pipes; a daemon it left holding them must not hold us. */
+static void drain(struct proc *pr) {
+    fcntl(pr->out, F_SETFL, O_NONBLOCK); fcntl(pr->err, F_SETFL, O_NONBLOCK);
+    while (pr->out >= 0) pump(pr, &pr->out, 1);
+    while (pr->err >= 0) pump(pr, &pr->err, 2);
 }
 
 static void reap(void) {
@@ -702,12 +721,30 @@ static void reap(void) {
             struct proc *pr = &procs[i];
             if (pr->pid != pid) continue;
             pr->reaped = 1; pr->status = status;
-            /* what it wrote is in the pipes; a daemon it left holding them must not hold us */
-            fcntl(pr->out, F_SETFL, O_NONBLOCK); fcntl(pr->err, F_SETFL, O_NONBLOCK);
-            while (pr->out >= 0) pump(pr, &pr->out, 1);
-            while (pr->err >= 0) pump(pr, &pr->err, 2);
+            if (!quiet) drain(pr);
         }
     }
+}
+
+static void speak_again(void) {
+    quiet = 0;
+    for (int i = 0; i < MAX_PROCS; i++) if (procs[i].pid > 0 && procs[i].reaped) drain(&procs[i]);
+}
+
+/* A restored machine state's agent: the commands of the node that saved it keep running for
+ * nobody (their output and exits dropped), its connections are closed; how many commands. */
+static void do_detach(uint32_t id) {
+    uint32_t kept = 0;
+    for (int i = 0; i < MAX_PROCS; i++) {
+        struct proc *pr = &procs[i];
+        if (pr->pid <= 0) continue;
+        pr->detached = 1;
+        close_fd(&pr->in);
+        kept += !pr->reaped;
+    }
+    for (int i = 0; i < MAX_CONNS; i++) if (conns[i].fd > 0) free_conn(&conns[i]);
+    speak_again();
+    send_done(id, kept);
 }
 
 int main(void) {
@@ -728,7 +765,7 @@ int main(void) {
         int nfds = 0;
         fds[nfds++] = (struct pollfd){.fd = port, .events = POLLIN};
         fds[nfds++] = (struct pollfd){.fd = sfd, .events = POLLIN};
-        for (int i = 0; i < MAX_PROCS; i++) {
+        for (int i = 0; i < MAX_PROCS && !quiet; i++) {
             struct proc *pr = &procs[i];
             if (pr->pid <= 0) continue;
             if (pr->out >= 0) { owner[nfds] = pr; fds[nfds++] = (struct pollfd){.fd = pr->out, .events = POLLIN}; }
@@ -736,7 +773,7 @@ int main(void) {
             if (pr->in >= 0 && pr->pending_len) { owner[nfds] = pr; fds[nfds++] = (struct pollfd){.fd = pr->in, .events = POLLOUT}; }
         }
         int first_conn = nfds;
-        for (int i = 0; i < MAX_CONNS; i++) {
+        for (int i = 0; i < MAX_CONNS && !quiet; i++) {
             struct conn *cn = &conns[i];
             short events = (cn->read_done || cn->unacked >= PORT_WINDOW ? 0 : POLLIN) | (cn->pending_len ? POLLOUT : 0);
             if (cn->fd <= 0 || !events) continue;

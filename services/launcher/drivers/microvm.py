@@ -326,6 +326,17 @@ class MicroVMDriver:
             raise Unsupported(f"sandbox {sandbox.sandbox_id} has no cpu.weight or cpu.shares to change")
         return CpuWeight(file=found.path, value=found.write(idle))
 
+    async def save_machine(self, instance: Instance, state: Path, keep_paused: bool = False) -> None:
+        """The whole running machine (its processes too) into `state`, for a VM restored from it
+        (linuxnode/vm/runtime.py save_running; `checkpoint(memory=True)` is not wired to it yet)."""
+        sandbox = self._usable(instance)
+        try:
+            await self.vms.save_running(sandbox.vm, state, keep_paused)
+        except VMStartError as exc:
+            raise DriverFailure(str(exc)) from None
+        except GuestBroken as exc:
+            raise SandboxGone(f"the microVM is gone: {exc}") from None
+
     def writable_layer(self, instance: Instance) -> Path:
         raise NoWritableLayer(f"sandbox {_own(instance).sandbox_id} is a microvm: its writable layer is in guest "
                               "RAM, and checkpoints of microvms are not supported yet")
