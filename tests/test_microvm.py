@@ -437,3 +437,28 @@ async def _run(channel: AgentChannel, script: str) -> bytes:
     status = await asyncio.wait_for(command.exited, 60)
     assert status == 0, (status, got)
     return b"".join(got).strip()
+
+
+@pytest.mark.parametrize("entries, why", [
+    ([["/etc/passwd", "file", 1, 0o644, 0.0, ""]], "outside the directory"),  # not under what was listed
+    ([["/workspace/x", "device", 1, 0o644, 0.0, ""]], "not one"),  # a kind there is not
+    ([["/workspace/x", "file", -1, 0o644, 0.0, ""]], "not one"),
+    ([["/workspace/x", "file", 1, 0o644, 0.0, "t" * 4097]], "not one"),
+])
+async def test_a_guest_that_lies_in_a_listing_is_cut_off(entries, why):
+    from linuxnode.vm import files as vm_files
+
+    channel, guest_end, told = await _played_guest()
+    loop = asyncio.get_running_loop()
+    try:
+        listing = loop.run_in_executor(None, vm_files.list_dir, channel,
+                                       lambda make: asyncio.run_coroutine_threadsafe(make(), loop).result(),
+                                       "/workspace", 1, 100)
+        await asyncio.sleep(0.1)
+        await loop.sock_sendall(guest_end, _answer("entries", 1, entries, False))
+        with pytest.raises(GuestBroken):
+            await listing
+        assert why in channel.broken and told == [channel.broken]
+    finally:
+        channel.close()
+        guest_end.close()
