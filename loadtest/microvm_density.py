@@ -8,9 +8,9 @@ and destroyed; then `--n` microVMs (1 vCPU, memory_mb 512: 352 MiB of guest RAM)
 from the one saved machine state, idle. Memory per VM is measured twice while they are held:
 with KSM stopped and unmerged (`/sys/kernel/mm/ksm/run` = 2), then with KSM running (run = 1)
 once its merged pages settle (or `--ksm-wait` s pass). Per VM: the PSS of its QEMU (a merged
-page counts a share to each user), what its memory cgroup is charged (a merged page stays charged
-to the cgroup that first had it, so this figure barely moves), and the host's used memory grown
-per VM (MemTotal - MemAvailable; others on the machine move it too). KSM is machine-wide: the
+page counts a share to each user), what its memory cgroup is charged (the duplicates KSM frees
+are uncharged), and the host's used memory grown per VM (MemTotal - MemAvailable: on a machine
+others use at the same time this one is noise, even negative). KSM is machine-wide: the
 run puts `run` back as it found it at the end, whatever happens, and leaves the scan rate alone.
 """
 
