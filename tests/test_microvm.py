@@ -462,3 +462,30 @@ async def test_a_guest_that_lies_in_a_listing_is_cut_off(entries, why):
     finally:
         channel.close()
         guest_end.close()
+
+
+async def test_while_a_state_is_saved_the_node_asks_the_guest_nothing():
+    """Between quiesce and resume no request that the agent would answer leaves the node, so the
+    port's stream stays at a frame's end for the whole save."""
+    channel, guest_end, told = await _played_guest()
+    loop = asyncio.get_running_loop()
+    try:
+        quiescing = asyncio.ensure_future(channel.quiesce())
+        assert (await loop.sock_recv(guest_end, 64))[4] == frames.Op.QUIESCE
+        await loop.sock_sendall(guest_end, _answer("done", 1, 0))
+        await quiescing
+        pinging = asyncio.ensure_future(channel.ping())
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(loop.sock_recv(guest_end, 64), 0.3)  # nothing sent
+        resuming = asyncio.ensure_future(channel.resume())
+        frame = await loop.sock_recv(guest_end, 9)
+        assert frame[4] == frames.Op.RESUME
+        await loop.sock_sendall(guest_end, _answer("done", int.from_bytes(frame[5:9], "big"), 0))
+        await resuming
+        frame = await loop.sock_recv(guest_end, 64)
+        assert frame[4] == frames.Op.PING  # the held request goes now
+        await loop.sock_sendall(guest_end, _answer("pong", int.from_bytes(frame[5:9], "big"), "6.1"))
+        assert await pinging == "6.1" and told == []
+    finally:
+        channel.close()
+        guest_end.close()

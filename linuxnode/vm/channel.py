@@ -66,6 +66,9 @@ class AgentChannel:
         self._waiting: dict[int, asyncio.Future[Answer]] = {}
         self._commands: dict[int, GuestCommand] = {}
         self._ports: dict[int, GuestPort] = {}  # forwarded connections (ports.py)
+        # Cleared while a machine state is saved (quiesce): requests that would be answered wait.
+        self.speaking = asyncio.Event()
+        self.speaking.set()
         self._hello: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._frames = frames.FrameReader()
         self._pump = asyncio.ensure_future(self._read())
@@ -160,6 +163,7 @@ class AgentChannel:
         for port in self._ports.values():
             port.broken(why)
         self._ports.clear()
+        self.speaking.set()  # whoever waits to speak finds the channel broken
         if not self._hello.done():
             self._hello.set_exception(GuestBroken(why))
             self._hello.exception()
@@ -173,7 +177,9 @@ class AgentChannel:
             raise GuestBroken(self.broken)
         self._writer.write(frame)
 
-    async def _ask(self, request_id: int, frame: bytes, timeout: float | None = None) -> Answer:
+    async def _ask(self, request_id: int, frame: bytes, timeout: float | None = None, quiet_ok: bool = False) -> Answer:
+        if not quiet_ok:
+            await self.speaking.wait()
         waiting: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = waiting
         try:
@@ -214,20 +220,27 @@ class AgentChannel:
         self._resetting = False
         return answer.count
 
-    async def _done(self, op: frames.Op) -> int:
+    async def _done(self, op: frames.Op, quiet_ok: bool = False) -> int:
         request_id = next(self._ids)
-        answer = await self._ask(request_id, frames.request(op, request_id))
+        answer = await self._ask(request_id, frames.request(op, request_id), quiet_ok=quiet_ok)
         if not isinstance(answer, Done):
             raise self._lie(answer, "done")
         return answer.count
 
     async def quiesce(self) -> None:
         """The agent stops sending (its answer is its last frame): the port's stream stands at a
-        frame's end while the machine's state is saved."""
-        await self._done(frames.Op.QUIESCE)
+        frame's end while the machine's state is saved. Until `resume`, requests of the node that
+        the agent would answer (and forwarded bytes it would acknowledge) wait."""
+        self.speaking.clear()
+        try:
+            await self._done(frames.Op.QUIESCE, quiet_ok=True)
+        except BaseException:
+            self.speaking.set()
+            raise
 
     async def resume(self) -> None:
-        await self._done(frames.Op.RESUME)
+        await self._done(frames.Op.RESUME, quiet_ok=True)
+        self.speaking.set()
 
     async def detach(self) -> int:
         """In a machine restored from a saved running state: the commands of the node that saved

@@ -83,6 +83,7 @@ async def forward(channel: AgentChannel, port: GuestPort, end: socket.socket) ->
                 port.room.clear()
                 await port.room.wait()
             data = await reader.read(min(frames.CHUNK, frames.PORT_WINDOW - port.unacked_out))
+            await channel.speaking.wait()  # the agent acknowledges data: not while a state is saved
             if channel.broken:
                 return
             if not data:
@@ -96,6 +97,7 @@ async def forward(channel: AgentChannel, port: GuestPort, end: socket.socket) ->
             writer.write(data)
             await writer.drain()
             port.unacked_in -= len(data)
+            await channel.speaking.wait()
             if not channel.broken:
                 channel.send_port(frames.port_ack_request(port.id, len(data)))
         if writer.can_write_eof():

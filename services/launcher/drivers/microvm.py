@@ -41,6 +41,7 @@ from schemas.layers import Rootfs
 from schemas.node import Confinement
 from schemas.sandbox import SandboxSpec
 from services.launcher.keys import LOGGER, about
+from services.launcher.drivers.guest_commands import GuestBackground, GuestTerminal, exit_code, loopback_is_ipv6
 from services.launcher.drivers.base import (
     Anchor,
     Command,
@@ -56,7 +57,6 @@ from services.launcher.drivers.base import (
     RunningTerminal,
     SandboxGone,
     StartFailed,
-    StdinClosed,
     Unsupported,
     UploadSink,
     Usage,
@@ -97,21 +97,6 @@ def _own(instance: Instance) -> VMSandbox:
 
 def _unsupported(what: str) -> Unsupported:
     return Unsupported(f"{what} is not supported for isolation 'microvm' yet")
-
-
-def _loopback_is_ipv6(host: str) -> bool:
-    """A forward reaches the guest's loopback only: the guest's own NIC address is slirp's, the
-    same in every guest, and nothing the node can name from outside."""
-    if host in ("127.0.0.1", "localhost"):
-        return False
-    if host == "::1":
-        return True
-    raise Unsupported(f"a microvm forwards to its loopback (127.0.0.1 or ::1), not to {host!r}")
-
-
-def _exit_code(status: int) -> int:
-    code = os.waitstatus_to_exitcode(status)
-    return 128 - code if code < 0 else code
 
 
 class MicroVMDriver:
@@ -271,13 +256,13 @@ class MicroVMDriver:
             raise
         except (GuestBroken, TimeoutError) as exc:
             raise SandboxGone(f"the microVM is gone: {sandbox.killed or exc}") from None
-        return ExecOutcome(_exit_code(status), bytes(out), bytes(err), timed_out, truncated)
+        return ExecOutcome(exit_code(status), bytes(out), bytes(err), timed_out, truncated)
 
     async def spawn(self, instance: Instance, command: Command, on_output: Callable[[int, bytes], None],
                     on_exit: Callable[[int], None]) -> RunningCommand:
         sandbox = self._usable(instance)
         running = await self._start_command(sandbox, command, on_output, on_exit)
-        return _GuestBackground(sandbox, running)
+        return GuestBackground(sandbox.channel, running)
 
     # -- files: small whole files through the agent --------------------------------------------
 
@@ -359,7 +344,7 @@ class MicroVMDriver:
 
     async def connect_port(self, instance: Instance, host: str, port: int) -> socket.socket:
         sandbox = self._usable(instance)
-        ipv6 = _loopback_is_ipv6(host)
+        ipv6 = loopback_is_ipv6(host, "microvm")
         try:
             opened = await sandbox.channel.open_port(ipv6, port)
         except GuestBroken as exc:
@@ -376,7 +361,7 @@ class MicroVMDriver:
         nobody listens on is refused at the forward's first connection instead of at `forward()`
         (the launcher awaiting `listening` would close that gap)."""
         sandbox = self._usable(instance)
-        ipv6 = _loopback_is_ipv6(host)
+        ipv6 = loopback_is_ipv6(host, "microvm")
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -387,7 +372,7 @@ class MicroVMDriver:
         """`port_listens`, asked of the guest's agent (its /proc/net/tcp) from the event loop."""
         sandbox = self._usable(instance)
         try:
-            return await sandbox.channel.port_listens(_loopback_is_ipv6(host), port)
+            return await sandbox.channel.port_listens(loopback_is_ipv6(host, "microvm"), port)
         except GuestBroken as exc:
             raise SandboxGone(f"the microVM is gone: {exc}") from None
 
@@ -433,50 +418,7 @@ class MicroVMDriver:
         sandbox = self._usable(instance)
         frames_window(cols, rows)  # ValueError for a bad size, before anything runs
         running = await self._start_command(sandbox, command, on_output, on_exit, terminal=(cols, rows))
-        return _GuestTerminal(sandbox, running)
-
-
-class _GuestBackground:
-    """A background command in the guest, as the seam's RunningCommand."""
-
-    def __init__(self, sandbox: VMSandbox, running: GuestCommand) -> None:
-        self.sandbox, self.running = sandbox, running
-        self.stdin_open = True
-
-    @property
-    def os_pid(self) -> int | None:
-        return self.running.pid
-
-    async def write(self, data: bytes) -> int:
-        if not self.stdin_open or self.running.exited.done():
-            raise StdinClosed("its stdin is closed")
-        try:
-            self.sandbox.channel.stdin(self.running, data)
-        except GuestBroken as exc:
-            raise StdinClosed(str(exc)) from None
-        return len(data)
-
-    def close_stdin(self) -> None:
-        if self.stdin_open and not self.sandbox.channel.broken:
-            self.sandbox.channel.close_stdin(self.running)
-        self.stdin_open = False
-
-    def signal(self, number: int) -> bool:
-        if self.running.exited.done() or self.sandbox.channel.broken:
-            return False
-        self.sandbox.channel.signal(self.running, number)
-        return True
-
-    def close(self) -> None:
-        self.signal(signal.SIGKILL)
-
-
-class _GuestTerminal(_GuestBackground):
-    def resize(self, cols: int, rows: int) -> bool:
-        if self.running.exited.done() or self.sandbox.channel.broken:
-            return False
-        self.sandbox.channel.resize(self.running, cols, rows)
-        return True
+        return GuestTerminal(sandbox.channel, running)
 
 
 async def detect_microvm(state_dir: Path) -> tuple[MicroVMDriver | None, str]:
