@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import posixpath
 import secrets
+import tarfile
+from collections.abc import Iterator
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -47,8 +49,10 @@ def list_dir(channel: AgentChannel, call: Call, path: str, depth: int, limit: in
     found = call(lambda: channel.file_tree(FsOp.LIST, max(depth, 1), min(limit, frames.MAX_LISTED), top))
     assert found is not None
     prefix = top.rstrip("/") + "/"
-    if any(not e.path.startswith(prefix) for e in found.entries):  # a guest naming what was not asked
-        raise channel.fail("the guest listed entries outside the directory asked for")
+    for e in found.entries:  # a guest naming what was not asked
+        parts = e.path[len(prefix):].split("/") if e.path.startswith(prefix) else [""]
+        if any(part in ("", ".", "..") for part in parts):
+            raise channel.fail("the guest listed entries outside the directory asked for")
     return [as_dict(e) for e in found.entries], found.truncated
 
 
@@ -139,3 +143,91 @@ class FileSource:
 
     def close(self) -> None:
         self.ended = True
+
+
+TREE_DEPTH = 256  # how deep a tree download lists
+
+
+class TreeSource:
+    """A download of a directory as a tar stream the node writes itself from the agent's listing
+    and file reads (names checked to lie under the directory, sizes as listed: a file that grew or
+    shrank meanwhile is cut or padded). A tree of more than frames.MAX_LISTED entries is refused."""
+
+    kind = "dir"
+
+    def __init__(self, channel: AgentChannel, call: Call, path: str, chunk: int, top: dict) -> None:
+        self.channel, self.call = channel, call
+        self.path, self.chunk = _checked(path), max(chunk, tarfile.BLOCKSIZE)
+        self.size, self.mode = -1, top["mode"]
+        entries, truncated = list_dir(channel, call, self.path, TREE_DEPTH, frames.MAX_LISTED)
+        if truncated:
+            raise ValueError(f"{path} holds more than {frames.MAX_LISTED} entries: download its parts")
+        self.entries = entries
+        self.hash = hashlib.sha256()
+        self.sent = 0
+        self._stream = self._tar()
+        self._pending = bytearray()
+
+    def _tar(self) -> Iterator[bytes]:
+        written = 0
+        for piece in self._members():
+            written += len(piece)
+            yield piece
+        # Padded to whole records, as tarfile writes them: the client's unpack reads records, and
+        # one cut short waits for an end its reader has already taken.
+        yield b"\0" * (-written % tarfile.RECORDSIZE)
+
+    def _members(self) -> Iterator[bytes]:
+        prefix = self.path.rstrip("/") + "/"
+        for entry in self.entries:
+            info = tarfile.TarInfo(entry["path"][len(prefix):])
+            info.mode, info.mtime = entry["mode"], int(entry["mtime"])
+            if entry["kind"] == "dir":
+                info.type = tarfile.DIRTYPE
+            elif entry["kind"] == "symlink":
+                info.type, info.linkname = tarfile.SYMTYPE, entry["target"]
+            elif entry["kind"] == "file":
+                info.size = entry["size"]
+            else:
+                continue  # devices, fifos, sockets: not carried (as at the other levels)
+            yield info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+            left, at = info.size, 0
+            while left > 0:
+                want = min(left, frames.MAX_READ)
+                data, ended = self.call(lambda: self.channel.read_at(entry["path"], at, want))
+                data = data[:want] if data else b"\0" * want  # shrunk meanwhile: padded
+                at, left = at + len(data), left - len(data)
+                yield data
+                if ended and left > 0:
+                    yield b"\0" * left
+                    left = 0
+            if info.size % tarfile.BLOCKSIZE:
+                yield b"\0" * (tarfile.BLOCKSIZE - info.size % tarfile.BLOCKSIZE)
+        yield b"\0" * (2 * tarfile.BLOCKSIZE)
+
+    def read(self) -> bytes:
+        while len(self._pending) < self.chunk:
+            piece = next(self._stream, None)
+            if piece is None:
+                break
+            self._pending += piece
+        out = bytes(self._pending[:self.chunk])
+        del self._pending[:self.chunk]
+        self.hash.update(out)
+        self.sent += len(out)
+        return out
+
+    def digest(self) -> str:
+        return self.hash.hexdigest()
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+def open_source(channel: AgentChannel, call: Call, path: str, chunk: int) -> FileSource | TreeSource:
+    top = stat(channel, call, path)
+    if top["kind"] == "dir":
+        return TreeSource(channel, call, path, chunk, top)
+    if top["kind"] != "file":
+        raise ValueError(f"{path} is neither a regular file nor a directory")
+    return FileSource(channel, call, path, chunk)

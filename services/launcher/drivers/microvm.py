@@ -10,8 +10,8 @@ every sandbox is not entered: its mounts only say which image files to attach
 does not allow or stops answering is killed on the spot; the launcher then sees QEMU end and
 fails the sandbox (`process_exited`), and the log says why.
 
-Not yet at this level (each a typed Unsupported): directory trees as one transfer (files of any
-size and the tree's operations work), watches, checkpoints.
+Not yet at this level (each a typed Unsupported): a directory tree as one upload (files of any
+size, tree downloads and the tree's operations work), watches, checkpoints.
 """
 
 from __future__ import annotations
@@ -386,10 +386,7 @@ class MicroVMDriver:
 
     def open_download(self, instance: Instance, path: str, chunk: int, depth: int) -> DownloadSource:
         sandbox = self._usable(instance)
-        try:
-            return self._on_guest(sandbox, lambda call: vm_files.FileSource(sandbox.channel, call, path, chunk))
-        except IsADirectoryError:
-            raise _unsupported("downloading a directory tree") from None
+        return self._on_guest(sandbox, lambda call: vm_files.open_source(sandbox.channel, call, path, chunk))
 
     _FILE_OPS: dict[str, Callable[..., object]] = {"stat": vm_files.stat, "list": vm_files.list_dir,
                                                    "mkdir": vm_files.mkdir, "remove": vm_files.remove,
