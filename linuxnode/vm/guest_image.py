@@ -32,8 +32,9 @@ AGENT_SOURCE = HERE / "agent.c"
 INIT_SCRIPT = HERE / "init"
 BUSYBOX = Path("/bin/busybox")  # Debian's busybox-static
 # What /init needs, each with its dependencies: the PCI transport, the layer disks, the agent's
-# port, the layers' file system (and libcrc32c's softdep crc32c, which modprobe lists) and overlay.
-MODULES = ("virtio_pci", "virtio_blk", "virtio_console", "erofs", "overlay")
+# port, the layers' file system (and libcrc32c's softdep crc32c, which modprobe lists), overlay,
+# and the NIC of a sandbox with allow rules.
+MODULES = ("virtio_pci", "virtio_blk", "virtio_console", "erofs", "overlay", "virtio_net")
 
 
 def default_dir() -> Path:

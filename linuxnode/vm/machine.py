@@ -4,7 +4,8 @@ network namespace, and which accelerator this node can give it.
 The machine is QEMU's `pc` with `-kernel/-initrd`, not `-M microvm`: Debian's kernel hangs at
 timer calibration on `microvm` with ACPI, and cannot find virtio-mmio devices without it (it
 lacks CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES). What makes it a *micro*VM is the device model: no
-defaults, no display, no network, no firmware beyond SeaBIOS's direct kernel boot; one
+defaults, no display, no network unless the sandbox has allow rules (then one user-mode NIC),
+no firmware beyond SeaBIOS's direct kernel boot; one
 read-only virtio-blk disk per layer (PCI slots in layer order, so the guest's vda is the bottom
 layer), and one virtio-serial port for the guest agent. QEMU runs with its seccomp sandbox
 (no spawning, no privilege changes), so a machine state is passed in as an open fd
@@ -96,6 +97,10 @@ class MachineSpec:
     incoming: bool = False  # the state comes in on fd STATE_FD
     uid: int = 0  # what QEMU runs as once set up (0: stays root)
     console: str = ""  # a file for the guest console (debugging: a guest can fill it), else none
+    # A user-mode (slirp) NIC (see network_args): "" none, "policed" (in the sandbox's namespace
+    # and cgroup), "sealed" (slirp lets nothing out: the boot VM that saves a state, which has
+    # no sandbox's policing around it).
+    network: str = ""
     extra: tuple[str, ...] = field(default=())
 
     @property
@@ -132,11 +137,30 @@ class MachineSpec:
         for i, image in enumerate(self.layers):
             argv += ["-drive", f"file={image},if=none,id=layer{i},format=raw,readonly=on",
                      "-device", f"virtio-blk-pci,drive=layer{i},addr={FIRST_LAYER_SLOT + i}"]
+        if self.network:
+            argv += network_args(sealed=self.network == "sealed")
         if self.incoming:
             argv += ["-incoming", f"fd:{STATE_FD}"]
         if self.uid:
             argv += ["-runas", f"{self.uid}:{self.uid}"]
         return argv + list(self.extra)
+
+
+# The guest's side of user-mode networking (guest/init configures it when it finds the NIC).
+GUEST_NET, GUEST_GATEWAY, GUEST_DNS = "10.0.2.0/24", "10.0.2.2", "10.0.2.3"
+NIC_SLOT = 2  # below the agent's port (3) and the layers (4...)
+
+
+def network_args(sealed: bool = False) -> list[str]:
+    """A virtio NIC on QEMU's user-mode stack (slirp): no tap, no host link. The guest's packets
+    become QEMU's own sockets, opened in the sandbox's network namespace and cgroup, so every
+    connect and sendto passes the cgroup's BPF allowlist (and its DNS redirect to the node's
+    stub) exactly as a container's would, and refusals are reported against the sandbox.
+    slirp's host alias (10.0.2.2) is QEMU's loopback: the sandbox namespace's own, empty one.
+    No IPv6 (the allowlists' IPv6 rules are not needed for a NIC that has none), no forwards."""
+    restrict = ",restrict=on" if sealed else ""  # not part of the machine state: a restore may differ
+    return ["-netdev", f"user,id=net,ipv6=off,net={GUEST_NET},host={GUEST_GATEWAY},dns={GUEST_DNS}{restrict}",
+            "-device", f"virtio-net-pci,netdev=net,addr={NIC_SLOT},mac=52:54:00:5f:00:01"]
 
 
 # The wrapper that puts QEMU where a sandbox's first process must be before any guest code runs:

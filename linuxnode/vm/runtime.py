@@ -65,9 +65,12 @@ class Shape:
     vcpus: int
     memory_mb: int  # guest RAM
     layers: tuple[str, ...]  # digests, bottom first
+    network: bool = False  # a user-mode NIC (a device: a state with one restores only with one)
 
     def key(self, guest: GuestImage, accelerator: Accelerator) -> str:
         text = f"{guest.digest}|{accelerator.name}|{self.vcpus}|{self.memory_mb}|{','.join(self.layers)}"
+        if self.network:
+            text += "|net"
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -93,12 +96,19 @@ class MicroVMs:
     # -- start ------------------------------------------------------------------------------
 
     async def start(self, sandbox_id: str, shape: Shape, images: list[Path], disk_mb: int, cgroup_procs: list[str],
-                    netns: str, on_broken: Callable[[str], None]) -> RunningVM:
-        state = await self.saved_state(shape, images) if self.snapshots else None
+                    netns: str, on_broken: Callable[[str], None], from_state: Path | None = None) -> RunningVM:
+        """A VM of `shape`: restored from the shape's saved state (booted and saved first if there
+        is none), booted cold without snapshots, or restored from `from_state`, a running
+        machine's state (save_running) whose processes go on in the new VM."""
+        if from_state is not None:
+            state: Path | None = from_state
+        else:
+            state = await self.saved_state(shape, images) if self.snapshots else None
         run_dir = self.vms_dir / sandbox_id
         run_dir.mkdir()
         spec = MachineSpec(self.guest, self.accelerator, shape.vcpus, shape.memory_mb, tuple(map(str, images)),
-                           Path("."), disk_mb=disk_mb, incoming=state is not None, uid=machine.vm_uid(sandbox_id))
+                           Path("."), disk_mb=disk_mb, incoming=state is not None, uid=machine.vm_uid(sandbox_id),
+                           network="policed" if shape.network else "")
         try:
             pid = machine.spawn(spec, self.qemu, cgroup_procs, netns, state, cwd=run_dir)
         except OSError as exc:
@@ -113,6 +123,9 @@ class MicroVMs:
             vm = RunningVM(sandbox_id, pid, stat.start_time, run_dir, channel, restored=state is not None)
             if state is not None:
                 await channel.ping(RESTORE_TIMEOUT_S)
+                if from_state is not None:
+                    kept = await channel.detach()
+                    log.info("sandbox %s: restored with %d running command(s)", sandbox_id, kept)
             else:
                 await channel.hello(BOOT_TIMEOUT_S[self.accelerator.name])
             await channel.setup(disk_mb)
@@ -155,7 +168,8 @@ class MicroVMs:
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir()
         spec = MachineSpec(self.guest, self.accelerator, shape.vcpus, shape.memory_mb, tuple(map(str, images)),
-                           Path("."), uid=machine.vm_uid(key))
+                           Path("."), uid=machine.vm_uid(key),
+                           network="sealed" if shape.network else "")
         pid = machine.spawn(spec, self.qemu, [], "", None, cwd=run_dir)
         stat = procfs.read_stat(pid)
         partial = state.with_suffix(".part")
@@ -187,6 +201,32 @@ class MicroVMs:
                 os.waitpid(pid, os.WNOHANG)
             partial.unlink(missing_ok=True)
             shutil.rmtree(run_dir, ignore_errors=True)
+
+    async def save_running(self, vm: RunningVM, state: Path, keep_paused: bool = False) -> None:
+        """The whole machine of a running VM (RAM, devices, the guest's processes and files) into
+        `state`, for `start(from_state=...)` on a node with the same guest, accelerator, CPU model,
+        shape and layer images. The VM runs on afterwards unless `keep_paused` (a migration)."""
+        await vm.channel.quiesce()
+        partial = state.with_suffix(".part")
+        try:
+            qmp: Qmp = await _connect(vm.run_dir, "qmp.sock", Qmp.connect)  # type: ignore[assignment]
+            try:
+                fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                try:
+                    await qmp.save_state(fd)
+                finally:
+                    os.close(fd)
+                if not keep_paused:
+                    await qmp.execute("cont")
+            finally:
+                qmp.close()
+            os.replace(partial, state)
+        except (QmpError, OSError, TimeoutError) as exc:
+            partial.unlink(missing_ok=True)
+            raise VMStartError(f"saving the machine's state failed: {exc}") from None
+        finally:
+            if not keep_paused and not vm.channel.broken:
+                await vm.channel.resume()
 
     def _evict(self, keep: Path) -> None:
         states = sorted(self.states_dir.glob("*.state"), key=lambda p: p.stat().st_mtime, reverse=True)

@@ -3,14 +3,15 @@ stack as read-only disks, everything inside reached through the guest agent.
 
 The hypervisor is the boundary: QEMU runs in the sandbox's cgroups (so freeze is pause, the
 memory limit holds guest RAM and QEMU together, kill is destroy) and network namespace, with
-its seccomp sandbox on and no network device. The composed overlay the layer-cache makes for
+its seccomp sandbox on and no network device unless the sandbox has allow rules (then a
+user-mode NIC whose host-side sockets the node's egress policing sees). The composed overlay the layer-cache makes for
 every sandbox is not entered: its mounts only say which image files to attach
 (linuxnode/vm/layer_disks.py). A guest that breaks the agent protocol, floods it with what it
 does not allow or stops answering is killed on the spot; the launcher then sees QEMU end and
 fails the sandbox (`process_exited`), and the log says why.
 
-Not yet at this level (each a typed Unsupported): egress allow rules (no network at all),
-port forwards, chunked transfers and the file tree, watches, terminals, checkpoints.
+Not yet at this level (each a typed Unsupported): a directory tree as one upload (files of any
+size, tree downloads and the tree's operations work), watches, checkpoints.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import math
 import os
 import signal
+import socket
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,9 @@ from sandfleet import errors
 from linuxnode import cgroups
 from linuxnode import process as process_runtime
 from linuxnode.vm import layer_disks, machine
+from linuxnode.vm import files as vm_files
+from linuxnode.vm import ports as vm_ports
+from linuxnode.vm.frames import window as frames_window
 from linuxnode.vm.channel import AgentChannel, CommandFailed, GuestBroken, GuestCommand
 from linuxnode.vm.guest_image import GuestImage, default_dir
 from linuxnode.vm.runtime import MicroVMs, RunningVM, Shape, VMStartError
@@ -36,10 +41,12 @@ from schemas.layers import Rootfs
 from schemas.node import Confinement
 from schemas.sandbox import SandboxSpec
 from services.launcher.keys import LOGGER, about
+from services.launcher.drivers.guest_commands import GuestBackground, GuestTerminal, exit_code, loopback_is_ipv6
 from services.launcher.drivers.base import (
     Anchor,
     Command,
     CpuWeight,
+    DownloadSource,
     DriverFailure,
     ExecFailed,
     ExecOutcome,
@@ -47,10 +54,11 @@ from services.launcher.drivers.base import (
     LaunchRefused,
     NoWritableLayer,
     RunningCommand,
+    RunningTerminal,
     SandboxGone,
     StartFailed,
-    StdinClosed,
     Unsupported,
+    UploadSink,
     Usage,
     watch_exit,
 )
@@ -70,6 +78,7 @@ class VMSandbox:
     frozen: bool = False
     killed: str = ""  # why the node killed the guest
     commands: set[GuestCommand] = field(default_factory=set)
+    forwards: set[asyncio.Future] = field(default_factory=set)  # port forwards being carried
 
     @property
     def anchor(self) -> Anchor:
@@ -90,11 +99,6 @@ def _unsupported(what: str) -> Unsupported:
     return Unsupported(f"{what} is not supported for isolation 'microvm' yet")
 
 
-def _exit_code(status: int) -> int:
-    code = os.waitstatus_to_exitcode(status)
-    return 128 - code if code < 0 else code
-
-
 class MicroVMDriver:
     def __init__(self, vms: MicroVMs) -> None:
         self.vms = vms
@@ -106,8 +110,13 @@ class MicroVMDriver:
                     rootfs: Rootfs | None) -> Instance:
         if rootfs is None:
             raise LaunchRefused("a microvm has no host view: name its layers, e.g. layers=['base']")
-        if spec.allow:
-            raise errors.Unsupported("a microvm has no network yet: egress allow rules are not supported at this level")
+        # With allow rules the guest gets a user-mode NIC: its traffic leaves as QEMU's own sockets
+        # in the sandbox's namespace and cgroup, so the agent's veth, BPF allowlist, DNS stub and
+        # violation reports apply unchanged (linuxnode/vm/machine.py network_args).
+        network = bool(spec.allow)
+        if network and not confinement.address:
+            raise errors.Unsupported("egress allow rules need the node's egress network, which gave this "
+                                     "sandbox no address")
         try:
             guest_mb = machine.guest_memory_mb(spec.memory_mb)
         except ValueError as exc:
@@ -116,7 +125,8 @@ class MicroVMDriver:
             images = await asyncio.to_thread(layer_disks.images_under, rootfs.path)
         except layer_disks.NoLayerImages as exc:
             raise StartFailed(f"no layer images to attach: {exc}") from None
-        shape = Shape(vcpus=max(1, math.ceil(spec.cpu)), memory_mb=guest_mb, layers=tuple(rootfs.layers))
+        shape = Shape(vcpus=max(1, math.ceil(spec.cpu)), memory_mb=guest_mb, layers=tuple(rootfs.layers),
+                      network=network)
         holder: list[VMSandbox] = []
         try:
             vm = await self.vms.start(sandbox_id, shape, images, spec.disk_mb, confinement.cgroup_procs,
@@ -170,6 +180,12 @@ class MicroVMDriver:
 
         return watch_exit(sandbox.vm.pid, exited)
 
+    def why_ended(self, instance: Instance) -> str:
+        """Why the node killed the guest (it broke the protocol, flooded or went silent), for the
+        record's `detail`; "" when QEMU ended by itself."""
+        killed = _own(instance).killed
+        return f"the node killed the microVM: {killed}" if killed else ""
+
     async def leftovers(self, keep: set[str]) -> list[str]:
         """VMs a crash left (QEMU still in its directory, or the directory alone) that no kept
         sandbox owns, and boot VMs a crash interrupted."""
@@ -194,11 +210,13 @@ class MicroVMDriver:
         return sandbox
 
     async def _start_command(self, sandbox: VMSandbox, command: Command, on_output: Callable[[int, bytes], None],
-                             on_exit: Callable[[int], None]) -> GuestCommand:
+                             on_exit: Callable[[int], None],
+                             terminal: tuple[int, int] | None = None) -> GuestCommand:
         if command.uid >= 0:
             raise _unsupported("running a command as the image's user")
         try:
-            return await sandbox.channel.start(list(command.argv), dict(command.env), command.cwd, on_output, on_exit)
+            return await sandbox.channel.start(list(command.argv), dict(command.env), command.cwd, on_output, on_exit,
+                                               terminal)
         except CommandFailed as exc:
             raise ExecFailed(f"{exc.strerror}: {os.strerror(exc.errno or 0)}") from None
         except GuestBroken as exc:
@@ -238,13 +256,13 @@ class MicroVMDriver:
             raise
         except (GuestBroken, TimeoutError) as exc:
             raise SandboxGone(f"the microVM is gone: {sandbox.killed or exc}") from None
-        return ExecOutcome(_exit_code(status), bytes(out), bytes(err), timed_out, truncated)
+        return ExecOutcome(exit_code(status), bytes(out), bytes(err), timed_out, truncated)
 
     async def spawn(self, instance: Instance, command: Command, on_output: Callable[[int, bytes], None],
                     on_exit: Callable[[int], None]) -> RunningCommand:
         sandbox = self._usable(instance)
         running = await self._start_command(sandbox, command, on_output, on_exit)
-        return _GuestBackground(sandbox, running)
+        return GuestBackground(sandbox.channel, running)
 
     # -- files: small whole files through the agent --------------------------------------------
 
@@ -293,6 +311,17 @@ class MicroVMDriver:
             raise Unsupported(f"sandbox {sandbox.sandbox_id} has no cpu.weight or cpu.shares to change")
         return CpuWeight(file=found.path, value=found.write(idle))
 
+    async def save_machine(self, instance: Instance, state: Path, keep_paused: bool = False) -> None:
+        """The whole running machine (its processes too) into `state`, for a VM restored from it
+        (linuxnode/vm/runtime.py save_running; `checkpoint(memory=True)` is not wired to it yet)."""
+        sandbox = self._usable(instance)
+        try:
+            await self.vms.save_running(sandbox.vm, state, keep_paused)
+        except VMStartError as exc:
+            raise DriverFailure(str(exc)) from None
+        except GuestBroken as exc:
+            raise SandboxGone(f"the microVM is gone: {exc}") from None
+
     def writable_layer(self, instance: Instance) -> Path:
         raise NoWritableLayer(f"sandbox {_own(instance).sandbox_id} is a microvm: its writable layer is in guest "
                               "RAM, and checkpoints of microvms are not supported yet")
@@ -311,64 +340,82 @@ class MicroVMDriver:
                      memory_peak_bytes=used.memory_peak_bytes, memory_limit_bytes=used.memory_limit_bytes,
                      disk_bytes=-1, processes=used.processes, interfaces=[])
 
-    # -- not at this level yet -------------------------------------------------------------------
+    # -- ports: through the agent, to the guest's own loopback (linuxnode/vm/ports.py) ----------
 
-    async def connect_port(self, instance: Instance, host: str, port: int):
-        raise _unsupported("port forwarding")
+    async def connect_port(self, instance: Instance, host: str, port: int) -> socket.socket:
+        sandbox = self._usable(instance)
+        ipv6 = loopback_is_ipv6(host, "microvm")
+        try:
+            opened = await sandbox.channel.open_port(ipv6, port)
+        except GuestBroken as exc:
+            raise SandboxGone(f"the microVM is gone: {exc}") from None
+        theirs, ours = vm_ports.make_pair()
+        task = asyncio.ensure_future(vm_ports.forward(sandbox.channel, opened, ours))
+        sandbox.forwards.add(task)
+        task.add_done_callback(sandbox.forwards.discard)
+        return theirs
 
     def port_listens(self, instance: Instance, host: str, port: int) -> bool:
-        raise _unsupported("port forwarding")
+        """Asked of the guest from a worker thread. The launcher's probe calls it on the event
+        loop's thread, which cannot wait for the guest's answer: there it says yes, and a port
+        nobody listens on is refused at the forward's first connection instead of at `forward()`
+        (the launcher awaiting `listening` would close that gap)."""
+        sandbox = self._usable(instance)
+        ipv6 = loopback_is_ipv6(host, "microvm")
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self._on_loop(sandbox, lambda: sandbox.channel.port_listens(ipv6, port))
+        return True
 
-    def open_upload(self, instance: Instance, path: str, kind: str, mode: int, depth: int):
-        raise _unsupported("chunked uploads")
+    async def listening(self, instance: Instance, host: str, port: int) -> bool:
+        """`port_listens`, asked of the guest's agent (its /proc/net/tcp) from the event loop."""
+        sandbox = self._usable(instance)
+        try:
+            return await sandbox.channel.port_listens(loopback_is_ipv6(host, "microvm"), port)
+        except GuestBroken as exc:
+            raise SandboxGone(f"the microVM is gone: {exc}") from None
 
-    def open_download(self, instance: Instance, path: str, chunk: int, depth: int):
-        raise _unsupported("chunked downloads")
+    # -- not at this level yet -------------------------------------------------------------------
+
+    def open_upload(self, instance: Instance, path: str, kind: str, mode: int, depth: int) -> UploadSink:
+        sandbox = self._usable(instance)
+        if kind == "dir":
+            raise _unsupported("uploading a directory tree")
+        return self._on_guest(sandbox, lambda call: vm_files.FileSink(sandbox.channel, call, path, mode))
+
+    def open_download(self, instance: Instance, path: str, chunk: int, depth: int) -> DownloadSource:
+        sandbox = self._usable(instance)
+        return self._on_guest(sandbox, lambda call: vm_files.open_source(sandbox.channel, call, path, chunk))
+
+    _FILE_OPS: dict[str, Callable[..., object]] = {"stat": vm_files.stat, "list": vm_files.list_dir,
+                                                   "mkdir": vm_files.mkdir, "remove": vm_files.remove,
+                                                   "rename": vm_files.rename}
 
     def file_op(self, instance: Instance, op: str, *args) -> object:
-        raise _unsupported(f"the file operation {op!r}")
+        sandbox = self._usable(instance)
+        found = self._FILE_OPS.get(op)
+        if found is None:
+            raise ValueError(f"no file operation {op!r}")
+        return self._on_guest(sandbox, lambda call: found(sandbox.channel, call, *args))
+
+    def _on_guest(self, sandbox: VMSandbox, work: Callable[[vm_files.Call], T]) -> T:
+        """`work(call)` on this worker thread, each of its agent requests run on the loop by `call`."""
+        try:
+            return work(lambda make: self._on_loop(sandbox, make))
+        except GuestBroken as exc:
+            raise SandboxGone(f"the microVM is gone: {exc}") from None
 
     def open_watch(self, instance: Instance, path: str, recursive: bool, max_dirs: int):
         raise _unsupported("watching files")
 
     async def spawn_terminal(self, instance: Instance, command: Command, cols: int, rows: int,
-                             on_output: Callable[[int, bytes], None], on_exit: Callable[[int], None]):
-        raise _unsupported("terminals")
-
-
-class _GuestBackground:
-    """A background command in the guest, as the seam's RunningCommand."""
-
-    def __init__(self, sandbox: VMSandbox, running: GuestCommand) -> None:
-        self.sandbox, self.running = sandbox, running
-        self.stdin_open = True
-
-    @property
-    def os_pid(self) -> int | None:
-        return self.running.pid
-
-    async def write(self, data: bytes) -> int:
-        if not self.stdin_open or self.running.exited.done():
-            raise StdinClosed("its stdin is closed")
-        try:
-            self.sandbox.channel.stdin(self.running, data)
-        except GuestBroken as exc:
-            raise StdinClosed(str(exc)) from None
-        return len(data)
-
-    def close_stdin(self) -> None:
-        if self.stdin_open and not self.sandbox.channel.broken:
-            self.sandbox.channel.close_stdin(self.running)
-        self.stdin_open = False
-
-    def signal(self, number: int) -> bool:
-        if self.running.exited.done() or self.sandbox.channel.broken:
-            return False
-        self.sandbox.channel.signal(self.running, number)
-        return True
-
-    def close(self) -> None:
-        self.signal(signal.SIGKILL)
+                             on_output: Callable[[int, bytes], None], on_exit: Callable[[int], None]) -> RunningTerminal:
+        """On a terminal of the guest's own devpts (the agent holds its master)."""
+        sandbox = self._usable(instance)
+        frames_window(cols, rows)  # ValueError for a bad size, before anything runs
+        running = await self._start_command(sandbox, command, on_output, on_exit, terminal=(cols, rows))
+        return GuestTerminal(sandbox.channel, running)
 
 
 async def detect_microvm(state_dir: Path) -> tuple[MicroVMDriver | None, str]:
