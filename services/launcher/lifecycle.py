@@ -189,7 +189,8 @@ class Launcher:
     def _ended_on_its_own(self, live: Live) -> None:
         if not live.ending and self.live.get(live.id) is live:
             log.warning("sandbox %s: init exited on its own", live.id, extra=about(live.id))
-            asyncio.get_running_loop().create_task(self.destroy(live.id, Reason.PROCESS_EXITED))
+            detail = live.driver.why_ended(live.instance)
+            asyncio.get_running_loop().create_task(self.destroy(live.id, Reason.PROCESS_EXITED, detail))
 
     # -- giving back ---------------------------------------------------------------------
 

@@ -70,7 +70,7 @@ class Tunnels:
         if live.quarantined or live.paused:
             raise ServiceError(ErrorCode.CONFLICT, f"sandbox {req.sandbox_id} is frozen: resume it first")
         if req.probe:
-            return self._probe(live, req)
+            return await self._probe(live, req)
         if len(self.by_id) + self.opening >= settings.max_tunnels:
             raise ServiceError(ErrorCode.CAPACITY,
                                f"node {launcher.node_id} holds its maximum of {settings.max_tunnels} tunnels")
@@ -99,9 +99,9 @@ class Tunnels:
                             window=settings.tunnel_window_bytes, keepalive_s=settings.tunnel_keepalive_s,
                             idle_s=settings.tunnel_idle_s)
 
-    def _probe(self, live: Live, req: PortOpenRequest) -> PortOpenReply:
+    async def _probe(self, live: Live, req: PortOpenRequest) -> PortOpenReply:
         with translated(f"port {req.port} of {req.sandbox_id}", path=False):
-            listens = live.driver.port_listens(live.instance, req.host, req.port)
+            listens = await live.driver.port_listens(live.instance, req.host, req.port)
         return PortListening(port=req.port) if listens else _refused(req)
 
     async def _run(self, tunnel: Tunnel) -> None:

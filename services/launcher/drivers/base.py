@@ -179,6 +179,10 @@ class Driver(Protocol):
     def watch(self, instance: Instance, on_exit: Callable[[], None]) -> Callable[[], None]:
         """Call `on_exit` (on the event loop) when the sandbox ends on its own; returns the unwatch."""
 
+    def why_ended(self, instance: Instance) -> str:
+        """Why a sandbox that ended on its own ended, when the node knows more than that its
+        init is gone (a VM the node killed for breaking its protocol): the record's `detail`."""
+
     async def exec(self, instance: Instance, command: Command) -> ExecOutcome: ...
 
     def read_file(self, instance: Instance, path: str, max_bytes: int) -> bytes: ...
@@ -227,9 +231,10 @@ class Driver(Protocol):
         nobody listens there, Unsupported for "own" without an egress address, SandboxGone when
         the sandbox has ended."""
 
-    def port_listens(self, instance: Instance, host: str, port: int) -> bool:
+    async def port_listens(self, instance: Instance, host: str, port: int) -> bool:
         """Whether something listens on `port` at that address of the sandbox (as `connect_port`
-        names it), found without connecting; SandboxGone when the sandbox has ended."""
+        names it), found without connecting; SandboxGone when the sandbox has ended. Awaited: a
+        VM's guest is asked over its channel."""
     # -- files: uploads and downloads of any size, the file tree -----------------------------
 
     def open_upload(self, instance: Instance, path: str, kind: str, mode: int, depth: int) -> UploadSink:

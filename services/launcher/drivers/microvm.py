@@ -355,21 +355,8 @@ class MicroVMDriver:
         task.add_done_callback(sandbox.forwards.discard)
         return theirs
 
-    def port_listens(self, instance: Instance, host: str, port: int) -> bool:
-        """Asked of the guest from a worker thread. The launcher's probe calls it on the event
-        loop's thread, which cannot wait for the guest's answer: there it says yes, and a port
-        nobody listens on is refused at the forward's first connection instead of at `forward()`
-        (the launcher awaiting `listening` would close that gap)."""
-        sandbox = self._usable(instance)
-        ipv6 = loopback_is_ipv6(host, "microvm")
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return self._on_loop(sandbox, lambda: sandbox.channel.port_listens(ipv6, port))
-        return True
-
-    async def listening(self, instance: Instance, host: str, port: int) -> bool:
-        """`port_listens`, asked of the guest's agent (its /proc/net/tcp) from the event loop."""
+    async def port_listens(self, instance: Instance, host: str, port: int) -> bool:
+        """Asked of the guest's agent (its /proc/net/tcp)."""
         sandbox = self._usable(instance)
         try:
             return await sandbox.channel.port_listens(loopback_is_ipv6(host, "microvm"), port)

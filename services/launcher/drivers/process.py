@@ -134,6 +134,9 @@ class ProcessDriver:
     def watch(self, instance: Instance, on_exit: Callable[[], None]) -> Callable[[], None]:
         return watch_exit(_own(instance).init.pid, on_exit)
 
+    def why_ended(self, instance: Instance) -> str:
+        return ""  # its init's exit is all there is to say
+
     async def exec(self, instance: Instance, command: Command) -> ExecOutcome:
         sandbox = _own(instance)
         try:
@@ -233,7 +236,7 @@ class ProcessDriver:
             raise
         return sock
 
-    def port_listens(self, instance: Instance, host: str, port: int) -> bool:
+    async def port_listens(self, instance: Instance, host: str, port: int) -> bool:
         sandbox = _own(instance)
         host = _own_address(sandbox, host)
         try:
