@@ -13,8 +13,12 @@ tenant add`), which a platform of a few teams does rarely.
 - Account `tenant-<name>` per tenant: no JetStream, nothing of its own but its inbox; it imports
   the platform's sandbox requests with `share: true`, so every request it makes reaches the
   platform carrying the server's `Nats-Request-Info` (its account), which placement records as
-  the sandbox's tenant and the node checks on every request about a sandbox.
+  the sandbox's tenant and the node checks on every request about a sandbox. It also imports,
+  as streams, the events of its own sandboxes only (lifecycle events, and the security monitor's
+  copies of their violations and actions: subjects that carry the tenant), each exported by the
+  platform to that one account, so subscribing to another tenant's is refused by the server.
 """
+
 
 from __future__ import annotations
 
@@ -28,8 +32,8 @@ from pathlib import Path
 import nkeys
 
 from sandfleet import jetstream
-from sandfleet.credentials import (TENANT_ACCOUNT_PREFIX, check_tenant_name, creds_text, inbox_prefix, read_seed,
-                                   write_private)
+from sandfleet.credentials import (TENANT_ACCOUNT_PREFIX, USER_INFO, check_tenant_name, creds_text, inbox_prefix,
+                                   read_seed, write_private)
 from schemas import (desktop, events, files, health, layers, node, ports, process, pty, reclaim, sandbox, security,
                      violations)
 
@@ -61,6 +65,11 @@ TENANT_SANDBOX_SUBJECTS = (sandbox.CREATE, sandbox.CREATE_MANY, sandbox.GET, san
 
 def tenant_subjects() -> list[str]:
     return [*TENANT_SANDBOX_SUBJECTS, *(node.subject("*", verb) for verb in TENANT_NODE_VERBS)]
+
+
+def tenant_event_subjects(name: str) -> list[str]:
+    """The event subjects of one tenant's sandboxes: exported to its account alone."""
+    return [events.tenant_filter(name), violations.tenant_filter(name), security.tenant_actions_filter(name)]
 
 
 @dataclass
@@ -96,7 +105,8 @@ def event_stream(*subjects: str) -> Permissions:
 
 
 def _common() -> Permissions:
-    return Permissions([], [MICRO])  # and its own inboxes (`accounts`: they are named after its key)
+    # USER_INFO: the server tells a user its own account (the SDK asks, to know whose events it sees)
+    return Permissions([USER_INFO], [MICRO])  # and its own inboxes (`accounts`: they are named after its key)
 
 
 def _state() -> Permissions:
@@ -114,7 +124,8 @@ def service_permissions(name: str) -> Permissions:
         )).add(kv(node.KV_BUCKET)).add(kv(node.BOOKINGS_BUCKET, write=True)).add(kv(sandbox.QUOTA_BUCKET, write=True))
     if name == "security-monitor":
         return base.add(Permissions(
-            [node.subject("*", node.DESTROY), node.subject("*", node.QUARANTINE), security.ALL_ACTIONS],
+            [node.subject("*", node.DESTROY), node.subject("*", node.QUARANTINE), security.ALL_ACTIONS,
+             violations.tenant_filter("*"), security.tenant_actions_filter("*")],  # tenants' copies
             [security.ALL],
         )).add(kv(security.POLICY_BUCKET, write=True)).add(kv(security.SANDBOX_BUCKET, write=True))
     if name in ("gateway", "fusion"):  # front doors: a platform client of every node's sandbox verbs
@@ -145,11 +156,12 @@ def _inboxes(public: str) -> Permissions:
     return Permissions([], [f"{inbox_prefix(public)}.>"])
 
 
-def _tenant_user(public: str) -> dict:
+def _tenant_user(name: str, public: str) -> dict:
     # `$JS.API.>` of its own account, which has no JetStream: the SDK's stream lookups get "no
     # responders" at once instead of a refused publish left to time out. Nothing of the platform's.
-    return {"nkey": public, "permissions": {"publish": {"allow": [*tenant_subjects(), jetstream.JS_API_ALL]},
-                                            "subscribe": {"allow": [INBOX]}}}
+    publish = [*tenant_subjects(), jetstream.JS_API_ALL, USER_INFO]
+    return {"nkey": public, "permissions": {"publish": {"allow": publish},
+                                            "subscribe": {"allow": [INBOX, *tenant_event_subjects(name)]}}}
 
 
 # -- the credentials directory -----------------------------------------------------------
@@ -214,9 +226,12 @@ class AuthDir:
         exports = [{"service": subject} for subject in tenant_subjects()]
         found: dict = {PLATFORM: {"jetstream": "enabled", "users": users, "exports": exports}}
         for name, key in self._users("tenants").items():
-            found[f"{TENANT_ACCOUNT_PREFIX}{name}"] = {
-                "users": [_tenant_user(key)],
-                "imports": [{"service": {"account": PLATFORM, "subject": s}, "share": True} for s in tenant_subjects()],
+            account = f"{TENANT_ACCOUNT_PREFIX}{name}"
+            exports += [{"stream": subject, "accounts": [account]} for subject in tenant_event_subjects(name)]
+            found[account] = {
+                "users": [_tenant_user(name, key)],
+                "imports": [*({"service": {"account": PLATFORM, "subject": s}, "share": True} for s in tenant_subjects()),
+                            *({"stream": {"account": PLATFORM, "subject": s}} for s in tenant_event_subjects(name))],
             }
         return found
 

@@ -24,6 +24,7 @@ from sandfleet.config import local_credentials_dir, nats_servers
 
 CREDS_ENV = "SANDFLEET_CREDS"
 REQUEST_INFO = "Nats-Request-Info"  # written by the server on requests through a shared service import
+USER_INFO = "$SYS.REQ.USER.INFO"  # nats-server answers any user with its own user, account and permissions
 TENANT_ACCOUNT_PREFIX = "tenant-"  # a tenant's account is `tenant-<name>`
 SEED_RE = re.compile(r"^\s*(SU[A-Z2-7]{56})\s*$", re.MULTILINE)  # an nkey user seed: 58 base32 characters
 TENANT_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
@@ -132,9 +133,13 @@ def tenant_of(headers: dict[str, str] | None) -> str | None:
         account = json.loads(info).get("acc", "")
     except (ValueError, AttributeError):
         account = ""
-    if isinstance(account, str) and account.startswith(TENANT_ACCOUNT_PREFIX):
-        return account[len(TENANT_ACCOUNT_PREFIX):]
-    return "?"  # unknown account: a name no sandbox record carries, so it reaches nothing
+    tenant = tenant_of_account(account) if isinstance(account, str) else None
+    return "?" if tenant is None else tenant  # unknown account: a name no sandbox record carries, so it reaches nothing
+
+
+def tenant_of_account(account: str) -> str | None:
+    """`alice` for the account `tenant-alice`; None for any other account (never "": the platform's)."""
+    return account[len(TENANT_ACCOUNT_PREFIX):] or None if account.startswith(TENANT_ACCOUNT_PREFIX) else None
 
 
 def check_tenant_name(name: str) -> str:

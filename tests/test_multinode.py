@@ -29,6 +29,7 @@ import pytest
 
 import sandfleet
 from sandfleet import errors
+from schemas import events
 from schemas import node as node_schema
 from schemas.node import ConfinedList, Empty
 from schemas.sandbox import ENDED, Reason, State
@@ -325,10 +326,10 @@ async def test_losing_a_nats_server_mid_batch_loses_no_request(nats_cluster):
         started_ids: set[str] = set()
 
         async def started(msg) -> None:  # type: ignore[no-untyped-def]
-            started_ids.add(msg.subject.split(".")[3])  # events.v1.sandbox.<id>.started
+            started_ids.add(msg.subject.split(".")[4])  # events.v2.sandbox.<tenant>.<id>.started
             first.set()
 
-        sub = await fleet.bus.nc.subscribe("events.v1.sandbox.*.started", cb=started)
+        sub = await fleet.bus.nc.subscribe(events.sandbox_subject("*", "started"), cb=started)
         batch = asyncio.create_task(fleet.create_many(count, isolation="process", host_view=True, memory_mb=64,
                                                       labels={"batch": "failover"}, request_timeout_s=180))
         await asyncio.wait_for(first.wait(), 120)  # mid-batch: the first sandbox has just started
