@@ -47,9 +47,9 @@ MICRO = "$SRV.>"  # nats.micro's PING/INFO/STATS: every service answers them
 
 # What a tenant may ask of a node about a sandbox, each checked against the sandbox's tenant by
 # the launcher. Not here: launch, quarantine, the by-label rollout verbs (they reach every
-# sandbox of a node), the agent's and layer-cache's verbs, port tunnels (their frames go to
-# an inbox the node publishes into, which does not cross accounts).
+# sandbox of a node), the agent's and layer-cache's verbs.
 TENANT_NODE_VERBS = (
+    ports.PORT_OPEN,
     node.EXEC, node.WRITE_FILE, node.READ_FILE, node.DESTROY, node.PAUSE, node.RESUME, node.HINT, node.CHECKPOINT,
     health.SET_TIMEOUT, health.METRICS,
     process.SPAWN, process.READ, process.WRITE, process.SIGNAL, process.WAIT, process.LIST,
@@ -64,12 +64,17 @@ TENANT_SANDBOX_SUBJECTS = (sandbox.CREATE, sandbox.CREATE_MANY, sandbox.GET, san
 
 
 def tenant_subjects() -> list[str]:
-    return [*TENANT_SANDBOX_SUBJECTS, *(node.subject("*", verb) for verb in TENANT_NODE_VERBS)]
+    """What a tenant's account imports as services: requests, and its tunnels' frames to nodes
+    (a tunnel id is a secret told only to the tenant whose port_open the launcher checked)."""
+    return [*TENANT_SANDBOX_SUBJECTS, *(node.subject("*", verb) for verb in TENANT_NODE_VERBS),
+            ports.tunnel_subject("*", "*")]
 
 
-def tenant_event_subjects(name: str) -> list[str]:
-    """The event subjects of one tenant's sandboxes: exported to its account alone."""
-    return [events.tenant_filter(name), violations.tenant_filter(name), security.tenant_actions_filter(name)]
+def tenant_stream_subjects(name: str) -> list[str]:
+    """What the platform sends to one tenant alone, exported to its account only: its sandboxes'
+    events (lifecycle, the monitor's copies of violations and actions) and its tunnels' frames."""
+    return [events.tenant_filter(name), violations.tenant_filter(name), security.tenant_actions_filter(name),
+            ports.tenant_frames_filter(name)]
 
 
 @dataclass
@@ -129,8 +134,8 @@ def service_permissions(name: str) -> Permissions:
             [security.ALL],
         )).add(kv(security.POLICY_BUCKET, write=True)).add(kv(security.SANDBOX_BUCKET, write=True))
     if name in ("gateway", "fusion"):  # front doors: a platform client of every node's sandbox verbs
-        verbs = [node.subject("*", verb) for verb in (*TENANT_NODE_VERBS, ports.PORT_OPEN, node.PAUSE_SELECTED,
-                                                        node.RESUME_SELECTED)] + [ports.tunnel_subject("*", "*")]
+        verbs = [node.subject("*", verb) for verb in (*TENANT_NODE_VERBS, node.PAUSE_SELECTED, node.RESUME_SELECTED)
+                 ] + [ports.tunnel_subject("*", "*")]
         return base.add(Permissions([*TENANT_SANDBOX_SUBJECTS, *verbs, layers.ALL, MICRO], [])).add(
             kv(node.KV_BUCKET)).add(kv(layers.KV_BUCKET)).add(objects(layers.UPLOAD_BUCKET, write=True))
     raise ValueError(f"no such service user: {name}")
@@ -142,9 +147,9 @@ def node_permissions(node_id: str) -> Permissions:
     events carry no node, so any sandbox's), the layer store it builds into and reads from."""
     own = node.subject(node_id, ">")
     return _common().add(_state()).add(Permissions(
-        # INBOX: a port tunnel's frames go to the inbox its client named (schemas/ports.py);
-        # MICRO: `sandfleet node --detach` waits until every service answers a ping
-        [own, INBOX, MICRO, violations.subject(node_id, "*", "*"), layers.fetch_failed_subject(node_id),
+        # INBOX: a port tunnel's frames go to the inbox its client named (a tenant's: under its
+        # prefix, schemas/ports.py); MICRO: `sandfleet node --detach` waits until every service answers a ping
+        [own, INBOX, ports.tenant_frames_filter("*"), MICRO, violations.subject(node_id, "*", "*"), layers.fetch_failed_subject(node_id),
          reclaim.node_filter(node_id), layers.ALL],
         [own, layers.ALL],
     )).add(kv(node.KV_BUCKET, write=True, keys=node_id)).add(kv(node.BOOKINGS_BUCKET)).add(
@@ -161,7 +166,7 @@ def _tenant_user(name: str, public: str) -> dict:
     # responders" at once instead of a refused publish left to time out. Nothing of the platform's.
     publish = [*tenant_subjects(), jetstream.JS_API_ALL, USER_INFO]
     return {"nkey": public, "permissions": {"publish": {"allow": publish},
-                                            "subscribe": {"allow": [INBOX, *tenant_event_subjects(name)]}}}
+                                            "subscribe": {"allow": [INBOX, *tenant_stream_subjects(name)]}}}
 
 
 # -- the credentials directory -----------------------------------------------------------
@@ -227,11 +232,11 @@ class AuthDir:
         found: dict = {PLATFORM: {"jetstream": "enabled", "users": users, "exports": exports}}
         for name, key in self._users("tenants").items():
             account = f"{TENANT_ACCOUNT_PREFIX}{name}"
-            exports += [{"stream": subject, "accounts": [account]} for subject in tenant_event_subjects(name)]
+            exports += [{"stream": subject, "accounts": [account]} for subject in tenant_stream_subjects(name)]
             found[account] = {
                 "users": [_tenant_user(name, key)],
                 "imports": [*({"service": {"account": PLATFORM, "subject": s}, "share": True} for s in tenant_subjects()),
-                            *({"stream": {"account": PLATFORM, "subject": s}} for s in tenant_event_subjects(name))],
+                            *({"stream": {"account": PLATFORM, "subject": s}} for s in tenant_stream_subjects(name))],
             }
         return found
 

@@ -67,6 +67,11 @@ class ServiceConfig:
     # SANDFLEET_DEFAULT_LAYERS ("a,b", bottom first): the root of a sandbox that names no layers
     # and does not ask for the host view
     default_layers: tuple[str, ...] = ()
+    # SANDFLEET_USERNS: the host ids sandbox roots map to ("" or "on": the default range, a base
+    # number, "off": none), read here once so a node's launcher and layer-cache cannot disagree
+    # (the layer-cache idmaps the layer mounts for the range the launcher's sandboxes run in).
+    # Parsed by the node side (linuxnode.userns.node_range): this package stays pure Python.
+    userns: str = ""
 
     @classmethod
     def from_env(cls) -> ServiceConfig:
@@ -77,6 +82,7 @@ class ServiceConfig:
             capacity=int(os.environ.get("SANDFLEET_CAPACITY", "2000")),
             layer_fetch=os.environ.get("SANDFLEET_LAYER_FETCH") or "lazy",
             default_layers=tuple(n for n in os.environ.get("SANDFLEET_DEFAULT_LAYERS", "").split(",") if n.strip()),
+            userns=os.environ.get("SANDFLEET_USERNS", ""),
         )
 
 

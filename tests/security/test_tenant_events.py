@@ -1,7 +1,8 @@
 """A tenant follows its own sandboxes' lifecycle events and violations, and never another's, on
 a real platform with real credentials: the server hands a tenant's account the events of
 `events.v2.sandbox.<tenant>.>` (and the monitor's copies of its violations and actions) and
-refuses a subscription to anyone else's.
+refuses a subscription to anyone else's. And a tenant forwards its own sandboxes' ports (the
+frames come to it under `tunnels.v1.<tenant>.`), never another's.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import pytest
 import sandfleet
 from sandfleet import errors
 from sandfleet.credentials import read_seed
-from schemas import events, security, violations
+from schemas import events, ports, security, violations
 from schemas.violations import Violation
 from tests.security.test_bus_auth import _issue
+from tests.test_ports import PORT, forward_when_listening, http_get, serving
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -102,7 +104,8 @@ async def test_a_tenant_cannot_subscribe_to_another_tenants_events(platform, cre
     dave = await nats.connect(platform.url, allow_reconnect=False, error_cb=error_cb,
                               nkeys_seed_str=read_seed(creds["dave"]))
     forbidden = [events.tenant_filter("carol"), events.sandbox_filter("*"), events.tenant_filter(events.NO_TENANT),
-                 violations.tenant_filter("carol"), security.tenant_actions_filter("carol"), "events.v2.>"]
+                 violations.tenant_filter("carol"), security.tenant_actions_filter("carol"), "events.v2.>",
+                 ports.tenant_frames_filter("carol"), ports.tenant_frames_filter("*")]
     try:
         for subject in forbidden:
             await dave.subscribe(subject)
@@ -147,3 +150,21 @@ async def test_a_tenants_gang_batch_follows_its_own_events(platform, creds):
         finally:
             for sb in boxes:
                 await sb.destroy()
+
+
+async def test_a_tenant_forwards_its_own_sandboxs_port_and_not_anothers(platform, creds):
+    async with sandfleet.connect(platform.url, creds=creds["carol"]) as carol, \
+            sandfleet.connect(platform.url, creds=creds["dave"]) as dave:
+        async with serving(carol, "process") as sb, forward_when_listening(sb) as (host, port):
+            assert await asyncio.to_thread(http_get, host, port, "/index.html") == (200, b"hello")
+            status, _ = await asyncio.to_thread(http_get, host, port, "/missing")
+            assert status == 404
+            with pytest.raises(errors.NotFound):  # her sandbox, asked by him: no sandbox at all
+                async with _handle(dave, sb).forward(PORT):
+                    pass
+            assert await asyncio.to_thread(http_get, host, port, "/index.html") == (200, b"hello")  # unharmed
+
+
+def _handle(fleet, sb):
+    """A handle on another's sandbox, as if its id and node had leaked (`fleet.sandbox` would refuse)."""
+    return sandfleet.Sandbox(fleet, sb.id, sb.node)
