@@ -32,8 +32,8 @@ from pathlib import Path
 import nkeys
 
 from sandfleet import jetstream
-from sandfleet.credentials import (TENANT_ACCOUNT_PREFIX, USER_INFO, check_tenant_name, creds_text, inbox_prefix,
-                                   read_seed, write_private)
+from sandfleet.credentials import (TENANT_ACCOUNT_PREFIX, CredentialsError, USER_INFO, api_key_digest, check_tenant_name, creds_text,
+                                   inbox_prefix, read_seed, write_private)
 from schemas import (desktop, events, files, health, layers, node, ports, process, pty, reclaim, sandbox, security,
                      violations)
 
@@ -211,6 +211,34 @@ class AuthDir:
     def tenant(self, name: str) -> Path:
         check_tenant_name(name)
         return self._ensure(self.root / "tenants" / f"{name}.creds", f"tenant {name}")
+
+    def tenant_creds(self, name: str) -> Path | None:
+        """A tenant's credentials file if `tenant add` made one (never made here)."""
+        path = self.root / "tenants" / f"{name}.creds"
+        return path if path.exists() else None
+
+    # E2B API keys (`tenant add NAME --e2b-key`): the gateway answers a key with its tenant's own
+    # bus credentials. Only each key's digest is kept, so the file names no usable key.
+    @property
+    def e2b_keys_file(self) -> Path:
+        return self.root / "e2b-keys.json"
+
+    def e2b_keys(self) -> dict[str, str]:
+        """Key digest → tenant name."""
+        try:
+            table = json.loads(self.e2b_keys_file.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: v for k, v in table.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(
+            table, dict) else {}
+
+    def add_e2b_key(self, name: str, key: str) -> None:
+        check_tenant_name(name)
+        table = self.e2b_keys()
+        digest = api_key_digest(key)
+        if table.get(digest, name) != name:
+            raise CredentialsError("that E2B API key is another tenant's")
+        write_private(self.e2b_keys_file, json.dumps({**table, digest: name}, indent=1, sort_keys=True))
 
     def _ensure(self, path: Path, what: str) -> Path:
         if not path.exists():

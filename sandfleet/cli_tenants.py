@@ -1,5 +1,8 @@
 """`sandfleet tenant add NAME` and `sandfleet tenant node-creds ID`: credentials for a team (or
 a trainer) and for a node joining from another machine, printed as a credentials file.
+`tenant add NAME --e2b-key [KEY]` also gives the tenant an E2B API key (made, or the one given)
+that the E2B gateway answers with the tenant's own credentials; the key goes to stderr, so the
+credentials file alone goes to stdout.
 
 Run on the machine that runs the bus (they live in its data dir): the user is added to the
 accounts every server includes, each server rereads its config, and the command returns once
@@ -17,7 +20,7 @@ from sandfleet import errors
 from sandfleet.bus import Bus
 from sandfleet.bus_accounts import ACCOUNTS_CONF, AuthDir, reload_servers, write_accounts
 from sandfleet.config import default_data_dir
-from sandfleet.credentials import CredentialsError, write_private
+from sandfleet.credentials import CredentialsError, new_api_key, write_private
 from sandfleet.supervisor import read_state
 from schemas import sandbox
 
@@ -29,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     verbs = tenant.add_subparsers(dest="verb", required=True)
     add = verbs.add_parser("add", help="a tenant: its own sandboxes only")
     add.add_argument("name")
+    add.add_argument("--e2b-key", nargs="?", const="", default=None, metavar="KEY",
+                     help="also an E2B API key for the gateway (made when no KEY is given), printed on stderr")
     add.set_defaults(func=_add_tenant)
     node = verbs.add_parser("node-creds", help="a node's, for `sandfleet node --creds FILE` on another machine")
     node.add_argument("node_id")
@@ -39,7 +44,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_tenant(args: argparse.Namespace) -> int:
-    return _issue(args, lambda auth: auth.tenant(args.name), tenant=True)
+    def make(auth: AuthDir) -> Path:
+        path = auth.tenant(args.name)
+        if args.e2b_key is not None:
+            key = args.e2b_key or new_api_key()
+            auth.add_e2b_key(args.name, key)
+            print(f"E2B API key of tenant {args.name}: {key}", file=sys.stderr)
+        return path
+
+    return _issue(args, make, tenant=True)
 
 
 def _node_creds(args: argparse.Namespace) -> int:

@@ -14,9 +14,11 @@ from inside the platform's account carries none.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import secrets
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -140,6 +142,16 @@ def tenant_of(headers: dict[str, str] | None) -> str | None:
 def tenant_of_account(account: str) -> str | None:
     """`alice` for the account `tenant-alice`; None for any other account (never "": the platform's)."""
     return account[len(TENANT_ACCOUNT_PREFIX):] or None if account.startswith(TENANT_ACCOUNT_PREFIX) else None
+
+
+def new_api_key() -> str:
+    """An E2B API key for a tenant (E2B's own keys start `e2b_` too)."""
+    return f"e2b_{secrets.token_hex(20)}"
+
+
+def api_key_digest(key: str) -> str:
+    """What the E2B key table keeps of a key: a key is 160 random bits, so a plain hash suffices."""
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def check_tenant_name(name: str) -> str:
