@@ -22,6 +22,7 @@ from sandfleet.bus_accounts import ACCOUNTS_CONF, AuthDir, reload_servers, write
 from sandfleet.config import default_data_dir
 from sandfleet.credentials import CredentialsError, new_api_key, write_private
 from sandfleet.supervisor import read_state
+from sandfleet.tls import TlsDir, TlsError
 from schemas import sandbox
 
 RELOAD_WAIT_S = 10.0
@@ -41,6 +42,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     for parser in (add, node):
         parser.add_argument("--data-dir", type=Path, default=None, help="the platform's (default: the usual one)")
         parser.add_argument("--out", type=Path, default=None, help="also write the file here (mode 0600)")
+    cluster = verbs.add_parser("init-cluster", help="accounts.conf and TLS certificates for infra/nats-cluster/ "
+                                                    "(a bus `up` does not run); then node-creds/add with --data-dir")
+    cluster.add_argument("--data-dir", type=Path, required=True, help="where to make them (then copied to each server)")
+    cluster.add_argument("--address", action="append", default=[], metavar="IP_OR_NAME",
+                         help="a name or address clients dial a server by (repeat for each)")
+    cluster.set_defaults(func=_init_cluster)
 
 
 def _add_tenant(args: argparse.Namespace) -> int:
@@ -57,6 +64,23 @@ def _add_tenant(args: argparse.Namespace) -> int:
 
 def _node_creds(args: argparse.Namespace) -> int:
     return _issue(args, lambda auth: auth.node(args.node_id), tenant=False)
+
+
+def _init_cluster(args: argparse.Namespace) -> int:
+    """The operator, the cluster services and the server certificate for a cluster of servers
+    started from infra/nats-cluster/ (kept, as `up` keeps its own: running it again adds nothing)."""
+    data_dir = args.data_dir.resolve()
+    auth = AuthDir.of(data_dir)
+    auth.platform([])
+    conf = write_accounts(data_dir, auth)
+    try:
+        tls = TlsDir.of(data_dir).ensure(tuple(args.address))
+    except TlsError as exc:
+        print(f"sandfleet tenant init-cluster: {exc}", file=sys.stderr)
+        return 1
+    print(f"{conf}\n{tls.ca}\n{tls.cert}\n{tls.key}\n(credentials: {auth.root}; "
+          "add nodes and tenants with `tenant node-creds` / `tenant add` and this --data-dir)")
+    return 0
 
 
 def _issue(args: argparse.Namespace, make, tenant: bool) -> int:  # type: ignore[no-untyped-def]

@@ -37,6 +37,12 @@ def auth_enabled() -> bool:
     return (os.environ.get("SANDFLEET_AUTH") or "on").lower() not in ("off", "0", "no", "false")
 
 
+def tls_enabled() -> bool:
+    """SANDFLEET_TLS=on (`sandfleet up --tls`): the platform's servers speak TLS only, to clients
+    and between themselves (sandfleet.tls). Off by default (a loopback bus)."""
+    return (os.environ.get("SANDFLEET_TLS") or "off").lower() in ("on", "1", "yes", "true")
+
+
 def local_credentials_dir() -> Path:
     """Where a platform notes, for clients on its machine, which credentials its bus takes
     (SANDFLEET_LOCAL_CREDS_DIR; default /run/sandfleet/bus for root, else under ~/.local/state)."""

@@ -20,9 +20,11 @@ import os
 import re
 import secrets
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from sandfleet.config import local_credentials_dir, nats_servers
+from sandfleet.tls import TLS_CA_ENV, client_context
 
 CREDS_ENV = "SANDFLEET_CREDS"
 REQUEST_INFO = "Nats-Request-Info"  # written by the server on requests through a shared service import
@@ -67,13 +69,15 @@ def _address(url: str) -> str:
     return f"{first.hostname or '127.0.0.1'}_{first.port or 4222}"
 
 
-def register_local(url: str, creds: Path, pid: int) -> list[Path]:
+def register_local(url: str, creds: Path | None, pid: int, ca: Path | None = None) -> list[Path]:
     """Note, for clients on this machine, that the bus at each of `url`'s servers takes `creds`
-    (while supervisor `pid` lives). Returns the notes written, for `unregister_local`."""
+    and (with `--tls`) presents a certificate of the CA `ca` (while supervisor `pid` lives).
+    Returns the notes written, for `unregister_local`."""
     notes = []
     for server in nats_servers(url):
         note = local_credentials_dir() / f"{_address(server)}.json"
-        write_private(note, json.dumps({"creds": str(creds), "pid": pid}))
+        entry = {"creds": str(creds) if creds else "", "pid": pid, **({"ca": str(ca)} if ca else {})}
+        write_private(note, json.dumps(entry))
         notes.append(note)
     return notes
 
@@ -83,17 +87,31 @@ def unregister_local(notes: list[Path]) -> None:
         note.unlink(missing_ok=True)
 
 
-def local_creds(url: str) -> Path | None:
-    """The admin credentials a platform on this machine registered for `url`, if its supervisor
+def _local_note(url: str, field: str) -> Path | None:
+    """A file a platform on this machine registered for `url` (`creds`, `ca`), if its supervisor
     still runs (a note left by one that crashed names a bus that is no more)."""
     note = local_credentials_dir() / f"{_address(url)}.json"
     try:
         entry = json.loads(note.read_text())
         os.kill(int(entry["pid"]), 0)
-    except (OSError, ValueError, KeyError, TypeError):
+        named = entry.get(field) or ""
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    path = Path(entry["creds"])
-    return path if path.exists() else None
+    path = Path(named) if isinstance(named, str) and named else None
+    return path if path is not None and path.exists() else None
+
+
+def local_creds(url: str) -> Path | None:
+    """The admin credentials a platform on this machine registered for `url`."""
+    return _local_note(url, "creds")
+
+
+def find_ca(url: str) -> Path | None:
+    """The CA the bus's certificate must be signed by: $SANDFLEET_TLS_CA, else the one a
+    platform on this machine registered for `url` (`up --tls`). None: the bus has no TLS."""
+    if os.environ.get(TLS_CA_ENV):
+        return Path(os.environ[TLS_CA_ENV])
+    return _local_note(url, "ca")
 
 
 def find_creds(url: str, explicit: str | Path | None = None) -> Path | None:
@@ -111,17 +129,22 @@ def inbox_prefix(public_key: str) -> str:
     return f"_INBOX.{public_key[1:17]}"
 
 
-def connect_options(url: str, creds: str | Path | None = None) -> dict[str, str]:
-    """What to hand `nats.connect` so it signs in with the credentials found for `url` (for a
-    caller that opens its own nats-py connection)."""
+def connect_options(url: str, creds: str | Path | None = None) -> dict[str, Any]:
+    """What to hand `nats.connect` so it signs in with the credentials found for `url`, and
+    verifies the server's certificate against the CA found for it (for a caller that opens its
+    own nats-py connection)."""
+    options: dict[str, Any] = {}
+    ca = find_ca(url)
+    if ca is not None:
+        options["tls"] = client_context(ca)
     path = find_creds(url, creds)
     if path is None:
-        return {}
+        return options
     import nkeys  # only a client that signs in needs it
 
     seed = read_seed(path)
     public = nkeys.from_seed(bytearray(seed.encode())).public_key.decode()
-    return {"nkeys_seed_str": seed, "inbox_prefix": inbox_prefix(public)}
+    return {**options, "nkeys_seed_str": seed, "inbox_prefix": inbox_prefix(public)}
 
 
 def tenant_of(headers: dict[str, str] | None) -> str | None:
