@@ -39,6 +39,11 @@ def sandbox_filter(sandbox_id: str, tenant: str = ANY) -> str:
     return f"events.v2.sandbox.{tenant}.{sandbox_id}.>"
 
 
+def sandbox_id_of(subject: str) -> str:
+    """The sandbox id a lifecycle event's subject names (`events.v2.sandbox.<tenant>.<id>.<event>`)."""
+    return subject.split(".")[4]
+
+
 def tenant_filter(tenant: str) -> str:
     """Every lifecycle event of one tenant's sandboxes: what its account imports."""
     return f"events.v2.sandbox.{tenant}.>"

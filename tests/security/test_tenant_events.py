@@ -145,7 +145,7 @@ async def test_a_tenants_gang_batch_follows_its_own_events(platform, creds):
         boxes = await dave.create_many(3, memory_mb=64, host_view=True)
         try:
             assert len(boxes) == 3
-            assert {s.split(".")[4] for s in heard if s.endswith(".started")} == {sb.id for sb in boxes}
+            assert {events.sandbox_id_of(s) for s in heard if s.endswith(".started")} == {sb.id for sb in boxes}
             assert all(s.split(".")[3] == "dave" for s in heard)
         finally:
             for sb in boxes:
