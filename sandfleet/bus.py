@@ -276,7 +276,8 @@ class Bus:
             raise errors.NoResponders(f"no service answers {subject}", subject=subject) from None
         except nats.errors.TimeoutError:
             if self._refused.get(subject, -1.0) >= asked:
-                raise errors.Forbidden(f"the bus does not let these credentials ask {subject}", subject=subject) from None
+                raise errors.Forbidden(f"the bus does not let these credentials ask {subject}",
+                                       subject=subject) from None
             raise errors.Timeout(f"no reply on {subject} within {timeout:g}s", subject=subject) from None
         except nats.errors.MaxPayloadError:
             raise errors.InvalidRequest(

@@ -32,8 +32,8 @@ from pathlib import Path
 import nkeys
 
 from sandfleet import jetstream
-from sandfleet.credentials import (TENANT_ACCOUNT_PREFIX, CredentialsError, USER_INFO, api_key_digest, check_tenant_name, creds_text,
-                                   inbox_prefix, read_seed, write_private)
+from sandfleet.credentials import (TENANT_ACCOUNT_PREFIX, USER_INFO, CredentialsError, api_key_digest,
+                                   check_tenant_name, creds_text, inbox_prefix, read_seed, write_private)
 from schemas import (desktop, events, files, health, layers, node, ports, process, pty, reclaim, sandbox, security,
                      violations)
 
@@ -149,7 +149,8 @@ def node_permissions(node_id: str) -> Permissions:
     return _common().add(_state()).add(Permissions(
         # INBOX: a port tunnel's frames go to the inbox its client named (a tenant's: under its
         # prefix, schemas/ports.py); MICRO: `sandfleet node --detach` waits until every service answers a ping
-        [own, INBOX, ports.tenant_frames_filter("*"), MICRO, violations.subject(node_id, "*", "*"), layers.fetch_failed_subject(node_id),
+        [own, INBOX, ports.tenant_frames_filter("*"), MICRO, violations.subject(node_id, "*", "*"),
+         layers.fetch_failed_subject(node_id),
          reclaim.node_filter(node_id), layers.ALL],
         [own, layers.ALL],
     )).add(kv(node.KV_BUCKET, write=True, keys=node_id)).add(kv(node.BOOKINGS_BUCKET)).add(
@@ -263,8 +264,9 @@ class AuthDir:
             exports += [{"stream": subject, "accounts": [account]} for subject in tenant_stream_subjects(name)]
             found[account] = {
                 "users": [_tenant_user(name, key)],
-                "imports": [*({"service": {"account": PLATFORM, "subject": s}, "share": True} for s in tenant_subjects()),
-                            *({"stream": {"account": PLATFORM, "subject": s}} for s in tenant_stream_subjects(name))],
+                "imports": [
+                    *({"service": {"account": PLATFORM, "subject": s}, "share": True} for s in tenant_subjects()),
+                    *({"stream": {"account": PLATFORM, "subject": s}} for s in tenant_stream_subjects(name))],
             }
         return found
 

@@ -217,8 +217,8 @@ class Fleet(_FleetRollout, _FleetSecurity):
         if record.state is sandbox.State.RUNNING or record.state in sandbox.ENDED:
             kind = events.Started if record.state is sandbox.State.RUNNING else events.Failed
             state = sandbox.State.RUNNING if record.state is sandbox.State.RUNNING else sandbox.State.FAILED
-            settled(kind(sandbox_id=record.id, node=record.node, tenant=record.tenant, state=state, seq=record.seq,
-                         at=record.updated_at, reason=record.reason, detail=record.detail))
+            settled(kind(sandbox_id=record.id, node=record.node, tenant=record.tenant, state=state,
+                         seq=record.seq, at=record.updated_at, reason=record.reason, detail=record.detail))
 
     async def set_quota(
         self, *, task: str | None = None, tenant: str | None = None, max_concurrent: int = 0,
