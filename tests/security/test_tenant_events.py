@@ -8,6 +8,7 @@ frames come to it under `tunnels.v1.<tenant>.`), never another's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import nats
 import pytest
@@ -16,6 +17,7 @@ import sandfleet
 from sandfleet import errors
 from sandfleet.credentials import read_seed
 from schemas import events, ports, security, violations
+from schemas.security import SecurityAction
 from schemas.violations import Violation
 from tests.security.test_bus_auth import _issue
 from tests.test_ports import PORT, forward_when_listening, http_get, serving
@@ -168,3 +170,22 @@ async def test_a_tenant_forwards_its_own_sandboxs_port_and_not_anothers(platform
 def _handle(fleet, sb):
     """A handle on another's sandbox, as if its id and node had leaked (`fleet.sandbox` would refuse)."""
     return sandfleet.Sandbox(fleet, sb.id, sb.node)
+
+
+async def test_a_tenant_sees_what_the_monitor_did_to_its_sandbox(platform, creds, fleet):
+    await fleet.set_policy(task="tenant-kill", action="kill", thresholds={"network": 1})  # the operator's
+    async with sandfleet.connect(platform.url, creds=creds["carol"]) as carol:
+        watch = Watch(carol.violations(actions=True))
+        await asyncio.sleep(0.5)
+        sb = await carol.create(memory_mb=64, host_view=True, labels={"task": "tenant-kill"})
+        try:
+            with contextlib.suppress(errors.SandfleetError):  # killed under the command, maybe
+                await sb.exec(["python3", "-c", CHEAT], timeout_s=20)
+            await watch.until(lambda seen: any(isinstance(e, SecurityAction) for e in seen))
+        finally:
+            with contextlib.suppress(errors.SandfleetError):
+                await sb.destroy()
+        seen = await watch.stop()
+    actions = [e for e in seen if isinstance(e, SecurityAction)]
+    assert [(a.sandbox_id, a.action) for a in actions] == [(sb.id, "kill")]
+    assert any(isinstance(e, Violation) and e.sandbox_id == sb.id for e in seen)
