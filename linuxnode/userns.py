@@ -55,10 +55,11 @@ class IdRange:
 
 
 def node_range(setting: str | None = None) -> IdRange | None:
-    """The node's mapping, from SANDFLEET_USERNS (read by each composition root, once): unset or
-    "on" for the default base, a number for another base, "off" for none (roots are the host's
-    uid 0, as before user namespaces). The launcher and the layer-cache of a node read the same
-    variable: the layer mounts are idmapped for the range the sandboxes run in."""
+    """The node's mapping, from `setting` (sandfleet.config.ServiceConfig.userns, which reads
+    SANDFLEET_USERNS once; None: read the variable here): "" or "on" for the default base, a
+    number for another base, "off" for none (roots are the host's uid 0, as before user
+    namespaces). The launcher and the layer-cache of a node take the same setting: the layer
+    mounts are idmapped for the range the sandboxes run in."""
     value = (os.environ.get("SANDFLEET_USERNS", "") if setting is None else setting).strip().lower()
     if value == "off":
         return None

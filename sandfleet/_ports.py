@@ -47,7 +47,9 @@ class Forward:
     async def __aenter__(self) -> tuple[str, int]:
         # The node is asked first whether anything listens (it connects nothing to tell), so a
         # closed port is an error here, at `forward()`, not a reset found on a first connection.
-        self._sub = await self._bus.subscribe_direct(f"{self._inbox}.*", self._deliver)
+        # A tenant's frames come under its own prefix (schemas/ports.py frames_subject).
+        frames = ports.frames_subject(await self._sandbox._fleet.tenant(), self._inbox)
+        self._sub = await self._bus.subscribe_direct(f"{frames}.*", self._deliver)
         try:
             await self._ask(probe=True)
             self._server = await asyncio.start_server(self._accepted, "127.0.0.1", self._local_port)

@@ -49,7 +49,7 @@ async def sandbox_ended(sb: Sandbox) -> errors.SandboxEnded | None:
     except errors.NotFound:  # a stopped sandbox's record is forgotten: its events are kept
         try:
             ending = [e for e in await sb._fleet.history(sb.id, idle_s=0.2) if e.state in _ENDING]
-        except nats.errors.Error:  # no event stream to read (a tenant's account has none): the NotFound stands
+        except (nats.errors.Error, errors.Unsupported):  # no stream to read (a tenant's has none): the NotFound stands
             return None
         if not ending:
             return None  # never was: the caller's NotFound stands

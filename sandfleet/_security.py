@@ -3,26 +3,37 @@ per-sandbox records, and what each node agent enforces."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import nats.errors
 import nats.js.api
 
+from sandfleet import errors
+from sandfleet._whoami import live
 from sandfleet.bus import Bus, decode
 from schemas import events, node, security, violations
 from schemas.security import Policy, SandboxSecurity, SecurityAction
 from schemas.violations import Violation
+
 
 class _FleetSecurity:
     """The security half of `Fleet` (mixed into it)."""
 
     bus: Bus
 
+    tenant: Callable[[], Awaitable[str | None]]  # Fleet's: who the server says this connection is
+
     async def violations(
         self, sandbox_id: str | None = None, *, task: str | None = None, replay: bool = False, actions: bool = False
     ) -> AsyncIterator[Violation | SecurityAction]:
         """What sandboxes tried and were refused, as it happens (of one sandbox, or one task label);
-        with `actions=True` also what the security monitor did about it (kill, quarantine), in order."""
+        with `actions=True` also what the security monitor did about it (kill, quarantine), in order.
+        With a tenant's credentials: its own sandboxes' only, live only (Unsupported for replay)."""
+        tenant = await self.tenant()
+        if tenant is not None:
+            async for event in self._tenant_violations(tenant, sandbox_id, task, replay, actions):
+                yield event
+            return
         subject = violations.sandbox_filter(sandbox_id) if sandbox_id else violations.ALL
         subjects = [subject]
         if actions:
@@ -35,14 +46,27 @@ class _FleetSecurity:
         try:
             async for msg in sub.messages:
                 event = decode(msg.data, Violation | SecurityAction)
-                event_task = event.task if isinstance(event, SecurityAction) else event.labels.get("task")
-                if task is None or event_task == task:
+                if task is None or _task_of(event) == task:
                     yield event
         finally:
             try:
                 await sub.unsubscribe()
             except nats.errors.Error:
                 pass
+
+    async def _tenant_violations(self, tenant: str, sandbox_id: str | None, task: str | None, replay: bool,
+                                 actions: bool) -> AsyncIterator[Violation | SecurityAction]:
+        """The security monitor's copies of a tenant's violations (and actions), live."""
+        if replay:
+            raise errors.Unsupported("violations: a tenant sees its sandboxes' violations live, not the stored "
+                                     "stream (replay is the operator's)")
+        subjects = [violations.tenant_filter(tenant, sandbox_id or "*")]
+        if actions:
+            subjects.append(security.tenant_actions_filter(tenant, sandbox_id or "*"))
+        async for msg in live(self.bus, subjects):
+            event = decode(msg.data, Violation | SecurityAction)
+            if task is None or _task_of(event) == task:
+                yield event
 
     async def set_policy(
         self, *, task: str, action: str = "record", thresholds: dict[str, int] | None = None, default_threshold: int = 1
@@ -66,3 +90,7 @@ class _FleetSecurity:
     async def security(self, node_id: str) -> node.NodeSecurity:
         """What the node agent of `node_id` enforces (eBPF egress, Landlock, AppArmor ...)."""
         return await self.bus.request(node.subject(node_id, node.SECURITY), node.Empty(), node.NodeSecurity)
+
+
+def _task_of(event: Violation | SecurityAction) -> str | None:
+    return event.task if isinstance(event, SecurityAction) else event.labels.get("task")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -57,6 +59,7 @@ DRAIN_TIMEOUT_S = 5
 _WRITE_CHUNK = 1 << 20  # publish_many hands the connection frames in pieces of about this size
 natspy_internals.read_per_turn(8 << 20)  # raw 4 MiB chunks in a turn or two, not 128
 
+_REFUSED_PUBLISH = re.compile(r'permissions violation for publish to "([^"]+)"', re.IGNORECASE)  # the server's -ERR
 META = "Sandfleet-Meta"  # the header holding a raw message's Struct (JSON, one line)
 # The tenant the server says sent the request being handled (None: from inside the platform's
 # account), set for each request's own task: what placement records and the node checks.
@@ -172,9 +175,12 @@ class ReplicatedJetStream(JetStreamContext):
 
 
 class Bus:
-    def __init__(self, nc: nats.NATS, name: str) -> None:
+    def __init__(self, nc: nats.NATS, name: str, refused: dict[str, float] | None = None) -> None:
         self.nc = nc
         self.name = name
+        # Subject → when the server last refused this connection a publish to it (its `-ERR`
+        # comes at once, the request's timeout later): such a timeout is Forbidden.
+        self._refused = refused if refused is not None else {}
         self._bulk_subjects = natspy_internals.read_bulk_in_place(nc)  # the raw endpoints' (serve)
         self.js: JetStreamContext = ReplicatedJetStream(nc, js_replicas())
         self._tasks: set[asyncio.Task] = set()
@@ -191,10 +197,15 @@ class Bus:
         found: none sent); a bus that refuses them says so in the NoResponders' message."""
         refused: list[str] = []  # nats-py retries a refused sign-in until the deadline: say why it timed out
 
+        refused_publishes: dict[str, float] = {}
+
         async def quiet(exc: Exception) -> None:  # nats-py prints a traceback for every hiccup otherwise
             log.debug("nats: %s", exc)
             if refused or "authorization violation" in str(exc).lower():
                 refused.append(str(exc))
+            denied = _REFUSED_PUBLISH.search(str(exc))
+            if denied:
+                refused_publishes[denied.group(1)] = time.monotonic()
 
         try:
             signed = credentials.connect_options(url, creds)
@@ -209,7 +220,7 @@ class Bus:
                 raise errors.NoResponders(f"NATS at {url} refused the credentials (or wants some): see "
                                           f"`sandfleet tenant add`, --creds, ${credentials.CREDS_ENV}") from None
             raise errors.NoResponders(f"cannot reach NATS at {url}: {str(exc) or 'timed out'}") from None
-        return cls(nc, name)
+        return cls(nc, name, refused_publishes)
 
     async def close(self) -> None:
         for service in self._services:
@@ -254,6 +265,7 @@ class Bus:
         """One request; transport failures and error replies as the sandfleet.errors tree. `bulk`:
         sent and its reply read with fewer copies (natspy_internals.request_bulk), the reply's
         body then a bytearray."""
+        asked = time.monotonic()
         try:
             if bulk:
                 resp = await natspy_internals.request_bulk(self.nc, subject, headers, payload, timeout)
@@ -263,6 +275,9 @@ class Bus:
         except nats.errors.NoRespondersError:
             raise errors.NoResponders(f"no service answers {subject}", subject=subject) from None
         except nats.errors.TimeoutError:
+            if self._refused.get(subject, -1.0) >= asked:
+                raise errors.Forbidden(f"the bus does not let these credentials ask {subject}",
+                                       subject=subject) from None
             raise errors.Timeout(f"no reply on {subject} within {timeout:g}s", subject=subject) from None
         except nats.errors.MaxPayloadError:
             raise errors.InvalidRequest(

@@ -13,8 +13,12 @@ tenant add`), which a platform of a few teams does rarely.
 - Account `tenant-<name>` per tenant: no JetStream, nothing of its own but its inbox; it imports
   the platform's sandbox requests with `share: true`, so every request it makes reaches the
   platform carrying the server's `Nats-Request-Info` (its account), which placement records as
-  the sandbox's tenant and the node checks on every request about a sandbox.
+  the sandbox's tenant and the node checks on every request about a sandbox. It also imports,
+  as streams, the events of its own sandboxes only (lifecycle events, and the security monitor's
+  copies of their violations and actions: subjects that carry the tenant), each exported by the
+  platform to that one account, so subscribing to another tenant's is refused by the server.
 """
+
 
 from __future__ import annotations
 
@@ -28,8 +32,8 @@ from pathlib import Path
 import nkeys
 
 from sandfleet import jetstream
-from sandfleet.credentials import (TENANT_ACCOUNT_PREFIX, check_tenant_name, creds_text, inbox_prefix, read_seed,
-                                   write_private)
+from sandfleet.credentials import (TENANT_ACCOUNT_PREFIX, USER_INFO, CredentialsError, api_key_digest,
+                                   check_tenant_name, creds_text, inbox_prefix, read_seed, write_private)
 from schemas import (desktop, events, files, health, layers, node, ports, process, pty, reclaim, sandbox, security,
                      violations)
 
@@ -43,9 +47,9 @@ MICRO = "$SRV.>"  # nats.micro's PING/INFO/STATS: every service answers them
 
 # What a tenant may ask of a node about a sandbox, each checked against the sandbox's tenant by
 # the launcher. Not here: launch, quarantine, the by-label rollout verbs (they reach every
-# sandbox of a node), the agent's and layer-cache's verbs, port tunnels (their frames go to
-# an inbox the node publishes into, which does not cross accounts).
+# sandbox of a node), the agent's and layer-cache's verbs.
 TENANT_NODE_VERBS = (
+    ports.PORT_OPEN,
     node.EXEC, node.WRITE_FILE, node.READ_FILE, node.DESTROY, node.PAUSE, node.RESUME, node.HINT, node.CHECKPOINT,
     health.SET_TIMEOUT, health.METRICS,
     process.SPAWN, process.READ, process.WRITE, process.SIGNAL, process.WAIT, process.LIST,
@@ -60,7 +64,17 @@ TENANT_SANDBOX_SUBJECTS = (sandbox.CREATE, sandbox.CREATE_MANY, sandbox.GET, san
 
 
 def tenant_subjects() -> list[str]:
-    return [*TENANT_SANDBOX_SUBJECTS, *(node.subject("*", verb) for verb in TENANT_NODE_VERBS)]
+    """What a tenant's account imports as services: requests, and its tunnels' frames to nodes
+    (a tunnel id is a secret told only to the tenant whose port_open the launcher checked)."""
+    return [*TENANT_SANDBOX_SUBJECTS, *(node.subject("*", verb) for verb in TENANT_NODE_VERBS),
+            ports.tunnel_subject("*", "*")]
+
+
+def tenant_stream_subjects(name: str) -> list[str]:
+    """What the platform sends to one tenant alone, exported to its account only: its sandboxes'
+    events (lifecycle, the monitor's copies of violations and actions) and its tunnels' frames."""
+    return [events.tenant_filter(name), violations.tenant_filter(name), security.tenant_actions_filter(name),
+            ports.tenant_frames_filter(name)]
 
 
 @dataclass
@@ -96,7 +110,8 @@ def event_stream(*subjects: str) -> Permissions:
 
 
 def _common() -> Permissions:
-    return Permissions([], [MICRO])  # and its own inboxes (`accounts`: they are named after its key)
+    # USER_INFO: the server tells a user its own account (the SDK asks, to know whose events it sees)
+    return Permissions([USER_INFO], [MICRO])  # and its own inboxes (`accounts`: they are named after its key)
 
 
 def _state() -> Permissions:
@@ -114,12 +129,13 @@ def service_permissions(name: str) -> Permissions:
         )).add(kv(node.KV_BUCKET)).add(kv(node.BOOKINGS_BUCKET, write=True)).add(kv(sandbox.QUOTA_BUCKET, write=True))
     if name == "security-monitor":
         return base.add(Permissions(
-            [node.subject("*", node.DESTROY), node.subject("*", node.QUARANTINE), security.ALL_ACTIONS],
+            [node.subject("*", node.DESTROY), node.subject("*", node.QUARANTINE), security.ALL_ACTIONS,
+             violations.tenant_filter("*"), security.tenant_actions_filter("*")],  # tenants' copies
             [security.ALL],
         )).add(kv(security.POLICY_BUCKET, write=True)).add(kv(security.SANDBOX_BUCKET, write=True))
     if name in ("gateway", "fusion"):  # front doors: a platform client of every node's sandbox verbs
-        verbs = [node.subject("*", verb) for verb in (*TENANT_NODE_VERBS, ports.PORT_OPEN, node.PAUSE_SELECTED,
-                                                        node.RESUME_SELECTED)] + [ports.tunnel_subject("*", "*")]
+        verbs = [node.subject("*", verb) for verb in (*TENANT_NODE_VERBS, node.PAUSE_SELECTED, node.RESUME_SELECTED)
+                 ] + [ports.tunnel_subject("*", "*")]
         return base.add(Permissions([*TENANT_SANDBOX_SUBJECTS, *verbs, layers.ALL, MICRO], [])).add(
             kv(node.KV_BUCKET)).add(kv(layers.KV_BUCKET)).add(objects(layers.UPLOAD_BUCKET, write=True))
     raise ValueError(f"no such service user: {name}")
@@ -131,9 +147,10 @@ def node_permissions(node_id: str) -> Permissions:
     events carry no node, so any sandbox's), the layer store it builds into and reads from."""
     own = node.subject(node_id, ">")
     return _common().add(_state()).add(Permissions(
-        # INBOX: a port tunnel's frames go to the inbox its client named (schemas/ports.py);
-        # MICRO: `sandfleet node --detach` waits until every service answers a ping
-        [own, INBOX, MICRO, violations.subject(node_id, "*", "*"), layers.fetch_failed_subject(node_id),
+        # INBOX: a port tunnel's frames go to the inbox its client named (a tenant's: under its
+        # prefix, schemas/ports.py); MICRO: `sandfleet node --detach` waits until every service answers a ping
+        [own, INBOX, ports.tenant_frames_filter("*"), MICRO, violations.subject(node_id, "*", "*"),
+         layers.fetch_failed_subject(node_id),
          reclaim.node_filter(node_id), layers.ALL],
         [own, layers.ALL],
     )).add(kv(node.KV_BUCKET, write=True, keys=node_id)).add(kv(node.BOOKINGS_BUCKET)).add(
@@ -145,11 +162,12 @@ def _inboxes(public: str) -> Permissions:
     return Permissions([], [f"{inbox_prefix(public)}.>"])
 
 
-def _tenant_user(public: str) -> dict:
+def _tenant_user(name: str, public: str) -> dict:
     # `$JS.API.>` of its own account, which has no JetStream: the SDK's stream lookups get "no
     # responders" at once instead of a refused publish left to time out. Nothing of the platform's.
-    return {"nkey": public, "permissions": {"publish": {"allow": [*tenant_subjects(), jetstream.JS_API_ALL]},
-                                            "subscribe": {"allow": [INBOX]}}}
+    publish = [*tenant_subjects(), jetstream.JS_API_ALL, USER_INFO]
+    return {"nkey": public, "permissions": {"publish": {"allow": publish},
+                                            "subscribe": {"allow": [INBOX, *tenant_stream_subjects(name)]}}}
 
 
 # -- the credentials directory -----------------------------------------------------------
@@ -195,6 +213,34 @@ class AuthDir:
         check_tenant_name(name)
         return self._ensure(self.root / "tenants" / f"{name}.creds", f"tenant {name}")
 
+    def tenant_creds(self, name: str) -> Path | None:
+        """A tenant's credentials file if `tenant add` made one (never made here)."""
+        path = self.root / "tenants" / f"{name}.creds"
+        return path if path.exists() else None
+
+    # E2B API keys (`tenant add NAME --e2b-key`): the gateway answers a key with its tenant's own
+    # bus credentials. Only each key's digest is kept, so the file names no usable key.
+    @property
+    def e2b_keys_file(self) -> Path:
+        return self.root / "e2b-keys.json"
+
+    def e2b_keys(self) -> dict[str, str]:
+        """Key digest → tenant name."""
+        try:
+            table = json.loads(self.e2b_keys_file.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: v for k, v in table.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(
+            table, dict) else {}
+
+    def add_e2b_key(self, name: str, key: str) -> None:
+        check_tenant_name(name)
+        table = self.e2b_keys()
+        digest = api_key_digest(key)
+        if table.get(digest, name) != name:
+            raise CredentialsError("that E2B API key is another tenant's")
+        write_private(self.e2b_keys_file, json.dumps({**table, digest: name}, indent=1, sort_keys=True))
+
     def _ensure(self, path: Path, what: str) -> Path:
         if not path.exists():
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -214,9 +260,13 @@ class AuthDir:
         exports = [{"service": subject} for subject in tenant_subjects()]
         found: dict = {PLATFORM: {"jetstream": "enabled", "users": users, "exports": exports}}
         for name, key in self._users("tenants").items():
-            found[f"{TENANT_ACCOUNT_PREFIX}{name}"] = {
-                "users": [_tenant_user(key)],
-                "imports": [{"service": {"account": PLATFORM, "subject": s}, "share": True} for s in tenant_subjects()],
+            account = f"{TENANT_ACCOUNT_PREFIX}{name}"
+            exports += [{"stream": subject, "accounts": [account]} for subject in tenant_stream_subjects(name)]
+            found[account] = {
+                "users": [_tenant_user(name, key)],
+                "imports": [
+                    *({"service": {"account": PLATFORM, "subject": s}, "share": True} for s in tenant_subjects()),
+                    *({"stream": {"account": PLATFORM, "subject": s}} for s in tenant_stream_subjects(name))],
             }
         return found
 

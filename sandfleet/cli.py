@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="also run Prometheus scraping every service on 127.0.0.1:PORT (0: a free port)")
     up.add_argument("--no-auth", action="store_true",
                     help="a bus without credentials, open to anyone who reaches it (for measuring what auth costs)")
+    up.add_argument("--tls", action="store_true",
+                    help="the bus speaks TLS only (certificates made in <data dir>/tls/; clients verify them)")
 
     node = cmd("node", _node, "run one node's services (agent, layer-cache, launcher, ...) against a running bus")
     node.add_argument("--data-dir", type=Path, default=None)
@@ -160,6 +162,8 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     if args.no_auth:  # a setting, so the detached supervisor (and its children) inherit it
         os.environ["SANDFLEET_AUTH"] = "off"
+    if args.tls:
+        os.environ["SANDFLEET_TLS"] = "on"
     if args.detach:
         return _detached(args, data_dir)
     port = args.port or (0 if args.nats_cluster > 1 else free_port())  # a cluster picks its own free ports

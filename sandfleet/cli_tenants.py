@@ -1,5 +1,8 @@
 """`sandfleet tenant add NAME` and `sandfleet tenant node-creds ID`: credentials for a team (or
 a trainer) and for a node joining from another machine, printed as a credentials file.
+`tenant add NAME --e2b-key [KEY]` also gives the tenant an E2B API key (made, or the one given)
+that the E2B gateway answers with the tenant's own credentials; the key goes to stderr, so the
+credentials file alone goes to stdout.
 
 Run on the machine that runs the bus (they live in its data dir): the user is added to the
 accounts every server includes, each server rereads its config, and the command returns once
@@ -17,8 +20,9 @@ from sandfleet import errors
 from sandfleet.bus import Bus
 from sandfleet.bus_accounts import ACCOUNTS_CONF, AuthDir, reload_servers, write_accounts
 from sandfleet.config import default_data_dir
-from sandfleet.credentials import CredentialsError, write_private
+from sandfleet.credentials import CredentialsError, new_api_key, write_private
 from sandfleet.supervisor import read_state
+from sandfleet.tls import TlsDir, TlsError
 from schemas import sandbox
 
 RELOAD_WAIT_S = 10.0
@@ -29,6 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     verbs = tenant.add_subparsers(dest="verb", required=True)
     add = verbs.add_parser("add", help="a tenant: its own sandboxes only")
     add.add_argument("name")
+    add.add_argument("--e2b-key", nargs="?", const="", default=None, metavar="KEY",
+                     help="also an E2B API key for the gateway (made when no KEY is given), printed on stderr")
     add.set_defaults(func=_add_tenant)
     node = verbs.add_parser("node-creds", help="a node's, for `sandfleet node --creds FILE` on another machine")
     node.add_argument("node_id")
@@ -36,14 +42,45 @@ def register(sub: argparse._SubParsersAction) -> None:
     for parser in (add, node):
         parser.add_argument("--data-dir", type=Path, default=None, help="the platform's (default: the usual one)")
         parser.add_argument("--out", type=Path, default=None, help="also write the file here (mode 0600)")
+    cluster = verbs.add_parser("init-cluster", help="accounts.conf and TLS certificates for infra/nats-cluster/ "
+                                                    "(a bus `up` does not run); then node-creds/add with --data-dir")
+    cluster.add_argument("--data-dir", type=Path, required=True, help="where to make them (then copied to each server)")
+    cluster.add_argument("--address", action="append", default=[], metavar="IP_OR_NAME",
+                         help="a name or address clients dial a server by (repeat for each)")
+    cluster.set_defaults(func=_init_cluster)
 
 
 def _add_tenant(args: argparse.Namespace) -> int:
-    return _issue(args, lambda auth: auth.tenant(args.name), tenant=True)
+    def make(auth: AuthDir) -> Path:
+        path = auth.tenant(args.name)
+        if args.e2b_key is not None:
+            key = args.e2b_key or new_api_key()
+            auth.add_e2b_key(args.name, key)
+            print(f"E2B API key of tenant {args.name}: {key}", file=sys.stderr)
+        return path
+
+    return _issue(args, make, tenant=True)
 
 
 def _node_creds(args: argparse.Namespace) -> int:
     return _issue(args, lambda auth: auth.node(args.node_id), tenant=False)
+
+
+def _init_cluster(args: argparse.Namespace) -> int:
+    """The operator, the cluster services and the server certificate for a cluster of servers
+    started from infra/nats-cluster/ (kept, as `up` keeps its own: running it again adds nothing)."""
+    data_dir = args.data_dir.resolve()
+    auth = AuthDir.of(data_dir)
+    auth.platform([])
+    conf = write_accounts(data_dir, auth)
+    try:
+        tls = TlsDir.of(data_dir).ensure(tuple(args.address))
+    except TlsError as exc:
+        print(f"sandfleet tenant init-cluster: {exc}", file=sys.stderr)
+        return 1
+    print(f"{conf}\n{tls.ca}\n{tls.cert}\n{tls.key}\n(credentials: {auth.root}; "
+          "add nodes and tenants with `tenant node-creds` / `tenant add` and this --data-dir)")
+    return 0
 
 
 def _issue(args: argparse.Namespace, make, tenant: bool) -> int:  # type: ignore[no-untyped-def]

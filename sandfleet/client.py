@@ -26,6 +26,7 @@ from sandfleet._requests import _spec
 from sandfleet._rollout import RolloutChange, _FleetRollout
 from sandfleet._sandbox import ExecResult, Sandbox
 from sandfleet._security import _FleetSecurity
+from sandfleet._whoami import live, signed_in_tenant
 from sandfleet.bus import Bus, decode, kv_values
 from sandfleet.config import nats_url
 from schemas import events, node, sandbox
@@ -62,6 +63,14 @@ class Fleet(_FleetRollout, _FleetSecurity):
         self._batch_waiters: list[Callable[[events.SandboxEvent], None]] = []
         self._batch_subs: list[Any] = []
         self._batch_subs_lock = asyncio.Lock()
+        self._tenant: asyncio.Future[str | None] | None = None
+
+    async def tenant(self) -> str | None:
+        """The tenant this connection signed in as (the bus server says; asked once), or None for
+        the platform's own users. A tenant sees its own sandboxes' events only, live."""
+        if self._tenant is None:
+            self._tenant = asyncio.ensure_future(signed_in_tenant(self.bus))
+        return await asyncio.shield(self._tenant)
 
     async def close(self) -> None:
         await self.bus.close()
@@ -176,8 +185,9 @@ class Fleet(_FleetRollout, _FleetSecurity):
     async def _follow_batches(self, settled: Callable[[events.SandboxEvent], None]) -> None:
         async with self._batch_subs_lock:
             if not self._batch_subs:
+                tenant = await self.tenant() or events.ANY
                 self._batch_subs = [
-                    await self.bus.subscribe_direct(events.sandbox_subject("*", name), self._on_batch_event)
+                    await self.bus.subscribe_direct(events.sandbox_subject("*", name, tenant), self._on_batch_event)
                     for name in ("started", "failed")
                 ]
             self._batch_waiters.append(settled)
@@ -211,8 +221,8 @@ class Fleet(_FleetRollout, _FleetSecurity):
         if record.state is sandbox.State.RUNNING or record.state in sandbox.ENDED:
             kind = events.Started if record.state is sandbox.State.RUNNING else events.Failed
             state = sandbox.State.RUNNING if record.state is sandbox.State.RUNNING else sandbox.State.FAILED
-            settled(kind(sandbox_id=record.id, node=record.node, state=state, seq=record.seq,
-                         at=record.updated_at, reason=record.reason, detail=record.detail))
+            settled(kind(sandbox_id=record.id, node=record.node, tenant=record.tenant, state=state,
+                         seq=record.seq, at=record.updated_at, reason=record.reason, detail=record.detail))
 
     async def set_quota(
         self, *, task: str | None = None, tenant: str | None = None, max_concurrent: int = 0,
@@ -241,7 +251,14 @@ class Fleet(_FleetRollout, _FleetSecurity):
         return (await self.bus.request(sandbox.LIST, req, sandbox.SandboxList, timeout=30)).sandboxes
 
     async def events(self, sandbox_id: str | None = None, *, replay: bool = False) -> AsyncIterator[AnySandboxEvent]:
-        """Lifecycle events as they happen (`replay=True`: from the start of the stream first)."""
+        """Lifecycle events as they happen (`replay=True`: from the start of the stream first).
+        With a tenant's credentials: its own sandboxes' only, and live only (Unsupported for replay)."""
+        tenant = await self.tenant()
+        if tenant is not None:
+            _live_only(replay, "events")
+            async for msg in live(self.bus, [events.sandbox_filter(sandbox_id or "*", tenant)]):
+                yield decode(msg.data, AnySandboxEvent)
+            return
         subject = events.sandbox_filter(sandbox_id) if sandbox_id else events.ALL_SANDBOX
         policy = nats.js.api.DeliverPolicy.ALL if replay else nats.js.api.DeliverPolicy.NEW
         sub = await self.bus.js.subscribe(subject, ordered_consumer=True, deliver_policy=policy)
@@ -255,7 +272,9 @@ class Fleet(_FleetRollout, _FleetSecurity):
                 pass
 
     async def history(self, sandbox_id: str | None = None, *, idle_s: float = 1.0) -> list[AnySandboxEvent]:
-        """Every stored lifecycle event (of one sandbox, or all), oldest first."""
+        """Every stored lifecycle event (of one sandbox, or all), oldest first (the platform's users:
+        a tenant's account has no stream)."""
+        _live_only(await self.tenant() is not None, "history")
         subject = events.sandbox_filter(sandbox_id) if sandbox_id else events.ALL_SANDBOX
         sub = await self.bus.js.subscribe(
             subject, ordered_consumer=True, deliver_policy=nats.js.api.DeliverPolicy.ALL
@@ -284,6 +303,12 @@ class Fleet(_FleetRollout, _FleetSecurity):
             return True
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
             return False
+
+
+def _live_only(replay: bool, what: str) -> None:
+    if replay:
+        raise errors.Unsupported(f"{what}: a tenant sees its sandboxes' events live, not the stored stream "
+                                 "(replay is the operator's)")
 
 
 class _Connect:

@@ -37,6 +37,12 @@ def auth_enabled() -> bool:
     return (os.environ.get("SANDFLEET_AUTH") or "on").lower() not in ("off", "0", "no", "false")
 
 
+def tls_enabled() -> bool:
+    """SANDFLEET_TLS=on (`sandfleet up --tls`): the platform's servers speak TLS only, to clients
+    and between themselves (sandfleet.tls). Off by default (a loopback bus)."""
+    return (os.environ.get("SANDFLEET_TLS") or "off").lower() in ("on", "1", "yes", "true")
+
+
 def local_credentials_dir() -> Path:
     """Where a platform notes, for clients on its machine, which credentials its bus takes
     (SANDFLEET_LOCAL_CREDS_DIR; default /run/sandfleet/bus for root, else under ~/.local/state)."""
@@ -67,6 +73,11 @@ class ServiceConfig:
     # SANDFLEET_DEFAULT_LAYERS ("a,b", bottom first): the root of a sandbox that names no layers
     # and does not ask for the host view
     default_layers: tuple[str, ...] = ()
+    # SANDFLEET_USERNS: the host ids sandbox roots map to ("" or "on": the default range, a base
+    # number, "off": none), read here once so a node's launcher and layer-cache cannot disagree
+    # (the layer-cache idmaps the layer mounts for the range the launcher's sandboxes run in).
+    # Parsed by the node side (linuxnode.userns.node_range): this package stays pure Python.
+    userns: str = ""
 
     @classmethod
     def from_env(cls) -> ServiceConfig:
@@ -77,6 +88,7 @@ class ServiceConfig:
             capacity=int(os.environ.get("SANDFLEET_CAPACITY", "2000")),
             layer_fetch=os.environ.get("SANDFLEET_LAYER_FETCH") or "lazy",
             default_layers=tuple(n for n in os.environ.get("SANDFLEET_DEFAULT_LAYERS", "").split(",") if n.strip()),
+            userns=os.environ.get("SANDFLEET_USERNS", ""),
         )
 
 

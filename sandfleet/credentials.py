@@ -14,16 +14,21 @@ from inside the platform's account carries none.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import secrets
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from sandfleet.config import local_credentials_dir, nats_servers
+from sandfleet.tls import TLS_CA_ENV, client_context
 
 CREDS_ENV = "SANDFLEET_CREDS"
 REQUEST_INFO = "Nats-Request-Info"  # written by the server on requests through a shared service import
+USER_INFO = "$SYS.REQ.USER.INFO"  # nats-server answers any user with its own user, account and permissions
 TENANT_ACCOUNT_PREFIX = "tenant-"  # a tenant's account is `tenant-<name>`
 SEED_RE = re.compile(r"^\s*(SU[A-Z2-7]{56})\s*$", re.MULTILINE)  # an nkey user seed: 58 base32 characters
 TENANT_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
@@ -64,13 +69,15 @@ def _address(url: str) -> str:
     return f"{first.hostname or '127.0.0.1'}_{first.port or 4222}"
 
 
-def register_local(url: str, creds: Path, pid: int) -> list[Path]:
+def register_local(url: str, creds: Path | None, pid: int, ca: Path | None = None) -> list[Path]:
     """Note, for clients on this machine, that the bus at each of `url`'s servers takes `creds`
-    (while supervisor `pid` lives). Returns the notes written, for `unregister_local`."""
+    and (with `--tls`) presents a certificate of the CA `ca` (while supervisor `pid` lives).
+    Returns the notes written, for `unregister_local`."""
     notes = []
     for server in nats_servers(url):
         note = local_credentials_dir() / f"{_address(server)}.json"
-        write_private(note, json.dumps({"creds": str(creds), "pid": pid}))
+        entry = {"creds": str(creds) if creds else "", "pid": pid, **({"ca": str(ca)} if ca else {})}
+        write_private(note, json.dumps(entry))
         notes.append(note)
     return notes
 
@@ -80,17 +87,31 @@ def unregister_local(notes: list[Path]) -> None:
         note.unlink(missing_ok=True)
 
 
-def local_creds(url: str) -> Path | None:
-    """The admin credentials a platform on this machine registered for `url`, if its supervisor
+def _local_note(url: str, field: str) -> Path | None:
+    """A file a platform on this machine registered for `url` (`creds`, `ca`), if its supervisor
     still runs (a note left by one that crashed names a bus that is no more)."""
     note = local_credentials_dir() / f"{_address(url)}.json"
     try:
         entry = json.loads(note.read_text())
         os.kill(int(entry["pid"]), 0)
-    except (OSError, ValueError, KeyError, TypeError):
+        named = entry.get(field) or ""
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    path = Path(entry["creds"])
-    return path if path.exists() else None
+    path = Path(named) if isinstance(named, str) and named else None
+    return path if path is not None and path.exists() else None
+
+
+def local_creds(url: str) -> Path | None:
+    """The admin credentials a platform on this machine registered for `url`."""
+    return _local_note(url, "creds")
+
+
+def find_ca(url: str) -> Path | None:
+    """The CA the bus's certificate must be signed by: $SANDFLEET_TLS_CA, else the one a
+    platform on this machine registered for `url` (`up --tls`). None: the bus has no TLS."""
+    if os.environ.get(TLS_CA_ENV):
+        return Path(os.environ[TLS_CA_ENV])
+    return _local_note(url, "ca")
 
 
 def find_creds(url: str, explicit: str | Path | None = None) -> Path | None:
@@ -108,17 +129,22 @@ def inbox_prefix(public_key: str) -> str:
     return f"_INBOX.{public_key[1:17]}"
 
 
-def connect_options(url: str, creds: str | Path | None = None) -> dict[str, str]:
-    """What to hand `nats.connect` so it signs in with the credentials found for `url` (for a
-    caller that opens its own nats-py connection)."""
+def connect_options(url: str, creds: str | Path | None = None) -> dict[str, Any]:
+    """What to hand `nats.connect` so it signs in with the credentials found for `url`, and
+    verifies the server's certificate against the CA found for it (for a caller that opens its
+    own nats-py connection)."""
+    options: dict[str, Any] = {}
+    ca = find_ca(url)
+    if ca is not None:
+        options["tls"] = client_context(ca)
     path = find_creds(url, creds)
     if path is None:
-        return {}
+        return options
     import nkeys  # only a client that signs in needs it
 
     seed = read_seed(path)
     public = nkeys.from_seed(bytearray(seed.encode())).public_key.decode()
-    return {"nkeys_seed_str": seed, "inbox_prefix": inbox_prefix(public)}
+    return {**options, "nkeys_seed_str": seed, "inbox_prefix": inbox_prefix(public)}
 
 
 def tenant_of(headers: dict[str, str] | None) -> str | None:
@@ -132,9 +158,23 @@ def tenant_of(headers: dict[str, str] | None) -> str | None:
         account = json.loads(info).get("acc", "")
     except (ValueError, AttributeError):
         account = ""
-    if isinstance(account, str) and account.startswith(TENANT_ACCOUNT_PREFIX):
-        return account[len(TENANT_ACCOUNT_PREFIX):]
-    return "?"  # unknown account: a name no sandbox record carries, so it reaches nothing
+    tenant = tenant_of_account(account) if isinstance(account, str) else None
+    return "?" if tenant is None else tenant  # unknown account: a name no sandbox record carries, so it reaches nothing
+
+
+def tenant_of_account(account: str) -> str | None:
+    """`alice` for the account `tenant-alice`; None for any other account (never "": the platform's)."""
+    return account[len(TENANT_ACCOUNT_PREFIX):] or None if account.startswith(TENANT_ACCOUNT_PREFIX) else None
+
+
+def new_api_key() -> str:
+    """An E2B API key for a tenant (E2B's own keys start `e2b_` too)."""
+    return f"e2b_{secrets.token_hex(20)}"
+
+
+def api_key_digest(key: str) -> str:
+    """What the E2B key table keeps of a key: a key is 160 random bits, so a plain hash suffices."""
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def check_tenant_name(name: str) -> str:

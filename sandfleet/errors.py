@@ -10,6 +10,9 @@
         ├── Capacity          no node has room right now
         ├── Unsupported       no node can run what was asked (e.g. an isolation level)
         ├── Conflict          the sandbox is in a state that forbids the operation
+        ├── Forbidden         the caller may not do this: a tenant asking for the platform's work
+        │                     (also what the SDK raises for a request the bus server refused to
+        │                     carry for these credentials); another tenant's sandbox is NotFound
         └── InternalError     a service failed; the message says what, never a traceback
 """
 
@@ -70,12 +73,16 @@ class Conflict(ServiceFailure):
     code = ErrorCode.CONFLICT
 
 
+class Forbidden(ServiceFailure):
+    code = ErrorCode.FORBIDDEN
+
+
 class InternalError(ServiceFailure):
     code = ErrorCode.INTERNAL
 
 
 _BY_CODE: dict[ErrorCode, type[ServiceFailure]] = {
-    cls.code: cls for cls in (InvalidRequest, NotFound, Capacity, Unsupported, Conflict, InternalError)
+    cls.code: cls for cls in (InvalidRequest, NotFound, Capacity, Unsupported, Conflict, Forbidden, InternalError)
 }
 _BY_CODE[ErrorCode.TIMEOUT] = InternalError
 

@@ -1,7 +1,7 @@
 """Where lifecycle events go: the `EventPublisher` interface, its JetStream implementation, and a null one.
 
 `SandboxStore` hands every event of an accepted transition to its publisher. An event is
-stored on `events.v1.sandbox.<id>.<event>`, de-duplicated by `<id>:<seq>` (a retry, or the
+stored on `events.v2.sandbox.<tenant>.<id>.<event>`, de-duplicated by `<id>:<seq>` (a retry, or the
 same move judged twice, is stored once). The null publisher is for unit tests of the logic
 above and for anything that must change records without telling anyone.
 """
@@ -25,7 +25,7 @@ class EventPublisher(Protocol):
 
 def messages(batch: list[events.SandboxEvent]) -> list[tuple[str, bytes, dict[str, str]]]:
     """How each event is stored: its subject, its body, and its de-duplication id `<id>:<seq>`."""
-    return [(events.sandbox_subject(e.sandbox_id, e.name), encode(e), {"Nats-Msg-Id": f"{e.sandbox_id}:{e.seq}"})
+    return [(e.subject, encode(e), {"Nats-Msg-Id": f"{e.sandbox_id}:{e.seq}"})
             for e in batch]
 
 

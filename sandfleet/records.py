@@ -60,5 +60,5 @@ def unrecorded_end(record: SandboxRecord, reason: Reason, detail: str, at: float
 def lifecycle_event(record: SandboxRecord, previous: State | None) -> events.SandboxEvent:
     """The event of `record` having come from `previous` (None: just created)."""
     kind = events.event_type(previous, record.state)
-    return kind(sandbox_id=record.id, node=record.node, state=record.state, seq=record.seq, at=record.updated_at,
-                reason=record.reason, detail=record.detail)
+    return kind(sandbox_id=record.id, node=record.node, tenant=record.tenant, state=record.state, seq=record.seq,
+                at=record.updated_at, reason=record.reason, detail=record.detail)

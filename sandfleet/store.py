@@ -76,6 +76,19 @@ async def ensure_state(bus: Bus) -> None:
         )
     except nats.js.errors.BadRequestError:  # exists with another config (an operator tuned it): keep theirs,
         await _turn_on(js, events.STREAM, "allow_batched")  # but let it take batches of events
+        await _cover(js, events.STREAM, events.STREAM_SUBJECTS)  # and every event subject this version publishes
+
+
+async def _cover(js: Any, stream: str, subjects: list[str]) -> None:
+    """Add to a stream the `subjects` it does not capture yet (a stream made before lifecycle
+    events moved to `events.v2.`: without this their publishes would find no stream)."""
+    info = await js.stream_info(stream)
+    missing = [s for s in subjects if s not in (info.config.subjects or [])]
+    if missing:
+        try:
+            await js.update_stream(dataclasses.replace(info.config, subjects=[*(info.config.subjects or []), *missing]))
+        except nats.js.errors.Error as exc:
+            log.warning("cannot add %s to stream %s: %s", missing, stream, exc)
 
 
 async def _turn_on(js: Any, stream: str, feature: str) -> None:

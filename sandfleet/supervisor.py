@@ -33,8 +33,9 @@ from pathlib import Path
 
 from sandfleet import prometheus
 from sandfleet.bus_accounts import ACCOUNTS_CONF, AuthDir, write_accounts
-from sandfleet.config import DEFAULT_EGRESS_SUBNET, auth_enabled, free_ports, node_id
+from sandfleet.config import DEFAULT_EGRESS_SUBNET, auth_enabled, free_ports, node_id, tls_enabled
 from sandfleet.credentials import CREDS_ENV, register_local, unregister_local
+from sandfleet.tls import TLS_CA_ENV, TlsDir, server_block
 
 PR_SET_CHILD_SUBREAPER = 36
 # Counts a node's sandbox cgroups; run as a process: this package imports no node code.
@@ -98,20 +99,26 @@ def plan_nats(port: int, count: int) -> list[NatsServer]:
 
 
 def write_nats_config(data_dir: Path, port: int, server: NatsServer | None = None,
-                      cluster: list[NatsServer] | None = None, auth: AuthDir | None = None) -> Path:
+                      cluster: list[NatsServer] | None = None, auth: AuthDir | None = None,
+                      tls: TlsDir | None = None) -> Path:
     """A lone server's config, or (with `server` and `cluster`) one clustered server's: routes
     to every server of the cluster (its own is ignored), JetStream on each, monitoring on loopback.
-    With `auth`, the accounts and users of `write_accounts` (included, so a reload rereads them)."""
+    With `auth`, the accounts and users of `write_accounts` (included, so a reload rereads them);
+    with `tls`, TLS only, for clients and routes alike."""
     name = server.name if server else "nats"
     store = data_dir / "jetstream" / name if cluster else data_dir / "jetstream"
     store.mkdir(parents=True, exist_ok=True)
     lines = ["host: 127.0.0.1", f"port: {port}", "max_payload: 8MB", "max_pending: 64MB"]
+    if tls is not None:
+        lines += [server_block(tls)]
     if server and cluster:
         routes = ", ".join(f'"nats-route://127.0.0.1:{s.cluster_port}"' for s in cluster)
+        route_tls = f", {server_block(tls, routes=True)}" if tls is not None else ""
         lines += [
             f"server_name: {name}",
             f'http: "127.0.0.1:{server.http_port}"',
-            f"cluster {{ name: {CLUSTER_NAME}, listen: \"127.0.0.1:{server.cluster_port}\", routes: [{routes}] }}",
+            f"cluster {{ name: {CLUSTER_NAME}, listen: \"127.0.0.1:{server.cluster_port}\", routes: [{routes}]"
+            f"{route_tls} }}",
         ]
     lines += [f'jetstream {{ store_dir: "{store}" }}']
     if auth is not None:
@@ -177,12 +184,14 @@ class Supervisor:
     plan: list[NodePlan] = field(default_factory=list)
     stopping: bool = False
     prometheus_server: prometheus.Server | None = None  # the Prometheus this supervisor runs, if asked to
+    _tls: TlsDir | None = None  # `up --tls`: the bus's certificates
 
     @property
     def url(self) -> str:
         if self.join:
             return self.join
-        return ",".join(s.url for s in self.servers) or f"nats://127.0.0.1:{self.port}"
+        scheme = "tls" if self._tls is not None else "nats"
+        return ",".join(f"{scheme}://127.0.0.1:{s.port}" for s in self.servers) or f"{scheme}://127.0.0.1:{self.port}"
 
     def run(self) -> int:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -191,7 +200,10 @@ class Supervisor:
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.servers = [] if self.join else plan_nats(self.port, self.nats_cluster)
+        self._tls = TlsDir.of(self.data_dir).ensure() if tls_enabled() and not self.join else None
         env = {**os.environ, **self.env, "SANDFLEET_NATS_URL": self.url, "SANDFLEET_DATA_DIR": str(self.data_dir)}
+        if self._tls is not None:  # every service verifies the bus by this CA
+            env[TLS_CA_ENV] = str(self._tls.ca)
         if len(self.servers) >= 3:
             env["SANDFLEET_JS_REPLICAS"] = "3"
         clustered = len(self.servers) > 1
@@ -200,7 +212,8 @@ class Supervisor:
         self.plan = plan_nodes(self.data_dir, self.nodes, base_id, subnet)
         auth = self._credentials()
         for server in self.servers:
-            conf = write_nats_config(self.data_dir, server.port, server, self.servers if clustered else None, auth)
+            conf = write_nats_config(self.data_dir, server.port, server, self.servers if clustered else None, auth,
+                                     self._tls)
             self.children.append(Child(server.name, [nats_server_binary(), "-c", str(conf)],
                                        logs / f"{server.name}.log", group="nats"))
         for name, module in SERVICES:
@@ -233,8 +246,9 @@ class Supervisor:
                 _wait_for_port(server.port, 10.0)
                 if clustered:  # services create streams and buckets at start: JetStream must have its leader
                     _wait_for_jetstream(server.http_port, 60.0)
-            if self.servers:  # clients on this machine sign in as the operator by themselves
-                notes = register_local(self.url, auth.admin(), os.getpid()) if auth else []
+            if self.servers and (auth or self._tls):  # clients on this machine sign in as the operator by themselves
+                notes = register_local(self.url, auth.admin() if auth else None, os.getpid(),
+                                       self._tls.ca if self._tls else None)
             for child in self.children[len(self.servers):]:
                 self._start(child, env)
             while not self.stopping:

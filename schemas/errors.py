@@ -17,6 +17,7 @@ class ErrorCode(str, enum.Enum):
     CAPACITY = "capacity"
     UNSUPPORTED = "unsupported"
     CONFLICT = "conflict"
+    FORBIDDEN = "forbidden"  # the caller may not do this (a tenant asking for what is the platform's)
     TIMEOUT = "timeout"
     INTERNAL = "internal"
 
@@ -24,6 +25,7 @@ class ErrorCode(str, enum.Enum):
 # The numeric code that goes in the `Nats-Service-Error-Code` header (HTTP-like, as nats.micro does).
 STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.FORBIDDEN: 403,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.CONFLICT: 409,
     ErrorCode.UNSUPPORTED: 422,

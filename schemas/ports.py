@@ -8,6 +8,12 @@ connects from inside the sandbox's namespace, and answers with the tunnel's id a
 the client sends to (`node.v1.<node>.tunnel.<id>`), or with `PortRefused` when nobody listens.
 A probe (`probe: true`) only reads the namespace's listening sockets and connects nothing.
 
+A tenant's inbox is its own account's, which the node's publishes (in the platform's account)
+do not reach, so for a tenant's tunnel the node sends the frames to that inbox under
+`tunnels.v1.<tenant>.` (`frames_subject`), which the platform exports to that tenant's account
+alone; the tenant is the one the server vouched for on the request, never a field of it. The
+tenant's frames to the node cross on `node.v1.<node>.tunnel.<id>`, imported like its other verbs.
+
 Frames are binary, not JSON: a 17-byte header (kind, sequence number, value) and the bytes
 of a data frame as they are; base64 in JSON would grow every byte by a third on the hot path.
 Each direction numbers its frames from 1; a gap (the bus dropped one for a slow consumer)
@@ -45,6 +51,17 @@ TunnelId = Annotated[str, Meta(pattern=r"^[a-f0-9]{16,64}$")]
 
 def tunnel_subject(node_id: str, tunnel_id: str) -> str:
     return f"{subject(node_id, TUNNEL)}.{tunnel_id}"
+
+
+def frames_subject(tenant: str | None, reply_subject: str) -> str:
+    """Where the node sends a tunnel's frames: the client's `reply_subject` as it named it, or for
+    a tenant (None: a caller of the platform's account) that subject under the tenant's own prefix."""
+    return reply_subject if tenant is None else f"tunnels.v1.{tenant}.{reply_subject}"
+
+
+def tenant_frames_filter(tenant: str) -> str:
+    """Every tunnel frame sent to one tenant: what its account imports."""
+    return f"tunnels.v1.{tenant}.>"
 
 
 def tunnel_wildcard(node_id: str) -> str:

@@ -52,6 +52,15 @@ def actions_filter(sandbox_id: str) -> str:
     return f"events.v1.security.{sandbox_id}.*"
 
 
+# A tenant's copy of the actions on its sandboxes (as for violations: schemas/violations.py).
+def tenant_action_subject(tenant: str, sandbox_id: str, action: str) -> str:
+    return f"events.v2.security.{tenant}.{sandbox_id}.{ACTION_EVENT[action]}"
+
+
+def tenant_actions_filter(tenant: str, sandbox_id: str = "*") -> str:
+    return f"events.v2.security.{tenant}.{sandbox_id}.*"
+
+
 class Policy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The KV value under `security-policies/<task>`, and the body of `security.v1.policy.set`."""
 

@@ -18,6 +18,11 @@ emits (agents/node/violations.py publishes them all):
   AppArmor denial, on a kernel that has AppArmor.
 One sandbox's events are held back beyond a per-second budget; the next event that goes out
 says in `attempted` how many similar attempts were not reported one by one.
+
+A tenant's view: the security monitor, which reads each violated sandbox's record, publishes a
+copy of every violation of a tenant's sandbox on `events.v2.violation.<tenant>.<node>.<sandbox>.<kind>`,
+which that tenant's account imports (and no other). v1 stays the node's own subject: a node may
+publish only under its own id, and the monitor, not the node, vouches for whose sandbox it was.
 """
 
 from __future__ import annotations
@@ -34,6 +39,15 @@ def subject(node_id: str, sandbox_id: str, kind: str) -> str:
 
 def sandbox_filter(sandbox_id: str) -> str:
     return f"events.v1.violation.*.{sandbox_id}.*"
+
+
+def tenant_subject(tenant: str, node_id: str, sandbox_id: str, kind: str) -> str:
+    return f"events.v2.violation.{tenant}.{node_id}.{sandbox_id}.{kind.replace('.', '_')}"
+
+
+def tenant_filter(tenant: str, sandbox_id: str = "*") -> str:
+    """One tenant's violations (of one sandbox, or all): `tenant_filter(name)` is what its account imports."""
+    return f"events.v2.violation.{tenant}.*.{sandbox_id}.*"
 
 
 class Violation(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="violation"):

@@ -80,7 +80,7 @@ class FirstEvent:
 
     async def start(self, fleet) -> FirstEvent:
         async def seen(msg) -> None:
-            self.ids.add(msg.subject.split(".")[3])
+            self.ids.add(events.sandbox_id_of(msg.subject))
             self.first.set()
 
         self.sub = await fleet.bus.nc.subscribe(events.sandbox_subject("*", self.state), cb=seen)

@@ -175,7 +175,7 @@ async def _batch_through_a_kill(fleet, plat, service: str, make=None, **spec) ->
     first = asyncio.Event()
 
     async def seen(msg) -> None:
-        started.add(msg.subject.split(".")[3])
+        started.add(events.sandbox_id_of(msg.subject))
         first.set()
 
     sub = await fleet.bus.nc.subscribe(events.sandbox_subject("*", "started"), cb=seen)

@@ -100,6 +100,7 @@ def test_error_bodies_map_to_the_documented_exceptions():
         (ErrorCode.NOT_FOUND, errors.NotFound),
         (ErrorCode.CAPACITY, errors.Capacity),
         (ErrorCode.UNSUPPORTED, errors.Unsupported),
+        (ErrorCode.FORBIDDEN, errors.Forbidden),
     ]:
         exc = errors.from_body(ErrorBody(code=code, message="m"))
         assert isinstance(exc, kind) and isinstance(exc, errors.SandfleetError)

@@ -12,11 +12,13 @@ import uvicorn
 
 import sandfleet
 from sandfleet import runner
+from sandfleet.bus_accounts import AuthDir
 from sandfleet.config import ServiceConfig
 from services.gateway.app import Gateway
 from services.gateway.control import Deps
 from services.gateway.sandboxes import Sandboxes
 from services.gateway.settings import GatewaySettings
+from services.gateway.tenants import TenantKeys
 
 log = logging.getLogger("sandfleet.gateway")
 
@@ -32,10 +34,14 @@ class _Server(uvicorn.Server):
 async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
     settings = GatewaySettings.from_env()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per proxied request otherwise
-    if not settings.api_keys:
-        log.warning("no API keys (SANDFLEET_GATEWAY_API_KEYS=KEY=TENANT,...): every call is refused")
+    auth = AuthDir.of(config.data_dir)  # the tenants' keys and credentials, where `tenant add` wrote them
+    if not settings.api_keys and not auth.e2b_keys():
+        log.warning("no API keys (`sandfleet tenant add NAME --e2b-key`, or SANDFLEET_GATEWAY_API_KEYS=KEY=TENANT): "
+                    "every call is refused until one is added")
+    tenant_keys = TenantKeys(auth, config.nats_url)
     async with sandfleet.connect(config.nats_url, name="gateway") as fleet:
-        app = Gateway(Deps(sandboxes=Sandboxes(fleet, settings.secret, settings.api_keys), settings=settings))
+        sandboxes = Sandboxes(fleet, settings.secret, settings.api_keys, tenant_keys)
+        app = Gateway(Deps(sandboxes=sandboxes, settings=settings))
         server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="off",
                                         log_level="warning", access_log=False))
         serving = asyncio.create_task(server.serve())
@@ -46,6 +52,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
             server.should_exit = True
             await serving
             await app.close()
+            await tenant_keys.close()
 
 
 if __name__ == "__main__":

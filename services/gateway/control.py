@@ -79,7 +79,7 @@ async def create(request: Request, deps: Deps) -> Response:
                                 isolation=deps.settings.isolation)
 
     async def make() -> str:
-        return (await deps.sandboxes.fleet.create(**kwargs)).id
+        return (await (await deps.sandboxes.fleet_of(tenant)).create(**kwargs)).id
 
     try:
         sandbox_id = await deps.creates.once(tenant, request.headers.get("idempotency-key"), body, make)
@@ -106,7 +106,8 @@ async def list_sandboxes(request: Request, deps: Deps) -> Response:
         raise shapes.BadRequest("limit and nextToken are whole numbers") from None
     if not 1 <= limit <= MAX_PAGE or start < 0:
         raise shapes.BadRequest(f"limit is 1 to {MAX_PAGE}")
-    found = shapes.list_filter(await deps.sandboxes.fleet.list(), tenant, metadata=metadata, states=states)
+    found = shapes.list_filter(await (await deps.sandboxes.fleet_of(tenant)).list(), tenant, metadata=metadata,
+                               states=states)
     if q.get("order") == "desc":
         found.reverse()
     page = found[start:start + limit]

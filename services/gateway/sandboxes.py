@@ -13,22 +13,33 @@ from sandfleet.client import Fleet, Sandbox
 from schemas.sandbox import SandboxRecord
 from services.gateway import shapes
 from services.gateway.faults import SandboxGone, Unauthenticated
+from services.gateway.tenants import TenantKeys
 
 CACHED = 10_000
 
 
 class Sandboxes:
-    def __init__(self, fleet: Fleet, secret: bytes, api_keys: dict[str, str]) -> None:
-        self.fleet = fleet
+    def __init__(self, fleet: Fleet, secret: bytes, api_keys: dict[str, str],
+                 tenant_keys: TenantKeys | None = None) -> None:
+        self.fleet = fleet  # the gateway's own (the platform's account)
         self._secret = secret
         self._api_keys = api_keys
+        self.tenant_keys = tenant_keys
         self._known: OrderedDict[str, tuple[str, dict[str, str]]] = OrderedDict()  # id → (node, envs)
 
     def tenant(self, api_key: str | None) -> str:
         tenant = self._api_keys.get(api_key or "")
+        if tenant is None and api_key and self.tenant_keys is not None:
+            tenant = self.tenant_keys.tenant(api_key)
         if tenant is None:
             raise Unauthenticated("Invalid API key" if api_key else "Missing API key: send it in X-API-KEY")
         return tenant
+
+    async def fleet_of(self, tenant: str) -> Fleet:
+        """The connection a tenant's REST calls go through: its own credentials' where it has
+        them (the bus keeps it to its own sandboxes), else the gateway's."""
+        own = await self.tenant_keys.fleet(tenant) if self.tenant_keys is not None else None
+        return own or self.fleet
 
     def token(self, sandbox_id: str) -> str:
         return shapes.access_token(self._secret, sandbox_id)
@@ -46,7 +57,7 @@ class Sandboxes:
     async def record(self, sandbox_id: str, tenant: str) -> SandboxRecord:
         """The live sandbox's record, if it is the tenant's; SandboxGone otherwise."""
         try:
-            record = await self.fleet.get(sandbox_id)
+            record = await (await self.fleet_of(tenant)).get(sandbox_id)
         except (errors.NotFound, errors.InvalidRequest):
             raise SandboxGone(sandbox_id) from None
         if not shapes.visible_to(record, tenant):
@@ -56,7 +67,7 @@ class Sandboxes:
 
     async def handle(self, sandbox_id: str, tenant: str) -> Sandbox:
         record = await self.record(sandbox_id, tenant)
-        return Sandbox(self.fleet, record.id, record.node)
+        return Sandbox(await self.fleet_of(tenant), record.id, record.node)
 
     async def live(self, sandbox_id: str) -> Sandbox:
         """A live sandbox by id alone (the port proxy: E2B's sandbox ports are public by default)."""

@@ -5,7 +5,8 @@ Who asks is what the server wrote on the request (`Nats-Request-Info` of a share
 import: the caller's account, `bus.CALLER_TENANT`), never a field of the body. A request from
 inside the platform's account (placement, the security monitor, the operator) is not checked.
 Another tenant's sandbox answers as no sandbox at all (NOT_FOUND), so a tenant learns nothing
-of what others run. The owner of a sandbox never changes: each is learnt from the record its
+of what others run; a verb about no sandbox (node-wide) is never a tenant's (FORBIDDEN).
+The owner of a sandbox never changes: each is learnt from the record its
 launch carries (or read from the store once, for a sandbox launched before a restart).
 """
 
@@ -55,7 +56,7 @@ class Owners:
             return
         sandbox_id = getattr(request, "sandbox_id", None)
         if not isinstance(sandbox_id, str):  # a node-wide verb: never a tenant's
-            raise ServiceError(ErrorCode.NOT_FOUND, "no such sandbox")
+            raise ServiceError(ErrorCode.FORBIDDEN, "a node-wide request is the platform's, not a tenant's")
         try:
             owner = await self.of(sandbox_id)
         except ServiceError as exc:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sandfleet.tunnel import TunnelEnd
-from sandfleet.bus import Bus, Endpoint
+from sandfleet.bus import CALLER_TENANT, Bus, Endpoint
 from sandfleet.errors import ServiceError
 from schemas import node, ports
 from schemas.errors import ErrorCode
@@ -88,7 +88,8 @@ class Tunnels:
             raise ServiceError(ErrorCode.CONFLICT, f"sandbox {req.sandbox_id} is being destroyed")
         reader, writer = await asyncio.open_connection(sock=sock)
         tunnel = Tunnel(id=secrets.token_hex(8), sandbox_id=req.sandbox_id, port=req.port,
-                        end=TunnelEnd(self.bus.nc, reader, writer, req.reply_subject,
+                        end=TunnelEnd(self.bus.nc, reader, writer, ports.frames_subject(CALLER_TENANT.get(),
+                                                                                        req.reply_subject),
                                       window=settings.tunnel_window_bytes, keepalive_s=settings.tunnel_keepalive_s,
                                       idle_s=settings.tunnel_idle_s))
         self.by_id[tunnel.id] = tunnel

@@ -40,7 +40,7 @@ DEFAULT_BUDGET_MB = 10240
 
 async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
     layout = Layout(config.data_dir / "layer-cache")
-    ids = userns.node_range()  # sandbox roots' host ids: layers are mounted idmapped to them
+    ids = userns.node_range(config.userns)  # sandbox roots' host ids: layers are mounted idmapped to them
     budget = int(os.environ.get("SANDFLEET_LAYER_CACHE_MB", DEFAULT_BUDGET_MB)) << 20
     if config.layer_fetch not in FETCH_MODES:
         raise SystemExit(f"SANDFLEET_LAYER_FETCH is {config.layer_fetch!r}; use one of {', '.join(FETCH_MODES)}")

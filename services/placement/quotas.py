@@ -196,7 +196,7 @@ class Quotas:
                 await asyncio.sleep(0.5)
 
     async def _ended(self, msg) -> None:  # type: ignore[no-untyped-def]
-        sandbox_id = msg.subject.split(".")[3]
+        sandbox_id = events.sandbox_id_of(msg.subject)
         try:
             entry = await self.kv.get(f"m.{sandbox_id}")
             if entry.value:

@@ -12,14 +12,15 @@ from sandfleet.bus import Endpoint
 from sandfleet.config import ServiceConfig
 from schemas import security
 from services.security_monitor import consumer, handlers
-from services.security_monitor.state import Ledger, Policies
+from services.security_monitor.state import Ledger, Owners, Policies
 
 log = logging.getLogger("sandfleet.security")
 
 
 async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
     async with runner.service_bus(security.SERVICE, config) as bus:
-        deps = handlers.Deps(bus=bus, policies=await Policies.open(bus), ledger=await Ledger.open(bus))
+        deps = handlers.Deps(bus=bus, policies=await Policies.open(bus), ledger=await Ledger.open(bus),
+                             owners=await Owners.open(bus))
         h = functools.partial
         await bus.serve(
             security.SERVICE,

@@ -1,6 +1,8 @@
 """The monitor's handlers: policy requests from trainers, and one violation from the stream.
 
-A violation is counted into its sandbox's record first (idempotently); an action that
+A violation is counted into its sandbox's record first (idempotently); a violation of a tenant's
+sandbox is then copied to that tenant's subject (the only one its account sees), de-duplicated
+by the violation's stream sequence; an action that
 record has pending is then carried out on the sandbox's node (`node.v1.<node>.destroy` with
 reason `violation`, or `node.v1.<node>.quarantine`), announced once as an event, and marked
 done. A crash anywhere in between leaves the action pending, so the redelivered violation
@@ -19,13 +21,13 @@ from sandfleet import errors, metrics
 from sandfleet.bus import Bus
 from sandfleet.telemetry import SANDBOX_ID
 from schemas import node as node_schema
-from schemas import security
+from schemas import security, violations
 from schemas.node import DestroyReply, DestroyRequest, QuarantineReply, QuarantineRequest
 from schemas.sandbox import Reason
 from schemas.security import Policy, PolicyGetRequest, PolicyList, PolicyListRequest, SandboxGetRequest, SandboxSecurity
 from schemas.violations import Violation
 from services.security_monitor import policy as rules
-from services.security_monitor.state import Ledger, Policies
+from services.security_monitor.state import Ledger, Owners, Policies
 
 log = logging.getLogger("sandfleet.security")
 
@@ -37,6 +39,7 @@ class Deps:
     bus: Bus
     policies: Policies
     ledger: Ledger
+    owners: Owners
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -73,18 +76,24 @@ async def on_violation(deps: Deps, violation: Violation, seq: int) -> SandboxSec
     record, _ = await deps.ledger.update(
         violation.sandbox_id, lambda r: rules.count(r, violation, seq, policy, now)
     )
+    tenant = await deps.owners.of(violation.sandbox_id)
+    if tenant:
+        subject = violations.tenant_subject(tenant, violation.node, violation.sandbox_id, violation.kind)
+        await deps.bus.publish_durable(subject, violation, msg_id=f"{violation.sandbox_id}:{seq}")
     if record.action_state == "pending":
-        record = await _act(deps, record, policy)
+        record = await _act(deps, record, policy, tenant)
     return record
 
 
-async def _act(deps: Deps, record: SandboxSecurity, policy: Policy) -> SandboxSecurity:
+async def _act(deps: Deps, record: SandboxSecurity, policy: Policy, tenant: str) -> SandboxSecurity:
     outcome = await _on_node(deps.bus, record)
     metrics.POLICY_ACTIONS.inc(action=record.action, outcome="done" if outcome == "done" else "not_done")
     event = rules.action_event(record, policy, outcome, time.time())
-    await deps.bus.publish_durable(
-        security.action_subject(record.sandbox_id, record.action), event, msg_id=f"{record.sandbox_id}:{record.action}"
-    )
+    msg_id = f"{record.sandbox_id}:{record.action}"
+    await deps.bus.publish_durable(security.action_subject(record.sandbox_id, record.action), event, msg_id=msg_id)
+    if tenant:
+        await deps.bus.publish_durable(security.tenant_action_subject(tenant, record.sandbox_id, record.action), event,
+                                       msg_id=f"{msg_id}:{tenant}")
     log.warning("sandbox %s: %s (%s): %s", record.sandbox_id, record.action, rules.detail(record), outcome,
                 extra={SANDBOX_ID: record.sandbox_id})
 

@@ -1,6 +1,7 @@
 """The monitor's JetStream state, shared by its replicas: policies by task (KV
-`security-policies`) and one revision-checked record per sandbox that made a violation (KV
-`security-sandboxes`, entries expire after longer than any sandbox can live)."""
+`security-policies`), one revision-checked record per sandbox that made a violation (KV
+`security-sandboxes`, entries expire after longer than any sandbox can live), and whose each
+violated sandbox is (read from the sandbox records, which only the platform writes)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from nats.js.kv import KeyValue
 
 from sandfleet.bus import Bus, decode, encode, kv_values
 from sandfleet.errors import ServiceError
-from schemas import security
+from schemas import sandbox, security
 from schemas.errors import ErrorCode
+from schemas.sandbox import SandboxRecord
 from schemas.security import Policy, SandboxSecurity
 from services.security_monitor.policy import default_policy
 
@@ -49,6 +51,34 @@ class Policies:
 
     async def all(self) -> list[Policy]:
         return [await self.get(key) for key in sorted(await kv_values(self.kv, "list policies"))]
+
+
+class Owners:
+    """Sandbox id → the tenant its record names ("": none, or no record any more). A sandbox's
+    owner never changes, so each is read once (and forgotten wholesale past MAX_REMEMBERED)."""
+
+    MAX_REMEMBERED = 100_000
+
+    def __init__(self, kv: KeyValue) -> None:
+        self.kv = kv
+        self._known: dict[str, str] = {}
+
+    @classmethod
+    async def open(cls, bus: Bus) -> Owners:
+        return cls(await bus.js.key_value(sandbox.KV_BUCKET))
+
+    async def of(self, sandbox_id: str) -> str:
+        owner = self._known.get(sandbox_id)
+        if owner is None:
+            try:
+                entry = await self.kv.get(sandbox_id)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.InvalidKeyError):
+                return ""  # not remembered: a record may yet be read (a violation racing its create)
+            owner = decode(entry.value, SandboxRecord).tenant if entry.value else ""
+            if len(self._known) >= self.MAX_REMEMBERED:
+                self._known.clear()
+            self._known[sandbox_id] = owner
+        return owner
 
 
 class Ledger:

@@ -183,7 +183,8 @@ async def test_a_tenant_cannot_launch_or_forge_events_or_records(platform, tenan
         forged = {
             node.subject(sb.node, node.LAUNCH): json.dumps({"sandboxes": [{"id": "forged-launch", "spec": {}}]}),
             violations.subject(sb.node, sb.id, "network.connect"): json.dumps({"type": "violation"}),
-            events.sandbox_subject(sb.id, "stopped"): json.dumps({"type": "stopped", "sandbox_id": sb.id}),
+            events.sandbox_subject(sb.id, "stopped", "alice"): json.dumps({"type": "stopped", "sandbox_id": sb.id}),
+            violations.tenant_subject("alice", sb.node, sb.id, "network.connect"): json.dumps({"type": "violation"}),
             f"$KV.{sandbox.KV_BUCKET}.{sb.id}": json.dumps({"id": sb.id, "tenant": "bob"}),
             f"$JS.API.STREAM.PURGE.KV_{sandbox.KV_BUCKET}": "{}",
             node.subject(sb.node, node.QUARANTINE): json.dumps({"sandbox_id": sb.id}),
@@ -328,3 +329,19 @@ def test_the_accounts_are_a_valid_server_config_and_keep_their_keys(tmp_path):
                                                     s != "$KV.nodes.n1"]
     with pytest.raises(ValueError):
         auth.tenant("Not A Name")
+
+
+async def test_what_the_bus_will_not_carry_for_a_tenant_is_forbidden(alice, fleet):
+    # The platform's own work asked with a tenant's credentials: the server refuses the publish
+    # (its -ERR), and the SDK says Forbidden, not that nobody answered in time.
+    with pytest.raises(errors.Forbidden, match="quota"):
+        await alice.set_quota(tenant="alice", max_concurrent=1000)
+    with pytest.raises(errors.Forbidden):
+        await alice.set_policy(task="anything", action="kill")
+    sb = await alice.create(memory_mb=64, host_view=True)
+    try:
+        with pytest.raises(errors.Forbidden):  # a node's by-label verb reaches every sandbox of it
+            await alice.bus.request(node.subject(sb.node, node.PAUSE_SELECTED), {"labels": {}}, node.Empty, timeout=1)
+        assert (await fleet.get(sb.id)).state is sandbox.State.RUNNING
+    finally:
+        await sb.destroy()

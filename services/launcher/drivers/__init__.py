@@ -36,11 +36,11 @@ class Drivers:
         self.microvm = microvm  # the node's status line for the level: `on: tcg (...)` or `off: <why>`
 
     @classmethod
-    async def open(cls, state_dir: Path) -> Drivers:
+    async def open(cls, state_dir: Path, userns_setting: str = "") -> Drivers:
         """Every level this node can run, each ready for its first sandbox, their roots the host
-        ids SANDFLEET_USERNS gives (linuxnode.userns; read here, once per launcher)."""
+        ids `userns_setting` gives (ServiceConfig.userns, SANDFLEET_USERNS; linuxnode.userns)."""
         process_runtime.warm_up()  # the forking helper takes ~50 ms to start; not on the first create
-        ids = _usable(userns.node_range())
+        ids = _usable(userns.node_range(userns_setting))
         drivers: dict[str, Driver] = {"process": ProcessDriver(ids)}
         crun = await detect_crun(state_dir)  # `container` only where crun really runs here
         if crun is not None:
