@@ -1,4 +1,5 @@
 """Placement's handlers: create one or many sandboxes, look them up, list them, set quotas.
+A create that matches a warm pool first tries to claim a spare (pools.py).
 
 A create is admitted by the quotas, booked on the nodes through the shared ledger, written
 as records (`scheduled`) and only then handed to the nodes, so a sandbox that was accepted
@@ -47,6 +48,7 @@ from schemas.sandbox import (
 )
 from services.placement.ledger import Ledger
 from services.placement.policy import NoCapacity, NodeView, NoEligibleNode, UnknownNode
+from services.placement.pools import PoolBook, with_tenant
 from services.placement.quotas import Quotas
 
 log = logging.getLogger("sandfleet.placement")
@@ -61,6 +63,7 @@ class Deps:
     nodes: NodeView
     ledger: Ledger | None = None  # None: book in this replica's view only (tests of one replica)
     quotas: Quotas | None = None
+    pools: PoolBook | None = None  # None: no warm pools (every create is cold)
     launches: set[asyncio.Task] = field(default_factory=set)  # gang-batch launches still going
 
 
@@ -110,8 +113,7 @@ async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = N
     caller's as the server vouched for it, unless given."""
     _check_allow(spec)
     owner = tenant if tenant is not None else (CALLER_TENANT.get() or "")
-    if owner and spec.labels.get("tenant") != owner:  # a tenant's quota counts what the server vouched for
-        spec = msgspec.structs.replace(spec, labels={**spec.labels, "tenant": owner})
+    spec = with_tenant(spec, owner)
     now = time.time()
     quota_keys = await deps.quotas.admit(spec, count, now) if deps.quotas else []
     try:
@@ -178,6 +180,13 @@ async def create(deps: Deps, req: CreateRequest) -> CreateReply:
     started, outcome = time.monotonic(), "failed"
     try:
         spec = _spec_of(req)
+        if deps.pools is not None:
+            _check_allow(spec)
+            claimed = await deps.pools.claim_admitted(deps.nodes, deps.quotas, spec, CALLER_TENANT.get() or "", req.node)
+            if claimed is not None:
+                telemetry.current_attributes(telemetry.sandbox_attributes(claimed.id, claimed.node, spec))
+                outcome = "ok"
+                return claimed
         placed, _ = await _place(deps, spec, 1, req.node)
         ((node_id, records),) = placed.items()
         record = records[0][0]
