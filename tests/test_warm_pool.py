@@ -48,12 +48,15 @@ async def spares(fleet: sandfleet.Fleet, node_id: str) -> set[str]:
 
 
 async def warm(fleet: sandfleet.Fleet, key: str, node_id: str, n: int) -> None:
-    deadline = time.monotonic() + WAIT_S
+    """Until a heartbeat of the node made after this call began shows `n` spares of the pool: an
+    older one may still count a spare a create just took (placement then builds the next cold)."""
+    since, deadline = time.time(), time.monotonic() + WAIT_S
     while True:
-        found = {s.key: s for s in await fleet.pools()}
-        if key in found and found[key].warm.get(node_id, 0) >= n:
+        info = next((i for i in await fleet.nodes() if i.id == node_id), None)
+        if info is not None and info.at > since and info.warm.get(key, 0) >= n:
+            await asyncio.sleep(0.1)  # placement's view of the nodes follows the same KV watch
             return
-        assert time.monotonic() < deadline, f"pool {key} never had {n} spares on {node_id}: {found.get(key)}"
+        assert time.monotonic() < deadline, f"pool {key} never had {n} spares on {node_id}: {info}"
         await asyncio.sleep(0.2)
 
 
@@ -133,8 +136,9 @@ async def test_concurrent_creates_never_get_the_same_spare(fleet, platform, proc
     try:
         ids = [sb.id for sb in made]
         assert len(set(ids)) == 5
-        claimed = set(ids) & ready
-        assert len(claimed) == 2, (ids, ready)  # both spares went, once each; the rest were built cold
+        assert len(set(ids) & ready) >= 2, (ids, ready)  # both spares went (a refill may be claimed too)
+        inits = {(await fleet.get(i)).init_pid for i in ids}
+        assert len(inits) == 5  # five sandboxes, not one spare handed out twice under two ids
         for sb in made:
             assert (await sb.exec(["echo", sb.id])).stdout == sb.id.encode() + b"\n"
     finally:

@@ -86,3 +86,9 @@ async def heartbeat(bus: Bus, launcher: Launcher, config: ServiceConfig, criu: s
             await asyncio.sleep(WARM_BEAT_S)
         except asyncio.TimeoutError:
             pass
+
+
+async def withdraw(bus: Bus, node_id: str) -> None:
+    """The node's entry out of the bucket: it stopped on purpose, placement need not wait for the TTL."""
+    kv = await bus.js.key_value(node_schema.KV_BUCKET)
+    await kv.delete(node_id)
