@@ -296,6 +296,7 @@ def test_every_subject_the_launcher_serves_is_fuzzed():
     from services.launcher.__main__ import endpoints
 
     launcher = SimpleNamespace(node_id="fuzz-node")
-    served = {ep.subject for ep in endpoints(launcher, None, SimpleNamespace(launcher=launcher))}  # type: ignore[arg-type]
+    served = {ep.subject for ep in endpoints(launcher, None, SimpleNamespace(launcher=launcher),  # type: ignore[arg-type]
+                                             SimpleNamespace(claim=None))}
     fuzzed = {s.address("fuzz-node") for s in SUBJECTS if s.service == "launcher"}
     assert served == fuzzed, f"served, not fuzzed: {sorted(served - fuzzed)}; fuzzed, not served: {sorted(fuzzed - served)}"
