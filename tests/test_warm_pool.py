@@ -239,3 +239,72 @@ async def test_a_node_stopping_with_spares_leaves_nothing(tmp_path_factory):
             sb = await fleet.create(**PROCESS)  # one claimed and live, the rest spares, at shutdown
             assert (await sb.exec(["true"])).exit_code == 0
     # own_platform: `down`, then nothing of the node (cgroups, netns, mounts, processes) is left
+
+
+async def test_spares_a_crashed_launcher_left_are_given_back_and_built_again(fleet, platform, process_pool):
+    await warm(fleet, process_pool, platform.node_id, 2)
+    before = await spares(fleet, platform.node_id)
+    assert len(before) >= 2
+    old = platform.service_pid("launcher")
+    os.kill(old, 9)
+    await platform.restarted(fleet, "launcher", old)
+    deadline = time.monotonic() + WAIT_S
+    while (await confined(fleet, platform.node_id)) & before:  # their cgroups, netns and inits: gone
+        assert time.monotonic() < deadline, "the spares of the killed launcher were never given back"
+        await asyncio.sleep(0.2)
+    await warm(fleet, process_pool, platform.node_id, 2)
+    assert not (await spares(fleet, platform.node_id)) & before  # new ones, never the old
+
+
+# -- the logic alone: no bus, no kernel -------------------------------------------------------
+
+
+def test_placement_offers_a_create_to_the_node_with_most_spares_left():
+    from schemas.node import NodeInfo, NodePressure
+    from services.placement.policy import NodeView
+    from services.placement.pools import warm_order
+
+    now, key = time.time(), "pkey"
+    view = NodeView()
+    for n, warm_n, levels, mem in (("a", 1, ["process"], 0.0), ("b", 3, ["process"], 0.0),
+                                   ("c", 5, ["container"], 0.0), ("d", 9, ["process"], 90.0), ("e", 0, ["process"], 0.0)):
+        view.heartbeat(NodeInfo(id=n, isolation=levels, capacity=10, running=0, cpus=2, memory_mb=1024, at=now,
+                                warm={key: warm_n}, pressure=NodePressure(memory=mem)))
+    view.heartbeat(NodeInfo(id="stale", isolation=["process"], capacity=10, running=0, cpus=2, memory_mb=1024,
+                            at=now - 60, warm={key: 9}))
+    assert warm_order(view, {}, key, "process", now) == ["b", "a"]  # not: another level, pressured, none, stale
+    taken = {("b", key): (view.nodes["b"], 3)}  # three claims sent since b's heartbeat: none left there
+    assert warm_order(view, taken, key, "process", now) == ["a"]
+    view.heartbeat(NodeInfo(id="b", isolation=["process"], capacity=10, running=0, cpus=2, memory_mb=1024, at=now,
+                            warm={key: 2}))
+    assert warm_order(view, taken, key, "process", now) == ["b", "a"]  # a new heartbeat counts afresh
+    assert warm_order(view, {}, key, "process", now, node="a") == ["a"]
+
+
+async def test_memory_pressure_destroys_the_spares_and_builds_none():
+    from types import SimpleNamespace
+
+    from services.launcher.pool import WarmPools
+    from services.launcher.settings import LauncherSettings
+
+    given_back: list[str] = []
+
+    async def discard(live):
+        given_back.append(live.id)
+
+    launcher = SimpleNamespace(settings=LauncherSettings(pool_memory_psi=10.0), launching=set(), live={},
+                               isolation=["process"], discard=discard)
+    psi = [0.0]
+    pools = WarmPools(launcher, bus=None, capacity=10, pressure=lambda: psi[0])  # type: ignore[arg-type]
+    spec = SandboxSpec(host_view=True, memory_mb=96)
+    key = pools_schema.pool_key(spec)
+    pools.pools = {key: pools_schema.Pool(spec=spec, size=2)}
+    pools.spares = {key: [SimpleNamespace(id=f"sb-{i}", spec=spec, unwatch=lambda: None) for i in range(2)]}
+    pools._trim()
+    assert len(pools.spares[key]) == 2 and not pools._tasks  # calm: kept
+    psi[0] = 12.0
+    pools._trim()
+    pools._fill()
+    await asyncio.gather(*list(pools._tasks))
+    assert pools.spares[key] == [] and sorted(given_back) == ["sb-0", "sb-1"] and pools.building == {}
+    assert pools.warm() == {} and pools.changed.is_set()

@@ -20,8 +20,7 @@ from schemas.node import MAX_FILE_BYTES
 from schemas.sandbox import Reason
 from services.launcher import (fencing, files, handlers, health, heartbeat, pausing, processes, ptys, recovery, tenancy,
                                tunnels)
-from services.launcher import desktop
-from services.launcher.pool import WarmPools
+from services.launcher import desktop, pool
 from services.launcher.clients import LayerCache, NodeAgent
 from services.launcher.drivers import Drivers
 from services.launcher.keys import LOGGER
@@ -35,7 +34,7 @@ LARGE = MAX_FILE_BYTES * 2  # base64 in JSON grows bytes by a third
 
 
 def endpoints(launcher: Launcher, procs: processes.ProcessTable, forwarding: tunnels.Tunnels,
-              pools: WarmPools) -> list[Endpoint]:
+              pools: pool.WarmPools) -> list[Endpoint]:
     n, h, s = launcher.node_id, functools.partial, node_schema
     return [
         Endpoint("launch", s.subject(n, s.LAUNCH), s.LaunchRequest, h(handlers.launch, launcher), max_bytes=8 << 20),
@@ -97,13 +96,14 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
                                 agent=NodeAgent(bus, config.node_id), layers=LayerCache(bus, config.node_id),
                                 settings=settings, default_layers=config.default_layers)
             interrupted = await recovery.recover(launcher)
+            await pool.give_back_orphans(launcher)  # before any spare of this instance exists
             metrics.RUNNING.set_function(lambda: len(launcher.live))
             metrics.CAPACITY.set_function(lambda: config.capacity)
             metrics.LAUNCH_QUEUE.set_function(lambda: len(launcher.launching) - launcher.building)
             procs = processes.ProcessTable(launcher)
             forwarding = tunnels.Tunnels(bus, launcher)
             await forwarding.listen()
-            pools = WarmPools(launcher, bus, config.capacity)
+            pools = pool.WarmPools(launcher, bus, config.capacity)
             served = tenancy.guarded(endpoints(launcher, procs, forwarding, pools), tenancy.Owners(launcher.store))
             await bus.serve("launcher", served, queue_group=f"launcher-{config.node_id}")
             tasks = [asyncio.create_task(heartbeat.heartbeat(bus, launcher, config, criu_status, pools)),

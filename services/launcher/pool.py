@@ -15,8 +15,9 @@ Refills run in the background, `pool_builds` at a time, only while no launch is 
 (real creates first) and within the node's capacity; spares count in the heartbeat's
 `running` and allocations. Under memory pressure (the node's PSI over `pool_memory_psi`) the
 spares are destroyed and none is built. A spare whose init ends on its own is given back and
-built again. Spares have no record, so what a launcher crash leaves of them is given back by
-the next start's sweeps (its root and container) and by the agent's at its own start.
+built again. Spares have no record, so what a launcher crash leaves of them is given back at
+the next start: their roots and containers by recovery's sweeps, their confinements (and with
+them their inits) by `give_back_orphans`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import dataclasses
 import logging
 import secrets
 import time
+from collections.abc import Callable
 
 import nats.errors
 import nats.js.errors
@@ -38,7 +40,7 @@ from schemas import pools as pools_schema
 from schemas.errors import ErrorCode
 from schemas.node import Confinement
 from schemas.pools import ClaimReply, ClaimRequest, Pool
-from schemas.sandbox import Reason, SandboxRecord, SandboxSpec, State
+from schemas.sandbox import ENDED, Reason, SandboxRecord, SandboxSpec, State
 from services.launcher import records
 from services.launcher.keys import LOGGER, about
 from services.launcher.lifecycle import Launcher
@@ -49,15 +51,43 @@ log = logging.getLogger(LOGGER)
 RETRY_AFTER_FAILURE_S = 5.0  # a pool whose spare failed to build waits this long before the next
 
 
+async def give_back_orphans(launcher: Launcher) -> list[str]:
+    """At start, before this launcher serves or builds a spare: the confinements the agent holds
+    that no record of this node keeps (the spares of a launcher that died), given back; their
+    inits die with their cgroups. A record is read by id, not listed, so one just written counts."""
+    try:
+        held = await launcher.agent.held()
+    except errors.SandfleetError as exc:
+        log.warning("no listing from the node agent (%s): spares a crash left stay until it restarts", exc)
+        return []
+    candidates = sorted(held - set(launcher.live) - launcher.launching)
+    if not candidates:
+        return []
+    kept = await launcher.store.read_many(candidates)
+    orphans = [i for i in candidates
+               if i not in kept or kept[i][0].state in ENDED or kept[i][0].node != launcher.node_id]
+    await asyncio.gather(*(launcher.release_confinement(i) for i in orphans))
+    for sandbox_id in orphans:
+        log.info("gave back the confinement of %s, which no record owns (a spare a crash left)", sandbox_id,
+                 extra=about(sandbox_id))
+    return orphans
+
+
 def spare_id() -> str:
     """An id like placement's (`sb-` + 12 hex digits): the spare's id becomes the sandbox's, and
     its record's create refuses one that exists."""
     return "sb-" + secrets.token_hex(6)
 
 
+def memory_pressure() -> float:
+    return procfs.node_pressure("memory")
+
+
 class WarmPools:
-    def __init__(self, launcher: Launcher, bus: Bus, capacity: int, period_s: float = 1.0) -> None:
+    def __init__(self, launcher: Launcher, bus: Bus, capacity: int, period_s: float = 1.0,
+                 pressure: Callable[[], float] = memory_pressure) -> None:
         self.launcher, self.bus, self.capacity, self.period_s = launcher, bus, capacity, period_s
+        self.pressure = pressure  # the node's memory PSI, `some avg10` percent
         self.pools: dict[str, Pool] = {}  # key → pool, as KV `pools` last said
         self.spares: dict[str, list[Live]] = {}  # key → built and unclaimed, oldest first
         self.building: dict[str, int] = {}
@@ -146,7 +176,7 @@ class WarmPools:
 
     def _pressured(self) -> bool:
         limit = self.launcher.settings.pool_memory_psi
-        return bool(limit) and procfs.node_pressure("memory") >= limit
+        return bool(limit) and self.pressure() >= limit
 
     def _trim(self) -> None:
         """Give back the spares of pools that went or shrank, and every spare under memory pressure."""
