@@ -308,3 +308,15 @@ async def test_memory_pressure_destroys_the_spares_and_builds_none():
     await asyncio.gather(*list(pools._tasks))
     assert pools.spares[key] == [] and sorted(given_back) == ["sb-0", "sb-1"] and pools.building == {}
     assert pools.warm() == {} and pools.changed.is_set()
+
+
+def test_the_cli_sets_lists_and_clears_a_pool(platform):
+    shape = ["--host-view", "--memory-mb", "99", "--cpu", "0.1"]
+    key = pools_schema.pool_key(SandboxSpec(host_view=True, memory_mb=99, cpu=0.1))
+    out = platform.cli("pool", "set", "--size", "1", *shape).stdout
+    assert out.startswith(f"{key}  size 1  process") and "host view" in out
+    assert key in platform.cli("pool", "list").stdout
+    assert platform.cli("pool", "clear", *shape).stdout.strip() == f"cleared 1 pool(s): {key}"
+    assert key not in platform.cli("pool", "list").stdout
+    bad = platform.cli("pool", "set", "--size", "1", "--isolation", "microvm", "--layers", "x", check=False)
+    assert bad.returncode == 2 and "InvalidRequest" in bad.stderr

@@ -63,7 +63,11 @@ async def give_back_orphans(launcher: Launcher) -> list[str]:
     candidates = sorted(held - set(launcher.live) - launcher.launching)
     if not candidates:
         return []
-    kept = await launcher.store.read_many(candidates)
+    try:
+        kept = await launcher.store.read_many(candidates)
+    except (errors.ServiceError, errors.SandfleetError) as exc:  # never guess: keep them until the next start
+        log.warning("cannot read the records of %d confinement(s) to give back orphans: %s", len(candidates), exc)
+        return []
     orphans = [i for i in candidates
                if i not in kept or kept[i][0].state in ENDED or kept[i][0].node != launcher.node_id]
     await asyncio.gather(*(launcher.release_confinement(i) for i in orphans))
@@ -84,6 +88,8 @@ def memory_pressure() -> float:
 
 
 class WarmPools:
+    """The node's spares by pool key, the pools as last read, and the builds under way."""
+
     def __init__(self, launcher: Launcher, bus: Bus, capacity: int, period_s: float = 1.0,
                  pressure: Callable[[], float] = memory_pressure) -> None:
         self.launcher, self.bus, self.capacity, self.period_s = launcher, bus, capacity, period_s
