@@ -313,10 +313,10 @@ async def test_memory_pressure_destroys_the_spares_and_builds_none():
 def test_the_cli_sets_lists_and_clears_a_pool(platform):
     shape = ["--host-view", "--memory-mb", "99", "--cpu", "0.1"]
     key = pools_schema.pool_key(SandboxSpec(host_view=True, memory_mb=99, cpu=0.1))
-    out = platform.cli("pool", "set", "--size", "1", *shape).stdout
+    out = platform.cli("pool", "set", "--size", "1", *shape).stdout.decode()
     assert out.startswith(f"{key}  size 1  process") and "host view" in out
-    assert key in platform.cli("pool", "list").stdout
-    assert platform.cli("pool", "clear", *shape).stdout.strip() == f"cleared 1 pool(s): {key}"
-    assert key not in platform.cli("pool", "list").stdout
+    assert key in platform.cli("pool", "list").stdout.decode()
+    assert platform.cli("pool", "clear", *shape).stdout.decode().strip() == f"cleared 1 pool(s): {key}"
+    assert key not in platform.cli("pool", "list").stdout.decode()
     bad = platform.cli("pool", "set", "--size", "1", "--isolation", "microvm", "--layers", "x", check=False)
-    assert bad.returncode == 2 and "InvalidRequest" in bad.stderr
+    assert bad.returncode == 2 and b"InvalidRequest" in bad.stderr
