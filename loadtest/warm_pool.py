@@ -114,6 +114,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4, help="rounds per side and level (they alternate)")
     parser.add_argument("--per-round", type=int, default=10, help="creates per round; also the pool's size")
-    parser.add_argument("--builds", type=int, default=2, help="SANDFLEET_POOL_BUILDS: spares built at once")
+    parser.add_argument("--builds", type=int, default=1, help="SANDFLEET_POOL_BUILDS: spares built at once (the default)")
     parser.add_argument("--out", default="loadtest/results/warm_pool.json")
     asyncio.run(main(parser.parse_args()))
