@@ -30,7 +30,6 @@ from schemas import node as node_schema
 from schemas.node import ConfinedList, Empty
 
 LAYER = "bench-pool"
-NODE = "bench-pool"
 QUIET = {"SANDFLEET_CPU_PSI_LIMIT": "101", "SANDFLEET_MEMORY_PSI_LIMIT": "101", "SANDFLEET_POOL_MEMORY_PSI": "0"}
 WAIT_S = 300.0
 
@@ -39,15 +38,15 @@ def shape(isolation: str, warm: bool) -> dict[str, object]:
     return dict(isolation=isolation, layers=[LAYER], cpu=0.1, memory_mb=128 if warm else 129)
 
 
-async def _spares(fleet: sandfleet.Fleet) -> set[str]:
-    held = await fleet.bus.request(node_schema.subject(NODE, node_schema.AGENT_LIST), Empty(), ConfinedList, timeout=30)
+async def _spares(fleet: sandfleet.Fleet, node_id: str) -> set[str]:
+    held = await fleet.bus.request(node_schema.subject(node_id, node_schema.AGENT_LIST), Empty(), ConfinedList, timeout=30)
     return set(held.sandbox_ids) - {r.id for r in await fleet.list()}
 
 
-async def _ready(fleet: sandfleet.Fleet, key: str, n: int) -> None:
+async def _ready(fleet: sandfleet.Fleet, node_id: str, key: str, n: int) -> None:
     since, deadline = time.time(), time.monotonic() + WAIT_S
     while True:
-        info = next((i for i in await fleet.nodes() if i.id == NODE), None)
+        info = next((i for i in await fleet.nodes() if i.id == node_id), None)
         if info is not None and info.at > since and info.warm.get(key, 0) >= n:
             await asyncio.sleep(0.1)
             return
@@ -71,7 +70,8 @@ async def _round(fleet: sandfleet.Fleet, spec: dict[str, object], n: int, spares
     return ms, sum(sb.id in spares for sb in made)
 
 
-async def _level(fleet: sandfleet.Fleet, isolation: str, rounds: int, per_round: int) -> dict[str, object]:
+async def _level(fleet: sandfleet.Fleet, node_id: str, isolation: str, rounds: int, per_round: int
+                 ) -> dict[str, object]:
     key = (await fleet.set_pool(size=per_round, **shape(isolation, True))).key
     cold: list[float] = []
     warm: list[float] = []
@@ -80,8 +80,8 @@ async def _level(fleet: sandfleet.Fleet, isolation: str, rounds: int, per_round:
         for _ in range(rounds):
             ms, _ = await _round(fleet, shape(isolation, False), per_round, set())
             cold += ms
-            await _ready(fleet, key, per_round)
-            ms, took = await _round(fleet, shape(isolation, True), per_round, await _spares(fleet))
+            await _ready(fleet, node_id, key, per_round)
+            ms, took = await _round(fleet, shape(isolation, True), per_round, await _spares(fleet, node_id))
             warm += ms
             claimed += took
     finally:
@@ -90,20 +90,24 @@ async def _level(fleet: sandfleet.Fleet, isolation: str, rounds: int, per_round:
 
 
 async def main(args: argparse.Namespace) -> None:
-    results: dict[str, dict[str, object]] = {}
+    results: dict[str, object] = {}
     env = {**QUIET, "SANDFLEET_POOL_BUILDS": str(args.builds)}
-    with running_platform(NODE, env=env) as (url, _):
+    with running_platform(args.node_id, env=env) as (url, data_dir):
+        results["data_dir"] = str(data_dir)
         async with sandfleet.connect(url, name="bench") as fleet:
             await build_busybox_layer(fleet, LAYER, ("sh", "true"))
             levels = (await fleet.nodes())[0].isolation
             for isolation in ("process", "container"):
                 if isolation in levels:
-                    results[isolation] = await _level(fleet, isolation, args.rounds, args.per_round)
+                    results[isolation] = await _level(fleet, args.node_id, isolation, args.rounds, args.per_round)
     rows = []
-    for isolation, r in results.items():
+    for isolation in ("process", "container"):
+        if isolation not in results:
+            continue
+        r: dict = results[isolation]  # type: ignore[assignment]
         cold, warm = r["cold"], r["warm"]
-        rows.append([isolation, r["n"], r["claimed"], cold["p50"], cold["p99"], warm["p50"], warm["p99"],  # type: ignore[index]
-                     round(cold["p50"] / warm["p50"], 1) if warm["p50"] else 0.0])  # type: ignore[index]
+        rows.append([isolation, r["n"], r["claimed"], cold["p50"], cold["p99"], warm["p50"], warm["p99"],
+                     round(cold["p50"] / warm["p50"], 1) if warm["p50"] else 0.0])
     print_table("create latency, SDK call → running sandbox (ms)",
                 ["isolation", "n", "claimed", "cold p50", "cold p99", "warm p50", "warm p99", "cold/warm p50"], rows)
     out = write_json(Path(args.out), "warm_pool", vars(args), results)
@@ -115,5 +119,6 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=4, help="rounds per side and level (they alternate)")
     parser.add_argument("--per-round", type=int, default=10, help="creates per round; also the pool's size")
     parser.add_argument("--builds", type=int, default=1, help="SANDFLEET_POOL_BUILDS: spares built at once (the default)")
+    parser.add_argument("--node-id", default="bench-pool")
     parser.add_argument("--out", default="loadtest/results/warm_pool.json")
     asyncio.run(main(parser.parse_args()))
