@@ -320,3 +320,31 @@ def test_the_cli_sets_lists_and_clears_a_pool(platform):
     assert key not in platform.cli("pool", "list").stdout.decode()
     bad = platform.cli("pool", "set", "--size", "1", "--isolation", "microvm", "--layers", "x", check=False)
     assert bad.returncode == 2 and b"InvalidRequest" in bad.stderr
+
+
+async def test_a_tenants_create_takes_a_spare_as_its_own_within_its_quota(fleet, platform, process_pool, tmp_path):
+    creds = tmp_path / "wp-carol.creds"
+    platform.cli("tenant", "add", "wp-carol", "--data-dir", str(platform.data_dir), "--out", str(creds))
+    await fleet.set_quota(tenant="wp-carol", max_concurrent=1)
+    await warm(fleet, process_pool, platform.node_id, 2)
+    ready = await spares(fleet, platform.node_id)
+    async with sandfleet.connect(platform.url, creds=creds) as carol:
+        sb = await carol.create(**PROCESS, labels={"tenant": "someone-else"})
+        try:
+            assert sb.id in ready
+            record = await fleet.get(sb.id)
+            assert record.tenant == "wp-carol" and record.spec.labels["tenant"] == "wp-carol"  # the server's word
+            assert (await sb.exec(["echo", "mine"])).stdout == b"mine\n"
+            assert (await fleet.quota(tenant="wp-carol")).active == 1  # a claimed create counts
+            with pytest.raises(errors.Capacity, match="quota:"):
+                await carol.create(**PROCESS)
+            with pytest.raises((errors.Timeout, errors.NoResponders)):  # pools are the operator's
+                await carol.bus.request(pools_schema.POOL_SET, {"spec": {"host_view": True}, "size": 1},
+                                        pools_schema.PoolState, timeout=2)
+        finally:
+            await sb.destroy()
+    deadline = time.monotonic() + WAIT_S
+    while (await fleet.quota(tenant="wp-carol")).active:  # its slot comes back with its end
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.2)
+    await fleet.set_quota(tenant="wp-carol")
