@@ -1,11 +1,11 @@
 """Placement's handlers: create one or many sandboxes, look them up, list them, set quotas.
-A create that matches a warm pool first tries to claim a spare (pools.py).
 
 A create is admitted by the quotas, booked on the nodes through the shared ledger, written
 as records (`scheduled`) and only then handed to the nodes, so a sandbox that was accepted
 is never lost: if its node cannot be reached its record ends `failed`. A gang batch
 (`wait=False`) is answered as soon as every sandbox is placed and recorded; its launches go
-on per node, in parallel, and the caller follows their events.
+on per node, in parallel, and the caller follows their events. A single create of a warm
+pool's shape first tries to claim a spare a node built ahead (pools.py).
 """
 
 from __future__ import annotations
