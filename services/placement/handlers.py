@@ -104,18 +104,22 @@ Announce = Callable[[], Awaitable[bool]]  # stores a batch's first events; False
 
 
 async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = None, restored_from: str = "",
-                 announce_later: bool = False, tenant: str | None = None
+                 announce_later: bool = False, tenant: str | None = None, admitted: list[str] | None = None
                  ) -> tuple[dict[str, list[Stored]], Announce | None]:
     """Admit, book and record `count` sandboxes (on `node` only, if given): node → its `scheduled`
     records and revisions. `announce_later`: return once the records are stored, with what
     stores their `scheduled` events, to await before handing any of them to a node (a gang
     batch is answered first: its events then do not hold the answer back). Their tenant is the
-    caller's as the server vouched for it, unless given."""
+    caller's as the server vouched for it, unless given; `admitted`: the quota keys it was
+    admitted under already."""
     _check_allow(spec)
     owner = tenant if tenant is not None else (CALLER_TENANT.get() or "")
     spec = with_tenant(spec, owner)
     now = time.time()
-    quota_keys = await deps.quotas.admit(spec, count, now) if deps.quotas else []
+    if admitted is not None:  # a claim that found no spare admitted it already
+        quota_keys = admitted
+    else:
+        quota_keys = await deps.quotas.admit(spec, count, now) if deps.quotas else []
     try:
         with telemetry.phase("placement.decide", {telemetry.ISOLATION: spec.isolation, "sandfleet.count": count}):
             plan = await _book(deps, spec, count, node)
@@ -179,15 +183,16 @@ async def _unplace(deps: Deps, spec, plan, records, quota_keys, exc) -> None:  #
 async def create(deps: Deps, req: CreateRequest) -> CreateReply:
     started, outcome = time.monotonic(), "failed"
     try:
-        spec = _spec_of(req)
+        spec, admitted = _spec_of(req), None
         if deps.pools is not None:
             _check_allow(spec)
-            claimed = await deps.pools.claim_admitted(deps.nodes, deps.quotas, spec, CALLER_TENANT.get() or "", req.node)
+            claimed, admitted = await deps.pools.claim_admitted(deps.nodes, deps.quotas, spec,
+                                                                CALLER_TENANT.get() or "", req.node)
             if claimed is not None:
                 telemetry.current_attributes(telemetry.sandbox_attributes(claimed.id, claimed.node, spec))
                 outcome = "ok"
                 return claimed
-        placed, _ = await _place(deps, spec, 1, req.node)
+        placed, _ = await _place(deps, spec, 1, req.node, admitted=admitted)
         ((node_id, records),) = placed.items()
         record = records[0][0]
         telemetry.current_attributes(telemetry.sandbox_attributes(record.id, node_id, spec))

@@ -130,10 +130,14 @@ class PoolBook:
     # -- claims ---------------------------------------------------------------------------------
 
     async def claim_admitted(self, view: NodeView, quotas: Quotas | None, spec: SandboxSpec, tenant: str,
-                             node: str | None = None) -> CreateReply | None:
-        """A spare claimed for this create, admitted by the quotas as a cold create is; None:
-        create it cold (its quota slot given back first)."""
+                             node: str | None = None) -> tuple[CreateReply | None, list[str] | None]:
+        """A spare claimed for this create, admitted by the quotas as a cold create is. Else None
+        and, if the create was admitted here, its quota keys: the cold create that follows takes
+        them over instead of being admitted twice (a rate quota's token is not given back)."""
         spec = with_tenant(spec, tenant)
+        if not pools_schema.poolable(spec) or not warm_order(view, self.taken, pools_schema.pool_key(spec),
+                                                             spec.isolation, time.time(), node):
+            return None, None  # no node has one: no quota work, nothing sent
         quota_keys = await quotas.admit(spec, 1, time.time()) if quotas else []
         try:
             claimed = await self.claim(view, spec, tenant, node)
@@ -142,14 +146,12 @@ class PoolBook:
                 await quotas.give_back(quota_keys, 1)
             raise
         if claimed is None:
-            if quotas and quota_keys:
-                await quotas.give_back(quota_keys, 1)
-            return None
+            return None, quota_keys
         if quotas and quota_keys:
             # Only now is its id known (the node's spare's): a sandbox that ends before this write,
             # within moments of its start, keeps its quota slot (the ended-event consumer found no member).
             await quotas.remember([claimed[0]], quota_keys)
-        return CreateReply(id=claimed[0], node=claimed[1])
+        return CreateReply(id=claimed[0], node=claimed[1]), None
 
     async def claim(self, view: NodeView, spec: SandboxSpec, tenant: str, node: str | None = None
                     ) -> tuple[str, str] | None:
