@@ -29,6 +29,7 @@ import secrets
 import time
 from collections.abc import Callable
 
+import msgspec
 import nats.errors
 import nats.js.errors
 
@@ -176,8 +177,11 @@ class WarmPools:
                 self.pools = {}  # no pool was ever set
             except (nats.errors.Error, nats.js.errors.Error, errors.SandfleetError) as exc:
                 log.warning("cannot read the warm pools (%s); keeping what was read last", exc)
-            self._trim()
-            self._fill()
+            try:
+                self._trim()
+                self._fill()
+            except Exception:  # the pools must outlive a bad moment; the next period tries again
+                log.exception("keeping the warm pools failed")
             await asyncio.sleep(self.period_s)
 
     def _pressured(self) -> bool:
@@ -186,7 +190,7 @@ class WarmPools:
 
     def _trim(self) -> None:
         """Give back the spares of pools that went or shrank, and every spare under memory pressure."""
-        pressured = self._pressured()
+        pressured, dropped = self._pressured(), 0
         for key, spares in self.spares.items():
             keep = 0 if pressured or key not in self.pools else self.pools[key].size
             while len(spares) > keep:
@@ -194,8 +198,9 @@ class WarmPools:
                 live.unwatch()
                 self.changed.set()
                 self._spawn(self._give_back(live))
-        if pressured and any(self.spares.values()):
-            log.warning("memory pressure: destroyed the warm spares")
+                dropped += 1
+        if pressured and dropped:
+            log.warning("memory pressure: destroyed %d warm spare(s); none is built until it eases", dropped)
 
     def _fill(self) -> None:
         """Start builds toward each pool's size, behind real launches, within capacity and budget."""
@@ -267,10 +272,13 @@ async def _read_pools(kv) -> dict[str, Pool]:  # type: ignore[no-untyped-def]
             entry = await kv.get(key)
         except nats.js.errors.KeyNotFoundError:
             continue
-        if entry.value:
-            pool = decode(entry.value, Pool)
-            if pool.size > 0:
-                found[key] = pool
+        try:
+            pool = decode(entry.value, Pool) if entry.value else None
+        except msgspec.MsgspecError as exc:  # not placement's writing: never a reason to stop
+            log.warning("pool %s is unreadable (%s); ignored", key, exc)
+            continue
+        if pool is not None and pool.size > 0:
+            found[key] = pool
     return found
 
 
