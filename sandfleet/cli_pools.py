@@ -5,12 +5,12 @@ layers); each node that runs its isolation keeps SIZE spares of it ready for cre
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 
 import msgspec
 
 from sandfleet import client
+from sandfleet.cli_rollout import _sync  # one fleet connection around a command, as rollout's verbs
 from schemas.pools import PoolState
 
 
@@ -30,29 +30,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     verbs = pool.add_subparsers(dest="pool_command", required=True)
     st = verbs.add_parser("set", parents=[bus, shape], help="keep SIZE spares of this shape on each node (0 removes)")
     st.add_argument("--size", type=int, required=True)
-    st.set_defaults(func=_run(_set))
+    st.set_defaults(func=_sync(_set))
     ls = verbs.add_parser("list", parents=[bus], help="the pools and the spares each node has ready")
     ls.add_argument("--json", action="store_true")
-    ls.set_defaults(func=_run(_list))
+    ls.set_defaults(func=_sync(_list))
     cl = verbs.add_parser("clear", parents=[bus, shape], help="remove the pool of this shape, or --all")
     cl.add_argument("--all", action="store_true", help="every pool")
-    cl.set_defaults(func=_run(_clear))
+    cl.set_defaults(func=_sync(_clear))
 
 
 def _shape(args: argparse.Namespace) -> dict:
     return dict(isolation=args.isolation, cpu=args.cpu, memory_mb=args.memory_mb, pids=args.pids,
                 disk_mb=args.disk_mb, layers=[x for x in args.layers.split(",") if x], host_view=args.host_view)
-
-
-def _run(command):  # type: ignore[no-untyped-def]
-    def run(args: argparse.Namespace) -> int:
-        async def go() -> int:
-            async with client.connect(args.nats, name="sandfleet-cli") as fleet:
-                return await command(fleet, args)
-
-        return asyncio.run(go())
-
-    return run
 
 
 def describe(state: PoolState) -> str:
