@@ -34,8 +34,8 @@ import nkeys
 from sandfleet import jetstream
 from sandfleet.credentials import (TENANT_ACCOUNT_PREFIX, USER_INFO, CredentialsError, api_key_digest,
                                    check_tenant_name, creds_text, inbox_prefix, read_seed, write_private)
-from schemas import (desktop, events, files, health, layers, node, ports, process, pty, reclaim, sandbox, security,
-                     violations)
+from schemas import (desktop, events, files, health, layers, node, pools, ports, process, pty, reclaim, sandbox,
+                     security, violations)
 
 ACCOUNTS_CONF = "accounts.conf"  # in the data dir, beside the servers' configs, which include it
 PLATFORM = "PLATFORM"
@@ -125,8 +125,10 @@ def service_permissions(name: str) -> Permissions:
     base = _common().add(_state())
     if name == "placement":
         return base.add(Permissions(
-            [node.subject("*", node.LAUNCH), node.subject("*", node.DESTROY)], [sandbox.ALL]
-        )).add(kv(node.KV_BUCKET)).add(kv(node.BOOKINGS_BUCKET, write=True)).add(kv(sandbox.QUOTA_BUCKET, write=True))
+            [node.subject("*", node.LAUNCH), node.subject("*", node.DESTROY), node.subject("*", pools.CLAIM)],
+            [sandbox.ALL]
+        )).add(kv(node.KV_BUCKET)).add(kv(node.BOOKINGS_BUCKET, write=True)).add(kv(sandbox.QUOTA_BUCKET, write=True)).add(
+            kv(pools.KV_BUCKET, write=True))
     if name == "security-monitor":
         return base.add(Permissions(
             [node.subject("*", node.DESTROY), node.subject("*", node.QUARANTINE), security.ALL_ACTIONS,
@@ -154,7 +156,7 @@ def node_permissions(node_id: str) -> Permissions:
          reclaim.node_filter(node_id), layers.ALL],
         [own, layers.ALL],
     )).add(kv(node.KV_BUCKET, write=True, keys=node_id)).add(kv(node.BOOKINGS_BUCKET)).add(
-        kv(layers.KV_BUCKET, write=True)).add(kv(layers.DIFF_BUCKET, write=True)).add(
+        kv(layers.KV_BUCKET, write=True)).add(kv(layers.DIFF_BUCKET, write=True)).add(kv(pools.KV_BUCKET)).add(
         objects(layers.OBJECT_BUCKET, write=True)).add(objects(layers.UPLOAD_BUCKET, write=True))
 
 

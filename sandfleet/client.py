@@ -4,8 +4,8 @@ Creation goes to placement (`sandbox.v1.*`); everything done to a sandbox afterw
 straight to the node that holds it (`node.v1.<node>.*`), the node named in the create reply.
 This module owns the connection, creation (one sandbox or a gang batch) and reads; the rest
 lives in private modules re-exported here: the `Sandbox` handle (`_sandbox`), whole-rollout
-pause/resume and restore (`_rollout`), violations and policies (`_security`), and the
-caller-side request checks (`_requests`).
+pause/resume and restore (`_rollout`), violations and policies (`_security`), warm pools
+(`_pools`), and the caller-side request checks (`_requests`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import SpanKind
 
 from sandfleet import errors, telemetry
+from sandfleet._pools import _FleetPools
 from sandfleet._requests import _spec
 from sandfleet._rollout import RolloutChange, _FleetRollout
 from sandfleet._sandbox import ExecResult, Sandbox
@@ -53,7 +54,7 @@ class BatchProgress:
         return self.running + self.failed >= self.placed
 
 
-class Fleet(_FleetRollout, _FleetSecurity):
+class Fleet(_FleetRollout, _FleetSecurity, _FleetPools):
     """A connection to the platform; `Sandbox`, rollout and security calls hang off it."""
 
     def __init__(self, bus: Bus) -> None:

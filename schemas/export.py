@@ -11,7 +11,7 @@ import msgspec
 from schemas import errors, events, files, health, layers, node, reclaim, sandbox, security, violations
 from schemas import desktop, ports
 from schemas import process as proc
-from schemas import pty
+from schemas import pools, pty
 
 MESSAGES: dict[str, object] = {
     "sandbox.CreateRequest": sandbox.CreateRequest,
@@ -25,6 +25,13 @@ MESSAGES: dict[str, object] = {
     "sandbox.ListRequest": sandbox.ListRequest,
     "sandbox.SandboxRecord": sandbox.SandboxRecord,
     "sandbox.SandboxList": sandbox.SandboxList,
+    "pools.Pool": pools.Pool,
+    "pools.PoolList": pools.PoolList,
+    "pools.PoolListRequest": pools.PoolListRequest,
+    "pools.PoolClearRequest": pools.PoolClearRequest,
+    "pools.PoolClearReply": pools.PoolClearReply,
+    "pools.ClaimRequest": pools.ClaimRequest,
+    "pools.ClaimReply": pools.ClaimReply,
     "events.SandboxEvent": events.AnySandboxEvent,
     "node.NodeInfo": node.NodeInfo,
     "node.NodeBooking": node.NodeBooking,

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from sandfleet import errors
 from sandfleet.bus import META, Bus, decode
 from sandfleet.credentials import connect_options
-from schemas import desktop, files, health, layers, node, ports, pty, reclaim, sandbox, security
+from schemas import desktop, files, health, layers, node, pools, ports, pty, reclaim, sandbox, security
 from schemas import process as proc_schema
 from schemas.errors import ErrorBody, ErrorCode
 
@@ -61,6 +61,9 @@ SUBJECTS = [
     Subject("placement", sandbox.LIST, sandbox.ListRequest, {}, on_node=False),
     Subject("placement", sandbox.QUOTA_SET, sandbox.Quota, {"name": "fuzz-none"}, on_node=False),
     Subject("placement", sandbox.QUOTA_GET, sandbox.QuotaGetRequest, {"name": "fuzz-none"}, on_node=False),
+    Subject("placement", pools.POOL_SET, pools.Pool, {"spec": {}, "size": 0}, on_node=False),
+    Subject("placement", pools.POOL_LIST, pools.PoolListRequest, {}, on_node=False),
+    Subject("placement", pools.POOL_CLEAR, pools.PoolClearRequest, {"spec": {"memory_mb": 17}}, on_node=False),
     # security monitor
     Subject("security-monitor", security.POLICY_SET, security.Policy, {"task": "fuzz-none"}, on_node=False),
     Subject("security-monitor", security.POLICY_GET, security.PolicyGetRequest, {"task": "fuzz-none"}, on_node=False),
@@ -82,6 +85,7 @@ SUBJECTS = [
     Subject("layer-cache", layers.CACHE_DROP, layers.CacheDropRequest, {}),
     # launcher
     Subject("launcher", node.LAUNCH, node.LaunchRequest, {}),
+    Subject("launcher", pools.CLAIM, pools.ClaimRequest, {"spec": {"memory_mb": 17}}),
     Subject("launcher", node.EXEC, node.ExecRequest, NOWHERE | {"argv": ["true"]}),
     Subject("launcher", node.WRITE_FILE, node.WriteFileRequest, NOWHERE | {"path": "/x", "data": ""}),
     Subject("launcher", node.READ_FILE, node.ReadFileRequest, NOWHERE | {"path": "/x"}),
@@ -139,7 +143,8 @@ SUBJECTS = [
 # A probe that would act (create, build, confine, launch, drop the cache, transfer) is replaced
 # by one to the same service that only reads.
 READ_ONLY = {s.service: s for s in SUBJECTS if s.verb in (sandbox.LIST, layers.LIST, node.EXEC, node.AGENT_LIST)}
-ACTING = {sandbox.CREATE_MANY, layers.BUILD, layers.PUSH, layers.PULL, layers.CACHE_DROP, node.LAUNCH, node.CONFINE}
+ACTING = {sandbox.CREATE_MANY, layers.BUILD, layers.PUSH, layers.PULL, layers.CACHE_DROP, node.LAUNCH, node.CONFINE,
+          pools.POOL_SET, pools.CLAIM}
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
@@ -291,6 +296,7 @@ def test_every_subject_the_launcher_serves_is_fuzzed():
     from services.launcher.__main__ import endpoints
 
     launcher = SimpleNamespace(node_id="fuzz-node")
-    served = {ep.subject for ep in endpoints(launcher, None, SimpleNamespace(launcher=launcher))}  # type: ignore[arg-type]
+    served = {ep.subject for ep in endpoints(launcher, None, SimpleNamespace(launcher=launcher),  # type: ignore[arg-type]
+                                             SimpleNamespace(claim=None))}
     fuzzed = {s.address("fuzz-node") for s in SUBJECTS if s.service == "launcher"}
     assert served == fuzzed, f"served, not fuzzed: {sorted(served - fuzzed)}; fuzzed, not served: {sorted(fuzzed - served)}"

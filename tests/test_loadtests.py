@@ -36,6 +36,7 @@ RUNS = {
     "density": ("loadtest.density", f"{NODE_ID}-dense", ("--max", "8", "--batch", "4")),
     "pause-1": ("loadtest.pause_latency", f"{NODE_ID}-pause", ("--rounds", "1", "--workspace-mb", "4", "--nodes", "1")),
     "pause-2": ("loadtest.pause_latency", f"{NODE_ID}-pmove", ("--rounds", "1", "--workspace-mb", "4", "--nodes", "2")),
+    "warm": ("loadtest.warm_pool", f"{NODE_ID}-warm", ("--rounds", "1", "--per-round", "2")),
 }
 
 
@@ -45,7 +46,8 @@ def _run_of(item: pytest.Item) -> str | None:
     if name == "test_pause_latency_times_every_step_and_restores_the_workspace_intact":
         return f"pause-{item.callspec.params['nodes']}"
     return {"test_container_rate_runs_both_sides_and_writes_its_json": "rate",
-            "test_density_steps_up_to_max_and_destroys_everything": "density"}.get(name)
+            "test_density_steps_up_to_max_and_destroys_everything": "density",
+            "test_warm_pool_times_both_sides_at_both_levels": "warm"}.get(name)
 
 
 @dataclass
@@ -131,6 +133,18 @@ def test_container_rate_runs_both_sides_and_writes_its_json(runs):
     assert results["ratio_platform_over_plain_crun"] == pytest.approx(
         results["platform"]["cycles_per_s"] / results["plain_crun"]["cycles_per_s"], abs=0.01)
     assert node_left(node, results["data_dir"]) == [] and node_left(f"{node}-plain", results["data_dir"]) == []
+
+
+def test_warm_pool_times_both_sides_at_both_levels(runs):
+    node = RUNS["warm"][1]
+    doc = runs.result("warm")
+    assert doc["benchmark"] == "warm_pool" and doc["params"]["per_round"] == 2
+    results = doc["results"]
+    for isolation in ("process", "container"):
+        r = results[isolation]
+        assert r["n"] == 2 and r["claimed"] == 2  # every warm create took a spare
+        assert 0 < r["warm"]["p50"] <= r["warm"]["p99"] and 0 < r["cold"]["p50"] <= r["cold"]["p99"]
+    assert node_left(node, results["data_dir"]) == []
 
 
 def test_density_steps_up_to_max_and_destroys_everything(runs):

@@ -14,12 +14,13 @@ from sandfleet.config import ServiceConfig
 from sandfleet.store import SandboxStore
 from schemas import health as health_schema
 from schemas import node as node_schema
+from schemas import pools as pools_schema
 from schemas import process as proc_schema
 from schemas.node import MAX_FILE_BYTES
 from schemas.sandbox import Reason
 from services.launcher import (fencing, files, handlers, health, heartbeat, pausing, processes, ptys, recovery, tenancy,
                                tunnels)
-from services.launcher import desktop
+from services.launcher import desktop, pool
 from services.launcher.clients import LayerCache, NodeAgent
 from services.launcher.drivers import Drivers
 from services.launcher.keys import LOGGER
@@ -32,10 +33,12 @@ PR_SET_CHILD_SUBREAPER = 36
 LARGE = MAX_FILE_BYTES * 2  # base64 in JSON grows bytes by a third
 
 
-def endpoints(launcher: Launcher, procs: processes.ProcessTable, forwarding: tunnels.Tunnels) -> list[Endpoint]:
+def endpoints(launcher: Launcher, procs: processes.ProcessTable, forwarding: tunnels.Tunnels,
+              pools: pool.WarmPools) -> list[Endpoint]:
     n, h, s = launcher.node_id, functools.partial, node_schema
     return [
         Endpoint("launch", s.subject(n, s.LAUNCH), s.LaunchRequest, h(handlers.launch, launcher), max_bytes=8 << 20),
+        Endpoint("claim", s.subject(n, pools_schema.CLAIM), pools_schema.ClaimRequest, pools.claim),
         Endpoint("exec", s.subject(n, s.EXEC), s.ExecRequest, h(handlers.exec_, launcher), max_bytes=LARGE),
         Endpoint("write_file", s.subject(n, s.WRITE_FILE), s.WriteFileRequest, h(handlers.write_file, launcher),
                  max_bytes=LARGE),
@@ -93,15 +96,18 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
                                 agent=NodeAgent(bus, config.node_id), layers=LayerCache(bus, config.node_id),
                                 settings=settings, default_layers=config.default_layers)
             interrupted = await recovery.recover(launcher)
+            await pool.give_back_orphans(launcher)  # before any spare of this instance exists
             metrics.RUNNING.set_function(lambda: len(launcher.live))
             metrics.CAPACITY.set_function(lambda: config.capacity)
             metrics.LAUNCH_QUEUE.set_function(lambda: len(launcher.launching) - launcher.building)
             procs = processes.ProcessTable(launcher)
             forwarding = tunnels.Tunnels(bus, launcher)
             await forwarding.listen()
-            served = tenancy.guarded(endpoints(launcher, procs, forwarding), tenancy.Owners(launcher.store))
+            pools = pool.WarmPools(launcher, bus, config.capacity)
+            served = tenancy.guarded(endpoints(launcher, procs, forwarding, pools), tenancy.Owners(launcher.store))
             await bus.serve("launcher", served, queue_group=f"launcher-{config.node_id}")
-            tasks = [asyncio.create_task(heartbeat.heartbeat(bus, launcher, config, criu_status)),
+            tasks = [asyncio.create_task(heartbeat.heartbeat(bus, launcher, config, criu_status, pools)),
+                     asyncio.create_task(pools.run()),
                      asyncio.create_task(launcher.expire_loop()),
                      asyncio.create_task(fencing.fence_loop(launcher, settings.fence_s)),
                      asyncio.create_task(procs.sweep_loop())]
@@ -112,6 +118,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
             await stop.wait()
             for task in reversed(tasks):
                 task.cancel()
+            await pools.close()
             await launcher.destroy_all(Reason.NODE_SHUTDOWN)
             await relaunching
             procs.close()

@@ -153,10 +153,17 @@ class NodeAgent:
         self.bus = bus
         self._confine = node_schema.subject(node_id, node_schema.CONFINE)
         self._release = node_schema.subject(node_id, node_schema.RELEASE)
-        listing = node_schema.subject(node_id, node_schema.AGENT_LIST)  # its cheapest answer: the held ids
+        self._listing = listing = node_schema.subject(node_id, node_schema.AGENT_LIST)  # its cheapest answer
         self._service = RestartingService(
             f"the node agent of {node_id}",
             probe=lambda: self.bus.request(listing, Empty(), ConfinedList, timeout=PROBE_EVERY_S * 2))
+
+    async def held(self) -> set[str]:
+        """The sandbox ids the agent holds a confinement for."""
+        reply = await self._service.call(
+            lambda: self.bus.request(self._listing, Empty(), ConfinedList, timeout=AGENT_TIMEOUT_S),
+            AGENT_TIMEOUT_S + RESTART_WAIT_S)
+        return set(reply.sandbox_ids)
 
     async def confine(self, sandbox_id: str, spec: SandboxSpec) -> Confinement:
         """The sandbox's confinement, made (or, for one that has it already, found again)."""

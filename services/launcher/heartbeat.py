@@ -21,8 +21,11 @@ from linuxnode import procfs
 from services.launcher.clients import HEARTBEAT_LISTING_TIMEOUT_S
 from services.launcher.keys import LOGGER
 from services.launcher.lifecycle import Launcher
+from services.launcher.pool import WarmPools
 
 log = logging.getLogger(LOGGER)
+
+WARM_BEAT_S = 0.2  # the soonest a change of the warm spares is beaten after the last beat
 
 
 async def cached_layers(launcher: Launcher) -> list[str]:
@@ -33,14 +36,16 @@ async def cached_layers(launcher: Launcher) -> list[str]:
     return sorted({ref for image in listing.images for ref in (image.digest, *image.names)})
 
 
-def node_info(launcher: Launcher, config: ServiceConfig, memory_mb: int, layers: list[str], criu: str) -> NodeInfo:
+def node_info(launcher: Launcher, config: ServiceConfig, memory_mb: int, layers: list[str], criu: str,
+              pools: WarmPools | None = None) -> NodeInfo:
     intake = launcher.intake
-    specs = [live.spec for live in launcher.live.values()] + list(intake.starting.values())
+    spares = pools.held() if pools is not None else []  # room they take, like running sandboxes
+    specs = [live.spec for live in launcher.live.values()] + list(intake.starting.values()) + spares
     return NodeInfo(
         id=config.node_id,
         isolation=launcher.isolation,
         capacity=config.capacity,
-        running=len(launcher.live),
+        running=len(launcher.live) + len(spares),
         cpus=os.cpu_count() or 1,
         memory_mb=memory_mb,
         at=time.time(),
@@ -55,19 +60,32 @@ def node_info(launcher: Launcher, config: ServiceConfig, memory_mb: int, layers:
         accepted_memory_mb=intake.accepted_memory_mb,
         criu=criu,
         microvm=launcher.drivers.microvm,
+        warm=pools.warm() if pools is not None else {},
     )
 
 
-async def heartbeat(bus: Bus, launcher: Launcher, config: ServiceConfig, criu: str = "") -> None:
+async def heartbeat(bus: Bus, launcher: Launcher, config: ServiceConfig, criu: str = "",
+                    pools: WarmPools | None = None) -> None:
     kv = await bus.js.key_value(node_schema.KV_BUCKET)
     memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
     while True:
-        info = node_info(launcher, config, memory_mb, await cached_layers(launcher), criu)
+        if pools is not None:
+            pools.changed.clear()  # before the snapshot: a change after it beats again
+        info = node_info(launcher, config, memory_mb, await cached_layers(launcher), criu, pools)
         try:
             await kv.put(config.node_id, encode(info))
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             log.warning("heartbeat failed: %s", exc)
-        await asyncio.sleep(node_schema.HEARTBEAT_S)
+        if pools is None:
+            await asyncio.sleep(node_schema.HEARTBEAT_S)
+            continue
+        # A claim or a new spare changes what placement should know: beat again soon, not in 2 s
+        # (a burst of claims makes one beat, not one each).
+        try:
+            await asyncio.wait_for(pools.changed.wait(), node_schema.HEARTBEAT_S)
+            await asyncio.sleep(WARM_BEAT_S)
+        except asyncio.TimeoutError:
+            pass
 
 
 async def withdraw(bus: Bus, node_id: str) -> None:

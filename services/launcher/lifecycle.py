@@ -123,35 +123,50 @@ class Launcher:
         await records.ended(self.store, item.id, State.FAILED, reason, detail)
         return LaunchResult(id=item.id, ok=False, error=error, code=code)
 
-    async def _start(self, item: LaunchItem, marks: StartingMarks) -> LaunchResult:
-        spec = item.spec
-        rootfs: Rootfs | None = None
+    async def build(self, sandbox_id: str, spec: SandboxSpec) -> Live:
+        """Confine, compose and start one sandbox, nothing recorded and not yet live: a launch's,
+        or a warm pool's spare (pool.py). A failure gives back whatever of it was made."""
         try:
             driver = self.drivers.driver(spec.isolation)
             # Both or neither: a failure of one must not leave the other half made.
             confined, composed = await asyncio.gather(
-                self.agent.confine(item.id, spec), self._compose(item.id, spec), return_exceptions=True
+                self.agent.confine(sandbox_id, spec), self._compose(sandbox_id, spec), return_exceptions=True
             )
             for result in (confined, composed):
                 if isinstance(result, BaseException):
                     raise result
             confinement: Confinement = confined  # type: ignore[assignment]
-            rootfs = composed  # type: ignore[assignment]
-            with telemetry.phase("launcher.spawn", telemetry.sandbox_attributes(item.id, self.node_id)):
-                instance = await driver.start(item.id, spec, confinement, rootfs)
-        except Exception as exc:  # whatever failed, nothing of the sandbox may stay behind
+            rootfs: Rootfs | None = composed  # type: ignore[assignment]
+            with telemetry.phase("launcher.spawn", telemetry.sandbox_attributes(sandbox_id, self.node_id)):
+                instance = await driver.start(sandbox_id, spec, confinement, rootfs)
+        except Exception:  # whatever failed, nothing of the sandbox may stay behind
+            await self._release(sandbox_id, spec)
+            raise
+        return Live(id=sandbox_id, spec=spec, driver=driver, instance=instance, deadline=time.time() + spec.timeout_s,
+                    rootfs=rootfs)
+
+    async def discard(self, live: Live) -> None:
+        """Stop and give back a sandbox that was built and never made live (a pool's spare)."""
+        live.unwatch()
+        await live.driver.stop(live.id, live.instance.anchor)
+        await self._release(live.id, live.spec)
+
+    async def _start(self, item: LaunchItem, marks: StartingMarks) -> LaunchResult:
+        spec = item.spec
+        try:
+            live = await self.build(item.id, spec)
+        except Exception as exc:
             detail = str(exc) or type(exc).__name__
             if isinstance(exc, _EXPECTED):
                 log.warning("launch of %s failed: %s", item.id, detail, extra=about(item.id))
             else:
                 log.exception("launch of %s failed", item.id, extra=about(item.id))
-            await self._release(item.id, spec)
             await marks.settle(item.id)
             await records.ended(self.store, item.id, State.FAILED, Reason.LAUNCH_FAILED, detail)
             return LaunchResult(id=item.id, ok=False, error=detail, code=_failure_code(exc))
         now = time.time()
-        live = Live(id=item.id, spec=spec, driver=driver, instance=instance, deadline=now + spec.timeout_s,
-                    rootfs=rootfs)
+        live.deadline = now + spec.timeout_s
+        instance = live.instance
         self.adopt(live)
         try:
             refused = await marks.settle(item.id)

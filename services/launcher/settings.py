@@ -36,6 +36,10 @@ class LauncherSettings:
     watches_per_sandbox: int = 16  # SANDFLEET_WATCHES_PER_SANDBOX
     watch_buffer: int = 4096  # SANDFLEET_WATCH_BUFFER
     watch_max_dirs: int = 1024  # SANDFLEET_WATCH_MAX_DIRS
+    # Warm pools (pool.py): spares built at once (the refill's CPU budget), and the node's memory
+    # PSI (`some avg10`, percent) at which every spare is destroyed and none is built; 0: never.
+    pool_builds: int = 1  # SANDFLEET_POOL_BUILDS
+    pool_memory_psi: float = 10.0  # SANDFLEET_POOL_MEMORY_PSI
 
     @classmethod
     def from_env(cls) -> LauncherSettings:
@@ -58,4 +62,6 @@ class LauncherSettings:
             watches_per_sandbox=int(env.get("SANDFLEET_WATCHES_PER_SANDBOX") or cls.watches_per_sandbox),
             watch_buffer=int(env.get("SANDFLEET_WATCH_BUFFER") or cls.watch_buffer),
             watch_max_dirs=int(env.get("SANDFLEET_WATCH_MAX_DIRS") or cls.watch_max_dirs),
+            pool_builds=int(env.get("SANDFLEET_POOL_BUILDS") or cls.pool_builds),
+            pool_memory_psi=float(env.get("SANDFLEET_POOL_MEMORY_PSI") or cls.pool_memory_psi),
         )

@@ -16,9 +16,10 @@ from sandfleet.config import ServiceConfig
 from sandfleet.store import SandboxStore
 from sandfleet.telemetry import NODE_ID
 from schemas import node as node_schema
-from schemas import sandbox
+from schemas import pools, sandbox
 from services.placement import handlers
 from services.placement.ledger import Ledger
+from services.placement.pools import PoolBook
 from services.placement.policy import Limits, NodeView
 from services.placement.quotas import Quotas
 
@@ -72,8 +73,9 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
     async with runner.service_bus("placement", config) as bus:
         view = NodeView(limits=Limits.from_env())
         deps = handlers.Deps(bus=bus, store=await SandboxStore.open(bus), nodes=view,
-                             ledger=await Ledger.open(bus, view), quotas=await Quotas.open(bus))
-        assert deps.ledger is not None and deps.quotas is not None
+                             ledger=await Ledger.open(bus, view), quotas=await Quotas.open(bus),
+                             pools=await PoolBook.open(bus))
+        assert deps.ledger is not None and deps.quotas is not None and deps.pools is not None
         tasks = [asyncio.create_task(c) for c in (
             watch_nodes(bus, view), deps.ledger.watch(), deps.quotas.watch_limits(), deps.quotas.release_ended(),
             sweep_stuck(deps), sweep_lost(deps),
@@ -88,6 +90,9 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
                 Endpoint("list", sandbox.LIST, sandbox.ListRequest, h(handlers.list_sandboxes, deps)),
                 Endpoint("quota_set", sandbox.QUOTA_SET, sandbox.Quota, h(handlers.set_quota, deps)),
                 Endpoint("quota_get", sandbox.QUOTA_GET, sandbox.QuotaGetRequest, h(handlers.get_quota, deps)),
+                Endpoint("pool_set", pools.POOL_SET, pools.Pool, h(deps.pools.set, view=view)),
+                Endpoint("pool_list", pools.POOL_LIST, pools.PoolListRequest, h(deps.pools.list, view=view)),
+                Endpoint("pool_clear", pools.POOL_CLEAR, pools.PoolClearRequest, deps.pools.clear),
             ],
             queue_group=sandbox.QUEUE_GROUP,
         )

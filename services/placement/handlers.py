@@ -4,7 +4,8 @@ A create is admitted by the quotas, booked on the nodes through the shared ledge
 as records (`scheduled`) and only then handed to the nodes, so a sandbox that was accepted
 is never lost: if its node cannot be reached its record ends `failed`. A gang batch
 (`wait=False`) is answered as soon as every sandbox is placed and recorded; its launches go
-on per node, in parallel, and the caller follows their events.
+on per node, in parallel, and the caller follows their events. A single create of a warm
+pool's shape first tries to claim a spare a node built ahead (pools.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from schemas.sandbox import (
 )
 from services.placement.ledger import Ledger
 from services.placement.policy import NoCapacity, NodeView, NoEligibleNode, UnknownNode
+from services.placement.pools import PoolBook, with_tenant
 from services.placement.quotas import Quotas
 
 log = logging.getLogger("sandfleet.placement")
@@ -61,6 +63,7 @@ class Deps:
     nodes: NodeView
     ledger: Ledger | None = None  # None: book in this replica's view only (tests of one replica)
     quotas: Quotas | None = None
+    pools: PoolBook | None = None  # None: no warm pools (every create is cold)
     launches: set[asyncio.Task] = field(default_factory=set)  # gang-batch launches still going
 
 
@@ -101,19 +104,22 @@ Announce = Callable[[], Awaitable[bool]]  # stores a batch's first events; False
 
 
 async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = None, restored_from: str = "",
-                 announce_later: bool = False, tenant: str | None = None
+                 announce_later: bool = False, tenant: str | None = None, admitted: list[str] | None = None
                  ) -> tuple[dict[str, list[Stored]], Announce | None]:
     """Admit, book and record `count` sandboxes (on `node` only, if given): node → its `scheduled`
     records and revisions. `announce_later`: return once the records are stored, with what
     stores their `scheduled` events, to await before handing any of them to a node (a gang
     batch is answered first: its events then do not hold the answer back). Their tenant is the
-    caller's as the server vouched for it, unless given."""
+    caller's as the server vouched for it, unless given; `admitted`: the quota keys it was
+    admitted under already."""
     _check_allow(spec)
     owner = tenant if tenant is not None else (CALLER_TENANT.get() or "")
-    if owner and spec.labels.get("tenant") != owner:  # a tenant's quota counts what the server vouched for
-        spec = msgspec.structs.replace(spec, labels={**spec.labels, "tenant": owner})
+    spec = with_tenant(spec, owner)
     now = time.time()
-    quota_keys = await deps.quotas.admit(spec, count, now) if deps.quotas else []
+    if admitted is not None:  # a claim that found no spare admitted it already
+        quota_keys = admitted
+    else:
+        quota_keys = await deps.quotas.admit(spec, count, now) if deps.quotas else []
     try:
         with telemetry.phase("placement.decide", {telemetry.ISOLATION: spec.isolation, "sandfleet.count": count}):
             plan = await _book(deps, spec, count, node)
@@ -177,8 +183,16 @@ async def _unplace(deps: Deps, spec, plan, records, quota_keys, exc) -> None:  #
 async def create(deps: Deps, req: CreateRequest) -> CreateReply:
     started, outcome = time.monotonic(), "failed"
     try:
-        spec = _spec_of(req)
-        placed, _ = await _place(deps, spec, 1, req.node)
+        spec, admitted = _spec_of(req), None
+        if deps.pools is not None:
+            _check_allow(spec)
+            claimed, admitted = await deps.pools.claim_admitted(deps.nodes, deps.quotas, spec,
+                                                                CALLER_TENANT.get() or "", req.node)
+            if claimed is not None:
+                telemetry.current_attributes(telemetry.sandbox_attributes(claimed.id, claimed.node, spec))
+                outcome = "ok"
+                return claimed
+        placed, _ = await _place(deps, spec, 1, req.node, admitted=admitted)
         ((node_id, records),) = placed.items()
         record = records[0][0]
         telemetry.current_attributes(telemetry.sandbox_attributes(record.id, node_id, spec))
