@@ -121,7 +121,7 @@ class SimulatedNode:
             self.starting[item.id] = item.spec
         ids = [i.id for i in req.sandboxes]
         # The records and revisions placement sent with the launch: written on without a read.
-        known = {i.id: (i.record, i.revision) for i in req.sandboxes if i.record is not None and i.revision}
+        known = {i.id: (i.record, i.revision) for i in req.sandboxes if i.record is not None}
         results: dict[str, LaunchResult] = {}
 
         def refused(outcomes: Iterable[tuple[str, object]]) -> None:

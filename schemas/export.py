@@ -25,6 +25,7 @@ MESSAGES: dict[str, object] = {
     "sandbox.ListRequest": sandbox.ListRequest,
     "sandbox.SandboxRecord": sandbox.SandboxRecord,
     "sandbox.SandboxList": sandbox.SandboxList,
+    "sandbox.SandboxBatch": sandbox.SandboxBatch,
     "events.SandboxEvent": events.AnySandboxEvent,
     "node.NodeInfo": node.NodeInfo,
     "node.NodeBooking": node.NodeBooking,

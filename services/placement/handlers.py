@@ -28,6 +28,7 @@ from sandfleet.telemetry import NODE_ID, SANDBOX_ID
 from schemas import node as node_schema
 from schemas.errors import ErrorCode
 from schemas.sandbox import (
+    BATCH_TOKEN_HEX,
     ENDED,
     CreateManyReply,
     CreateManyRequest,
@@ -40,6 +41,7 @@ from schemas.sandbox import (
     QuotaGetRequest,
     QuotaState,
     Reason,
+    SandboxBatch,
     SandboxList,
     SandboxRecord,
     SandboxSpec,
@@ -65,7 +67,12 @@ class Deps:
 
 
 def new_id() -> str:
+    """An id of the one-record layout (tests store such records); placement's come from batches."""
     return "sb-" + secrets.token_hex(6)
+
+
+def new_token() -> str:
+    return secrets.token_hex(BATCH_TOKEN_HEX // 2)
 
 
 async def _book(deps: Deps, spec: SandboxSpec, count: int, node: str | None = None) -> dict[str, int]:
@@ -121,26 +128,26 @@ async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = N
         if deps.quotas:
             await deps.quotas.give_back(quota_keys, count)
         raise
-    placed = {
-        node_id: [
-            SandboxRecord(id=new_id(), node=node_id, spec=spec, state=State.SCHEDULED, created_at=now, updated_at=now,
-                          restored_from=restored_from, tenant=owner)
-            for _ in range(k)
-        ]
-        for node_id, k in plan.items()
-    }
+    # One batch record per launch (a node's share, LAUNCH_CHUNK at a time): one stored message
+    # where there was one per sandbox; each sandbox's own record is written by its first change.
+    batches = [SandboxBatch(token=new_token(), node=node_id, spec=spec, count=min(LAUNCH_CHUNK, k - start),
+                            created_at=now, restored_from=restored_from, tenant=owner)
+               for node_id, k in plan.items() for start in range(0, k, LAUNCH_CHUNK)]
+    placed: dict[str, list[SandboxRecord]] = {}
+    for batch in batches:
+        placed.setdefault(batch.node, []).extend(batch.records())
     records = [r for rs in placed.values() for r in rs]
     try:
         if deps.quotas and quota_keys:
             await deps.quotas.remember([r.id for r in records], quota_keys)
         if announce_later:
-            stored, store_events = await deps.store.record_many(records)
+            written, store_events = await deps.store.record_batches(batches)
         else:
-            stored, store_events = await deps.store.create_many(records), None
+            written, store_events = await deps.store.create_batches(batches), None
     except (ServiceError, errors.SandfleetError, OSError) as exc:
         await _unplace(deps, spec, plan, records, quota_keys, exc)
         raise ServiceError(ErrorCode.INTERNAL, f"could not record the batch: {exc}") from None
-    by_id = {r.id: (r, revision) for r, revision in stored}
+    by_id = {r.id: (r, revision) for stored in written for r, revision in stored}
     announce: Announce | None = None
     if store_events is not None:
         async def announce() -> bool:
