@@ -114,10 +114,11 @@ class SandboxStore:
         """The record and its revision (0: as its batch says, no own record yet)."""
         try:
             entry = await through_failover(lambda: self.kv.get(sandbox_id), f"get {sandbox_id}")
-        except nats.js.errors.KeyDeletedError:  # forgotten: its batch no longer speaks for it
-            raise errors.ServiceError(ErrorCode.NOT_FOUND, f"no sandbox {sandbox_id}") from None
-        except nats.js.errors.KeyNotFoundError:
-            found = await self._as_batched([sandbox_id], set(), 30.0)
+        except nats.js.errors.KeyNotFoundError as exc:
+            # nats-py says "not found" for a deleted key too, with the marker's operation: a
+            # forgotten sandbox, which its batch no longer speaks for.
+            gone = {sandbox_id} if exc.op is not None else set()
+            found = await self._as_batched([sandbox_id], gone, 30.0)
             if sandbox_id in found:
                 return found[sandbox_id]
             raise errors.ServiceError(ErrorCode.NOT_FOUND, f"no sandbox {sandbox_id}") from None
