@@ -183,12 +183,13 @@ class SandboxStore:
         key is new), every member's first event beside them in one burst. Per batch, its
         members' records with revision 0 (their own records are not written yet). A batch whose
         key exists (its token drawn twice) is refused whole: BatchRefused names its members."""
-        firsts = [records.first(r) for b in batches for r in b.records()]
+        members = [b.records() for b in batches]  # as stored: seq 1 each
         (revisions, refused), _ = await asyncio.gather(
-            self._write_batches(batches, timeout), self.publisher.publish_many([e for _, e in firsts], timeout))
+            self._write_batches(batches, timeout),
+            self.publisher.publish_many([records.lifecycle_event(r, None) for rs in members for r in rs], timeout))
         if refused:
             raise BatchRefused({i: why for n, why in refused.items() for i in batches[n].ids()})
-        return [[(r, 0) for r in b.records()] for b in batches]
+        return [[(r, 0) for r in rs] for rs in members]
 
     async def record_batches(self, batches: list[sandbox.SandboxBatch], timeout: float = 30.0
                              ) -> tuple[list[list[tuple[SandboxRecord, int]]], Callable[[], Awaitable[None]]]:
@@ -196,16 +197,17 @@ class SandboxStore:
         with `announce`, which stores their members' first events and must be awaited before
         any member is handed on. Members of a refused batch get no event."""
         revisions, refused = await self._write_batches(batches, timeout)
-        written = [b for n, b in enumerate(batches) if n not in refused]
+        members = [b.records() for b in batches]  # as stored: seq 1 each
 
         async def announce() -> None:
-            await self.publisher.publish_many([records.first(r)[1] for b in written for r in b.records()], timeout)
+            await self.publisher.publish_many([records.lifecycle_event(r, None) for n, rs in enumerate(members)
+                                               if n not in refused for r in rs], timeout)
 
         if refused:
             with contextlib.suppress(errors.ServiceError, errors.SandfleetError, nats.errors.Error):
                 await announce()
             raise BatchRefused({i: why for n, why in refused.items() for i in batches[n].ids()})
-        return [[(r, 0) for r in b.records()] for b in batches], announce
+        return [[(r, 0) for r in rs] for rs in members], announce
 
     async def _write_batches(self, batches: list[sandbox.SandboxBatch], timeout: float
                              ) -> tuple[list[int], dict[int, str]]:

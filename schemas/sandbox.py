@@ -254,10 +254,10 @@ class SandboxBatch(msgspec.Struct, frozen=True, kw_only=True):
     scheduled together on `node` with one spec. Written once, never updated; what changes
     later is each sandbox's own record."""
 
-    token: str
-    node: str
+    token: Annotated[str, Meta(pattern=f"^[0-9a-f]{{{BATCH_TOKEN_HEX}}}$")]
+    node: NodeId
     spec: SandboxSpec
-    count: int
+    count: Annotated[int, Meta(ge=1, le=MAX_BATCH)]
     created_at: float
     restored_from: str = ""
     tenant: str = ""
