@@ -503,3 +503,37 @@ async def test_a_batch_whose_token_is_taken_is_refused_whole_and_touches_nothing
     assert sorted(refused.value.refused) == sorted(msgspec.structs.replace(batch, count=5).ids())
     assert (await store.get(members[0][0].id))[0].state is State.RUNNING
     assert batch_of("sb-0123456789ab") is None and batch_of("sb-0123456789-07") is None
+
+
+def test_a_batch_launch_is_its_batch_record_and_reads_as_one_item_per_member():
+    batch = _batch(3, node="sim-7")
+    request = msgspec.json.decode(encode(node_schema.LaunchRequest(batch=batch, answer_by=42.0)),
+                                  type=node_schema.LaunchRequest)
+    items = request.items()
+    assert [i.id for i in items] == batch.ids() and request.sandboxes == []
+    assert all(i.spec == batch.spec and i.record == batch.record(n) and i.revision == 0 and i.answer_by == 42.0
+               for n, i in enumerate(items))
+    assert node_schema.LaunchRequest().items() == []  # names no sandbox: the node refuses it
+    with pytest.raises(msgspec.ValidationError):  # a token a batch key cannot have
+        msgspec.json.decode(encode(msgspec.structs.replace(batch, token="../x")), type=SandboxBatch)
+
+
+async def test_placement_sends_a_gang_to_each_node_as_batch_launches(plane, nodes):
+    _, bus, _, fleet = plane
+    sims = [await nodes.add("batched", capacity=1000) for _ in range(2)]
+    seen: list[node_schema.LaunchRequest] = []
+
+    async def copy(msg) -> None:  # type: ignore[no-untyped-def]  # outside the node's queue group: a copy of each
+        seen.append(msgspec.json.decode(msg.data, type=node_schema.LaunchRequest))
+
+    subs = [await bus.nc.subscribe(node_schema.subject(sim.id, node_schema.LAUNCH), cb=copy) for sim in sims]
+    await bus.nc.flush()
+    await nodes.settle()
+    try:
+        boxes = await fleet.create_many(1200, memory_mb=16, cpu=0.01)
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+    assert seen and all(r.batch is not None and not r.sandboxes and r.batch.count <= 500 for r in seen)
+    assert sorted(b.id for b in boxes) == sorted(i for r in seen for i in r.batch.ids())  # type: ignore[union-attr]
+    assert {r.batch.node for r in seen} <= {sim.id for sim in sims}  # type: ignore[union-attr]
