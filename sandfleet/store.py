@@ -28,7 +28,7 @@ from nats.js.kv import KeyValue
 from sandfleet import errors, records
 from sandfleet.bus import Bus, decode, encode, kv_values, through_failover
 from sandfleet.event_publisher import EventPublisher, JetStreamEventPublisher
-from sandfleet.jetstream import BatchedJetStream, kv_stream
+from sandfleet.jetstream import BatchedJetStream, kv_stream, kv_subject, refusal
 from schemas import events, node, sandbox
 from schemas.errors import ErrorCode
 from schemas.sandbox import ENDED, Reason, SandboxRecord, State
@@ -341,10 +341,12 @@ class SandboxStore:
         payload = encode(record)
         return await through_failover(lambda: self.kv.update(sandbox_id, payload, last=revision), f"update {sandbox_id}")
 
-    async def all(self, node_id: str | None = None, include_ended: bool = False) -> list[SandboxRecord]:
+    async def all(self, node_id: str | None = None, include_ended: bool = False,
+                  spent: list[str] | None = None) -> list[SandboxRecord]:
         """Every record (on `node_id`), read in one pass: an ordered consumer of each key's last
         value, not a key listing and then one read per key (at 32,000 sandboxes that was 64,000
-        messages and 32,000 round trips a call)."""
+        messages and 32,000 round trips a call). `spent`, if given, gets the keys of the batch
+        records (on `node_id`) that no longer speak for any sandbox (`drop_batches`)."""
         gone: set[str] = set()
         latest = await kv_values(self.kv, "list sandboxes", gone=gone)
         found = [decode(value, SandboxRecord) for key, value in latest.items() if "." not in key]
@@ -352,7 +354,10 @@ class SandboxStore:
             if key.startswith(sandbox.BATCH_KEY_PREFIX):  # its members with no own record
                 batch = _batch.decode(value)
                 if node_id is None or batch.node == node_id:
-                    found += [batch.record(n) for n, i in enumerate(batch.ids()) if i not in latest and i not in gone]
+                    unwritten = [batch.record(n) for n, i in enumerate(batch.ids()) if i not in latest and i not in gone]
+                    found += unwritten
+                    if not unwritten and spent is not None:
+                        spent.append(key)
         return [r for r in found
                 if (node_id is None or r.node == node_id) and (include_ended or r.state not in ENDED)]
 
@@ -372,6 +377,16 @@ class SandboxStore:
             await self.kv.purge(sandbox_id)
         except (nats.errors.Error, nats.js.errors.Error):  # a timeout too: the sandbox is gone either way
             pass
+
+    async def drop_batches(self, keys: list[str], timeout: float = 30.0) -> None:
+        """Purge batch records every member of which has its own record or was forgotten: they
+        are read no more (an own record, or its purge marker, outranks the batch), and a batch
+        of one would otherwise outlive its sandbox's record by its whole spec."""
+        marker = {"KV-Operation": "PURGE", "Nats-Rollup": "sub"}  # what nats-py's kv.purge sends
+        refused = [why for why in map(refusal, await self.jetstream.burst(
+            [(kv_subject(sandbox.KV_BUCKET, key), b"", marker) for key in keys], timeout)) if why]
+        if refused:
+            log.warning("%d spent batch record(s) not purged: %s", len(refused), refused[0])
 
     # -- what tests/test_placement_scale.py still reaches in for (their new names above) ----
 

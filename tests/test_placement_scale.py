@@ -12,6 +12,7 @@ import json
 import time
 
 import msgspec
+import nats.js.errors
 import pytest
 
 import sandfleet
@@ -32,10 +33,11 @@ from schemas.sandbox import (
     SandboxRecord,
     SandboxSpec,
     State,
+    batch_key,
     batch_of,
 )
 from services.launcher.starting import StartingMarks
-from services.placement.handlers import Deps, _unplace, create_many, new_id, new_token
+from services.placement.handlers import Deps, _unplace, create_many, fail_stuck, new_id, new_token
 from services.placement.policy import NodeView
 
 LOST_S = 5.0
@@ -537,3 +539,23 @@ async def test_placement_sends_a_gang_to_each_node_as_batch_launches(plane, node
     assert seen and all(r.batch is not None and not r.sandboxes and r.batch.count <= 500 for r in seen)
     assert sorted(b.id for b in boxes) == sorted(i for r in seen for i in r.batch.ids())  # type: ignore[union-attr]
     assert {r.batch.node for r in seen} <= {sim.id for sim in sims}  # type: ignore[union-attr]
+
+
+async def test_the_stuck_sweep_purges_spent_batch_records_and_keeps_the_rest(plane):
+    _, bus, store, _ = plane
+    (spent,), (live,) = await store.create_batches([_batch(2)]), await store.create_batches([_batch(2)])
+    for r, revision in spent:
+        await store.transition(r.id, State.RUNNING, known=(r, revision))
+    await store.transition(spent[0][0].id, State.STOPPING, Reason.REQUESTED)
+    await store.transition(spent[0][0].id, State.STOPPED, Reason.REQUESTED)
+    await store.forget(spent[0][0].id)
+    await store.transition(live[0][0].id, State.RUNNING, known=live[0])  # its second still reads from it
+    await fail_stuck(Deps(bus=bus, store=store, nodes=NodeView()), time.time())
+    kv = await bus.js.key_value(KV_BUCKET)
+    with pytest.raises(nats.js.errors.KeyNotFoundError):
+        await kv.get(batch_key(spent[0][0].id[3:13]))
+    assert (await kv.get(batch_key(live[0][0].id[3:13]))).value
+    assert (await store.get(spent[1][0].id))[0].state is State.RUNNING
+    with pytest.raises(errors.ServiceError):
+        await store.get(spent[0][0].id)
+    assert (await store.get(live[1][0].id))[0].state is State.SCHEDULED

@@ -330,12 +330,17 @@ STUCK_AFTER_S = 120.0
 
 async def fail_stuck(deps: Deps, now: float) -> list[str]:
     """End sandboxes that stayed `scheduled` with no launch (a placement replica died between
-    writing the record and asking the node): accepted work is never left in limbo."""
-    stuck = [r for r in await deps.store.all() if r.state is State.SCHEDULED and now - r.updated_at > STUCK_AFTER_S]
+    writing the record and asking the node): accepted work is never left in limbo. The same
+    pass purges the batch records no sandbox reads any longer."""
+    spent: list[str] = []
+    stuck = [r for r in await deps.store.all(spent=spent)
+             if r.state is State.SCHEDULED and now - r.updated_at > STUCK_AFTER_S]
     failed = []
     for r in stuck:
         if await _fail(deps, r.id, "never launched", Reason.LAUNCH_FAILED, only_scheduled=True):
             failed.append(r.id)
+    if spent:
+        await deps.store.drop_batches(spent)
     return failed
 
 
