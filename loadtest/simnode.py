@@ -114,14 +114,17 @@ class SimulatedNode:
             await service.stop()  # type: ignore[attr-defined]
 
     async def launch(self, req: LaunchRequest) -> LaunchReply:
-        for item in req.sandboxes:
+        items = req.items()
+        if not items:
+            raise ServiceError(ErrorCode.INVALID_REQUEST, "the launch names no sandbox")
+        for item in items:
             self.accepted += 1
             self.accepted_cpu += item.spec.cpu
             self.accepted_memory_mb += item.spec.memory_mb
             self.starting[item.id] = item.spec
-        ids = [i.id for i in req.sandboxes]
+        ids = [i.id for i in items]
         # The records and revisions placement sent with the launch: written on without a read.
-        known = {i.id: (i.record, i.revision) for i in req.sandboxes if i.record is not None and i.revision}
+        known = {i.id: (i.record, i.revision) for i in items if i.record is not None}
         results: dict[str, LaunchResult] = {}
 
         def refused(outcomes: Iterable[tuple[str, object]]) -> None:
@@ -138,9 +141,9 @@ class SimulatedNode:
             todo = [i for i in ids if i not in results]
             refused(zip(todo, await self.store.transition_many(todo, State.RUNNING, known=known)))
         finally:
-            for item in req.sandboxes:
+            for item in items:
                 self.starting.pop(item.id, None)
-        for item in req.sandboxes:
+        for item in items:
             if item.id not in results:
                 self.live[item.id] = item.spec
                 results[item.id] = LaunchResult(id=item.id, ok=True)

@@ -125,7 +125,7 @@ async def through_failover(op: Callable[[], Awaitable[T]], what: str, within_s: 
             delay = min(1.0, delay * 2)
 
 
-async def kv_values(kv: KeyValue, what: str, timeout: float = 30.0) -> dict[str, bytes]:
+async def kv_values(kv: KeyValue, what: str, timeout: float = 30.0, gone: set[str] | None = None) -> dict[str, bytes]:
     """Every key's current value in a KV bucket, in one pass (one ordered consumer of each key's
     last message), instead of nats-py's `keys()` then a read per key.
 
@@ -134,7 +134,8 @@ async def kv_values(kv: KeyValue, what: str, timeout: float = 30.0) -> dict[str,
     handled), so a listing ending there could miss keys or come back empty. This one ends at
     the entry with nothing pending after it, or at the stream's last message when the listing
     began (writes may go on meanwhile). A key written during the listing keeps its last value;
-    one deleted meanwhile is left out."""
+    one deleted meanwhile is left out. `gone`, if given, gets the keys whose last entry is a
+    delete or purge marker (a key that had a value, unlike one never written)."""
     state = (await through_failover(kv.status, what)).stream_info.state
     if state.messages == 0:
         return {}
@@ -150,8 +151,12 @@ async def kv_values(kv: KeyValue, what: str, timeout: float = 30.0) -> dict[str,
                 continue  # nats-py's marker: see above
             if entry.value:
                 latest[entry.key] = entry.value
+                if gone is not None:
+                    gone.discard(entry.key)
             else:
                 latest.pop(entry.key, None)
+                if gone is not None:
+                    gone.add(entry.key)
             if entry.delta == 0 or entry.revision >= state.last_seq:
                 return latest
     finally:

@@ -183,9 +183,9 @@ class BatchedJetStream:
                 {n: why for n, why in enumerate(whys) if why})
 
     async def kv_read_many(self, bucket: str, keys: list[str], value: Callable[[bytes], T],
-                           timeout: float) -> dict[str, tuple[T, int]]:
+                           timeout: float, gone: set[str] | None = None) -> dict[str, tuple[T, int]]:
         """Each key's current `value(bytes)` with its revision; a key with none (never written,
-        deleted or purged) is left out. Batched direct gets (`multi_last`, up to 1,024 keys a
+        deleted or purged) is left out, and `gone`, if given, gets those deleted or purged. Batched direct gets (`multi_last`, up to 1,024 keys a
         request, answered by any replica of the bucket rather than queued at its leader's
         JetStream API); on a bucket that serves no direct gets, one pipelined read per key."""
         if not keys:
@@ -193,14 +193,16 @@ class BatchedJetStream:
         chunks = [keys[i : i + MULTI_LAST_MAX] for i in range(0, len(keys), MULTI_LAST_MAX)]
         batches = await asyncio.gather(*(self._read_batch(bucket, chunk, timeout) for chunk in chunks))
         if any(batch is None for batch in batches):
-            return await self._read_each(bucket, keys, value, timeout)
+            return await self._read_each(bucket, keys, value, timeout, gone)
         found = {}
         prefix = len(kv_subject(bucket, ""))
         for batch in batches:
             for msg in batch or ():
                 headers = msg.headers or {}
-                if msg.data and not headers.get("KV-Operation"):  # a delete or purge marker: no value
+                if msg.data and not headers.get("KV-Operation"):
                     found[headers["Nats-Subject"][prefix:]] = (value(msg.data), int(headers["Nats-Sequence"]))
+                elif gone is not None:  # a delete or purge marker: no value
+                    gone.add(headers["Nats-Subject"][prefix:])
         return found
 
     async def _read_batch(self, bucket: str, keys: list[str], timeout: float) -> list[Msg] | None:
@@ -220,7 +222,7 @@ class BatchedJetStream:
         return waiting.found
 
     async def _read_each(self, bucket: str, keys: list[str], value: Callable[[bytes], T],
-                         timeout: float) -> dict[str, tuple[T, int]]:
+                         timeout: float, gone: set[str] | None = None) -> dict[str, tuple[T, int]]:
         """`kv_read_many` on a bucket without direct gets: one pipelined JetStream API read per key."""
         reads = await self.burst([(_msg_get_subject(kv_stream(bucket)),
                                    encode({"last_by_subj": kv_subject(bucket, key)}), None) for key in keys], timeout)
@@ -233,6 +235,8 @@ class BatchedJetStream:
             got = reply.message
             if got is not None and got.data:
                 found[key] = (value(base64.b64decode(got.data)), got.seq)
+            elif got is not None and gone is not None:  # a marker's message: it had a value
+                gone.add(key)
         return found
 
     async def append_many(self, messages: list[Message], timeout: float) -> None:

@@ -4,6 +4,9 @@
 update of one record that moves along the state machine (`sandfleet.records` decides each
 move), and every accepted move hands its lifecycle event to the store's `EventPublisher`.
 Batches of records go through `BatchedJetStream`, one burst of writes for a whole batch.
+Placement stores a launch's sandboxes as one batch record (`schemas.sandbox.SandboxBatch`):
+until a sandbox's own record is first written, reads give it as its batch says, with
+revision 0, so that first write is one that expects no own record yet.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from nats.js.kv import KeyValue
 from sandfleet import errors, records
 from sandfleet.bus import Bus, decode, encode, kv_values, through_failover
 from sandfleet.event_publisher import EventPublisher, JetStreamEventPublisher
-from sandfleet.jetstream import BatchedJetStream, kv_stream
+from sandfleet.jetstream import BatchedJetStream, kv_stream, kv_subject, refusal
 from schemas import events, node, sandbox
 from schemas.errors import ErrorCode
 from schemas.sandbox import ENDED, Reason, SandboxRecord, State
@@ -34,6 +37,7 @@ log = logging.getLogger("sandfleet.store")
 
 EVENTS_MAX_AGE_S = 7 * 24 * 3600
 _record = msgspec.json.Decoder(SandboxRecord)
+_batch = msgspec.json.Decoder(sandbox.SandboxBatch)
 
 
 class BatchRefused(errors.ServiceError):
@@ -120,9 +124,16 @@ class SandboxStore:
         return cls(bus, await bus.js.key_value(sandbox.KV_BUCKET), publisher)
 
     async def get(self, sandbox_id: str) -> tuple[SandboxRecord, int]:
+        """The record and its revision (0: as its batch says, no own record yet)."""
         try:
             entry = await through_failover(lambda: self.kv.get(sandbox_id), f"get {sandbox_id}")
-        except nats.js.errors.KeyNotFoundError:
+        except nats.js.errors.KeyNotFoundError as exc:
+            # nats-py says "not found" for a deleted key too, with the marker's operation: a
+            # forgotten sandbox, which its batch no longer speaks for.
+            gone = {sandbox_id} if exc.op is not None else set()
+            found = await self._as_batched([sandbox_id], gone, 30.0)
+            if sandbox_id in found:
+                return found[sandbox_id]
             raise errors.ServiceError(ErrorCode.NOT_FOUND, f"no sandbox {sandbox_id}") from None
         if entry.value is None:
             raise errors.ServiceError(ErrorCode.NOT_FOUND, f"no sandbox {sandbox_id}")
@@ -131,7 +142,25 @@ class SandboxStore:
     async def read_many(self, sandbox_ids: list[str], timeout: float = 30.0) -> dict[str, tuple[SandboxRecord, int]]:
         """`get` for many ids, in batches: each record found, with its revision; an id with no
         record (never made, or purged) is left out."""
-        return await self.jetstream.kv_read_many(sandbox.KV_BUCKET, sandbox_ids, _record.decode, timeout)
+        gone: set[str] = set()
+        found = await self.jetstream.kv_read_many(sandbox.KV_BUCKET, sandbox_ids, _record.decode, timeout, gone)
+        missing = [i for i in sandbox_ids if i not in found]
+        return found | await self._as_batched(missing, gone, timeout) if missing else found
+
+    async def _as_batched(self, sandbox_ids: list[str], gone: set[str], timeout: float
+                          ) -> dict[str, tuple[SandboxRecord, int]]:
+        """The records, as their batches say, of ids with no own record (`gone`: ids whose own
+        record was forgotten, which no batch brings back), each with revision 0."""
+        members: dict[str, list[tuple[str, int]]] = {}
+        for i in sandbox_ids:
+            placed = sandbox.batch_of(i)
+            if placed is not None and i not in gone:
+                members.setdefault(sandbox.batch_key(placed[0]), []).append((i, placed[1]))
+        if not members:
+            return {}
+        batches = await self.jetstream.kv_read_many(sandbox.KV_BUCKET, list(members), _batch.decode, timeout)
+        return {i: (batch.record(n), 0) for key, (batch, _) in batches.items() for i, n in members[key]
+                if n < batch.count}
 
     async def create(self, record: SandboxRecord) -> SandboxRecord:
         """Store a new record (state `scheduled`) and publish its first event."""
@@ -160,6 +189,43 @@ class SandboxStore:
         if refused:
             raise BatchRefused({firsts[n][0].id: why for n, why in refused.items()})
         return [(r, revision) for (r, _), revision in zip(firsts, revisions)]
+
+    async def create_batches(self, batches: list[sandbox.SandboxBatch], timeout: float = 30.0
+                             ) -> list[list[tuple[SandboxRecord, int]]]:
+        """`create_many` for batch records: each batch one stored message (written only if its
+        key is new), every member's first event beside them in one burst. Per batch, its
+        members' records with revision 0 (their own records are not written yet). A batch whose
+        key exists (its token drawn twice) is refused whole: BatchRefused names its members."""
+        members = [b.records() for b in batches]  # as stored: seq 1 each
+        (revisions, refused), _ = await asyncio.gather(
+            self._write_batches(batches, timeout),
+            self.publisher.publish_many([records.lifecycle_event(r, None) for rs in members for r in rs], timeout))
+        if refused:
+            raise BatchRefused({i: why for n, why in refused.items() for i in batches[n].ids()})
+        return [[(r, 0) for r in rs] for rs in members]
+
+    async def record_batches(self, batches: list[sandbox.SandboxBatch], timeout: float = 30.0
+                             ) -> tuple[list[list[tuple[SandboxRecord, int]]], Callable[[], Awaitable[None]]]:
+        """`create_batches` in two steps, as `record_many`: returns once the batches are stored,
+        with `announce`, which stores their members' first events and must be awaited before
+        any member is handed on. Members of a refused batch get no event."""
+        revisions, refused = await self._write_batches(batches, timeout)
+        members = [b.records() for b in batches]  # as stored: seq 1 each
+
+        async def announce() -> None:
+            await self.publisher.publish_many([records.lifecycle_event(r, None) for n, rs in enumerate(members)
+                                               if n not in refused for r in rs], timeout)
+
+        if refused:
+            with contextlib.suppress(errors.ServiceError, errors.SandfleetError, nats.errors.Error):
+                await announce()
+            raise BatchRefused({i: why for n, why in refused.items() for i in batches[n].ids()})
+        return [[(r, 0) for r in rs] for rs in members], announce
+
+    async def _write_batches(self, batches: list[sandbox.SandboxBatch], timeout: float
+                             ) -> tuple[list[int], dict[int, str]]:
+        return await self.jetstream.kv_write_many(
+            sandbox.KV_BUCKET, [(sandbox.batch_key(b.token), encode(b), 0) for b in batches], timeout)
 
     async def record_many(self, batch: list[SandboxRecord], timeout: float = 30.0
                           ) -> tuple[list[tuple[SandboxRecord, int]], Callable[[], Awaitable[None]]]:
@@ -288,12 +354,23 @@ class SandboxStore:
         payload = encode(record)
         return await through_failover(lambda: self.kv.update(sandbox_id, payload, last=revision), f"update {sandbox_id}")
 
-    async def all(self, node_id: str | None = None, include_ended: bool = False) -> list[SandboxRecord]:
+    async def all(self, node_id: str | None = None, include_ended: bool = False,
+                  spent: list[str] | None = None) -> list[SandboxRecord]:
         """Every record (on `node_id`), read in one pass: an ordered consumer of each key's last
         value, not a key listing and then one read per key (at 32,000 sandboxes that was 64,000
-        messages and 32,000 round trips a call)."""
-        latest = await kv_values(self.kv, "list sandboxes")
-        found = [decode(value, SandboxRecord) for value in latest.values()]
+        messages and 32,000 round trips a call). `spent`, if given, gets the keys of the batch
+        records (on `node_id`) that no longer speak for any sandbox (`drop_batches`)."""
+        gone: set[str] = set()
+        latest = await kv_values(self.kv, "list sandboxes", gone=gone)
+        found = [decode(value, SandboxRecord) for key, value in latest.items() if "." not in key]
+        for key, value in latest.items():
+            if key.startswith(sandbox.BATCH_KEY_PREFIX):  # its members with no own record
+                batch = _batch.decode(value)
+                if node_id is None or batch.node == node_id:
+                    unwritten = [batch.record(n) for n, i in enumerate(batch.ids()) if i not in latest and i not in gone]
+                    found += unwritten
+                    if not unwritten and spent is not None:
+                        spent.append(key)
         return [r for r in found
                 if (node_id is None or r.node == node_id) and (include_ended or r.state not in ENDED)]
 
@@ -313,6 +390,16 @@ class SandboxStore:
             await self.kv.purge(sandbox_id)
         except (nats.errors.Error, nats.js.errors.Error):  # a timeout too: the sandbox is gone either way
             pass
+
+    async def drop_batches(self, keys: list[str], timeout: float = 30.0) -> None:
+        """Purge batch records every member of which has its own record or was forgotten: they
+        are read no more (an own record, or its purge marker, outranks the batch), and a batch
+        of one would otherwise outlive its sandbox's record by its whole spec."""
+        marker = {"KV-Operation": "PURGE", "Nats-Rollup": "sub"}  # what nats-py's kv.purge sends
+        refused = [why for why in map(refusal, await self.jetstream.burst(
+            [(kv_subject(sandbox.KV_BUCKET, key), b"", marker) for key in keys], timeout)) if why]
+        if refused:
+            log.warning("%d spent batch record(s) not purged: %s", len(refused), refused[0])
 
     # -- what tests/test_placement_scale.py still reaches in for (their new names above) ----
 

@@ -32,6 +32,7 @@ MESSAGES: dict[str, object] = {
     "pools.PoolClearReply": pools.PoolClearReply,
     "pools.ClaimRequest": pools.ClaimRequest,
     "pools.ClaimReply": pools.ClaimReply,
+    "sandbox.SandboxBatch": sandbox.SandboxBatch,
     "events.SandboxEvent": events.AnySandboxEvent,
     "node.NodeInfo": node.NodeInfo,
     "node.NodeBooking": node.NodeBooking,

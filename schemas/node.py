@@ -13,7 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from schemas.errors import ErrorCode
-from schemas.sandbox import Isolation, LabelKey, LabelValue, Reason, SandboxId, SandboxRecord, SandboxSpec
+from schemas.sandbox import Isolation, LabelKey, LabelValue, Reason, SandboxBatch, SandboxId, SandboxRecord, SandboxSpec
 
 KV_BUCKET = "nodes"
 HEARTBEAT_S = 2.0
@@ -114,7 +114,22 @@ class LaunchItem(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class LaunchRequest(msgspec.Struct, frozen=True, kw_only=True):
-    sandboxes: Annotated[list[LaunchItem], Meta(min_length=1)]
+    """The sandboxes to launch: `sandboxes` one by one, and/or every member of `batch` (record
+    layout v2: placement launches each batch record whole, in one message that carries its
+    spec once instead of twice per sandbox); `answer_by` is the batch members' (see LaunchItem)."""
+
+    sandboxes: list[LaunchItem] = []
+    batch: SandboxBatch | None = None
+    answer_by: float = 0.0
+
+    def items(self) -> list[LaunchItem]:
+        """Every sandbox to launch, a batch's members as their batch record says (revision 0:
+        no own record yet). Empty only for a request that names none, which a node refuses."""
+        if self.batch is None:
+            return self.sandboxes
+        spec, answer_by = self.batch.spec, self.answer_by
+        return self.sandboxes + [LaunchItem(id=r.id, spec=spec, record=r, revision=0, answer_by=answer_by)
+                                 for r in self.batch.records()]
 
 
 class LaunchResult(msgspec.Struct, frozen=True, kw_only=True):

@@ -226,5 +226,62 @@ class SandboxRecord(msgspec.Struct, frozen=True, kw_only=True):
     tenant: str = ""
 
 
+# -- the batch record (record layout v2) ---------------------------------------------------
+# One KV value holds a whole launch's sandboxes as placement scheduled them: at 100 and more a
+# batch, the bus stores one message where it stored one per sandbox. Each sandbox is
+# `scheduled` as its batch says (seq 1) until its own record (`sandboxes/<id>`) is first
+# written, by a revision-checked write that expects no value under its key (revision 0), so
+# the first to change it wins as before; from then its own record is the record. Its id names
+# its batch: `sb-<token>-<n>` is member n of the batch under `batch.<token>`.
+
+BATCH_KEY_PREFIX = "batch."
+BATCH_TOKEN_HEX = 10  # random hex per batch; a token in use already is refused and drawn again
+
+
+def batch_key(token: str) -> str:
+    """The KV key of the batch `token`, beside the sandboxes' own keys (theirs have no dot)."""
+    return BATCH_KEY_PREFIX + token
+
+
+def batch_member_id(token: str, n: int) -> str:
+    return f"sb-{token}-{n}"
+
+
+def batch_of(sandbox_id: str) -> tuple[str, int] | None:
+    """(token, n) of a batch-placed sandbox's id; None for an id of the one-record layout."""
+    if not sandbox_id.startswith("sb-") or len(sandbox_id) < 3 + BATCH_TOKEN_HEX + 2:
+        return None
+    token, dash, n = sandbox_id[3 : 3 + BATCH_TOKEN_HEX], sandbox_id[3 + BATCH_TOKEN_HEX], sandbox_id[4 + BATCH_TOKEN_HEX :]
+    if dash != "-" or not n.isdigit() or (len(n) > 1 and n[0] == "0"):
+        return None
+    return token, int(n)
+
+
+class SandboxBatch(msgspec.Struct, frozen=True, kw_only=True):
+    """The KV value under `sandboxes/batch.<token>`: `count` sandboxes (`sb-<token>-0` ...)
+    scheduled together on `node` with one spec. Written once, never updated; what changes
+    later is each sandbox's own record."""
+
+    token: Annotated[str, Meta(pattern=f"^[0-9a-f]{{{BATCH_TOKEN_HEX}}}$")]
+    node: NodeId
+    spec: SandboxSpec
+    count: Annotated[int, Meta(ge=1, le=MAX_BATCH)]
+    created_at: float
+    restored_from: str = ""
+    tenant: str = ""
+
+    def ids(self) -> list[str]:
+        return [batch_member_id(self.token, n) for n in range(self.count)]
+
+    def record(self, n: int) -> SandboxRecord:
+        """Member n as its own record would read before its first change."""
+        return SandboxRecord(id=batch_member_id(self.token, n), node=self.node, spec=self.spec,
+                             state=State.SCHEDULED, created_at=self.created_at, updated_at=self.created_at, seq=1,
+                             restored_from=self.restored_from, tenant=self.tenant)
+
+    def records(self) -> list[SandboxRecord]:
+        return [self.record(n) for n in range(self.count)]
+
+
 class SandboxList(msgspec.Struct, frozen=True, kw_only=True):
     sandboxes: list[SandboxRecord]

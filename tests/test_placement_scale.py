@@ -12,6 +12,7 @@ import json
 import time
 
 import msgspec
+import nats.js.errors
 import pytest
 
 import sandfleet
@@ -23,9 +24,20 @@ from schemas import events
 from schemas import node as node_schema
 from schemas.node import NodeInfo, NodePressure
 from schemas.errors import ErrorCode
-from schemas.sandbox import KV_BUCKET, MAX_BATCH, CreateManyRequest, Reason, SandboxRecord, SandboxSpec, State
+from schemas.sandbox import (
+    KV_BUCKET,
+    MAX_BATCH,
+    CreateManyRequest,
+    Reason,
+    SandboxBatch,
+    SandboxRecord,
+    SandboxSpec,
+    State,
+    batch_key,
+    batch_of,
+)
 from services.launcher.starting import StartingMarks
-from services.placement.handlers import Deps, _unplace, create_many, new_id
+from services.placement.handlers import Deps, _unplace, create_many, fail_stuck, new_id, new_token
 from services.placement.policy import NodeView
 
 LOST_S = 5.0
@@ -411,3 +423,139 @@ async def test_a_gang_batch_whose_events_cannot_be_stored_is_answered_and_never_
     assert len(ids) == 501 and sim.accepted == 0 and not sim.live
     recorded = await store.read_many(ids)
     assert sorted(recorded) == sorted(ids) and {r.state for r, _ in recorded.values()} == {State.FAILED}
+
+
+def _batch(count: int, node: str = "marks") -> SandboxBatch:
+    return SandboxBatch(token=new_token(), node=node, spec=SandboxSpec(cpu=0.1, memory_mb=64), count=count,
+                        created_at=time.time(), tenant="acme")
+
+
+async def _stored_in(bus: Bus, stream: str) -> int:
+    return (await bus.js.stream_info(stream)).state.last_seq
+
+
+async def test_a_batch_is_one_stored_record_and_its_members_read_scheduled_until_their_first_change(plane):
+    _, bus, store, fleet = plane
+    batch = _batch(300)
+    before = await _stored_in(bus, f"KV_{KV_BUCKET}")
+    (members,) = await store.create_batches([batch])
+    assert await _stored_in(bus, f"KV_{KV_BUCKET}") == before + 1  # one message for 300 sandboxes
+    ids = [r.id for r, _ in members]
+    assert ids == batch.ids() and all(batch_of(i) == (batch.token, n) for n, i in enumerate(ids))
+    record, revision = await store.get(ids[7])
+    assert (record.state, record.seq, record.tenant, revision) == (State.SCHEDULED, 1, "acme", 0)
+    assert await store.read_many(ids) == {r.id: (r, 0) for r, _ in members}
+    assert (await fleet.get(ids[0])).state is State.SCHEDULED
+    # The first change writes the member's own record; from then it is the record.
+    done = await store.transition_many(ids[:2], State.RUNNING, known={r.id: (r, rev) for r, rev in members})
+    assert [r.state for r in done] == [State.RUNNING, State.RUNNING]
+    assert (await store.get(ids[0]))[0].seq == 2 and (await store.get(ids[0]))[1] > 0
+    assert (await store.get(ids[2]))[0].state is State.SCHEDULED
+    assert await _names(fleet, ids[0]) == ["scheduled", "started"]
+    listed = {r.id: r.state for r in await store.all("marks") if r.id in set(ids)}
+    assert len(listed) == 300 and listed[ids[0]] is State.RUNNING and listed[ids[5]] is State.SCHEDULED
+
+
+async def test_two_first_writers_of_a_batch_member_one_wins_and_the_other_is_refused(plane):
+    # Placement failing a launch whose reply was lost races the node's `running`: both start from
+    # the batch's `scheduled`, and only one may land (both expect no own record yet).
+    _, _, store, _ = plane
+    (members,) = await store.create_batches([_batch(2)])
+    (first, known), (second, known2) = members
+    node_side = SandboxStore(store.bus, store.kv)
+    ran, failed = await asyncio.gather(
+        node_side.transition_many([first.id], State.RUNNING, known={first.id: (first, known)}),
+        store.transition(first.id, State.FAILED, Reason.LAUNCH_FAILED, "no reply",
+                         only_from=frozenset({State.SCHEDULED}), known=(first, known)),
+        return_exceptions=True)
+    final = (await store.get(first.id))[0]
+    if isinstance(failed, errors.ServiceError):  # the node got there first: placement must not fail it
+        assert final.state is State.RUNNING and failed.code is ErrorCode.CONFLICT
+    else:
+        assert final.state is State.FAILED and isinstance(ran[0], errors.ServiceError)
+    assert final.seq == 2
+    assert (await store.get(second.id))[0].state is State.SCHEDULED  # its neighbour untouched
+
+
+async def test_a_forgotten_batch_member_stays_gone(plane):
+    _, _, store, fleet = plane
+    (members,) = await store.create_batches([_batch(3, node="forgetting")])
+    ids = [r.id for r, _ in members]
+    await store.transition(ids[0], State.STOPPING, Reason.REQUESTED, known=members[0])
+    await store.transition(ids[0], State.STOPPED, Reason.REQUESTED)
+    await store.forget(ids[0])
+    with pytest.raises(errors.ServiceError) as gone:
+        await store.get(ids[0])
+    assert gone.value.code is ErrorCode.NOT_FOUND
+    with pytest.raises(errors.NotFound):
+        await fleet.get(ids[0])
+    assert sorted(await store.read_many(ids)) == sorted(ids[1:])
+    assert sorted(r.id for r in await store.all("forgetting", include_ended=True)) == sorted(ids[1:])
+    with pytest.raises(errors.ServiceError):  # nor can it be written again from its batch
+        await store.transition(ids[0], State.FAILED, Reason.LAUNCH_FAILED, "late", known=members[0])
+
+
+async def test_a_batch_whose_token_is_taken_is_refused_whole_and_touches_nothing(plane):
+    _, _, store, _ = plane
+    batch = _batch(2)
+    (members,) = await store.create_batches([batch])
+    await store.transition(members[0][0].id, State.RUNNING, known=members[0])
+    with pytest.raises(BatchRefused) as refused:
+        await store.create_batches([msgspec.structs.replace(batch, count=5)])
+    assert sorted(refused.value.refused) == sorted(msgspec.structs.replace(batch, count=5).ids())
+    assert (await store.get(members[0][0].id))[0].state is State.RUNNING
+    assert batch_of("sb-0123456789ab") is None and batch_of("sb-0123456789-07") is None
+
+
+def test_a_batch_launch_is_its_batch_record_and_reads_as_one_item_per_member():
+    batch = _batch(3, node="sim-7")
+    request = msgspec.json.decode(encode(node_schema.LaunchRequest(batch=batch, answer_by=42.0)),
+                                  type=node_schema.LaunchRequest)
+    items = request.items()
+    assert [i.id for i in items] == batch.ids() and request.sandboxes == []
+    assert all(i.spec == batch.spec and i.record == batch.record(n) and i.revision == 0 and i.answer_by == 42.0
+               for n, i in enumerate(items))
+    assert node_schema.LaunchRequest().items() == []  # names no sandbox: the node refuses it
+    with pytest.raises(msgspec.ValidationError):  # a token a batch key cannot have
+        msgspec.json.decode(encode(msgspec.structs.replace(batch, token="../x")), type=SandboxBatch)
+
+
+async def test_placement_sends_a_gang_to_each_node_as_batch_launches(plane, nodes):
+    _, bus, _, fleet = plane
+    sims = [await nodes.add("batched", capacity=1000) for _ in range(2)]
+    seen: list[node_schema.LaunchRequest] = []
+
+    async def copy(msg) -> None:  # type: ignore[no-untyped-def]  # outside the node's queue group: a copy of each
+        seen.append(msgspec.json.decode(msg.data, type=node_schema.LaunchRequest))
+
+    subs = [await bus.nc.subscribe(node_schema.subject(sim.id, node_schema.LAUNCH), cb=copy) for sim in sims]
+    await bus.nc.flush()
+    await nodes.settle()
+    try:
+        boxes = await fleet.create_many(1200, memory_mb=16, cpu=0.01)
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+    assert seen and all(r.batch is not None and not r.sandboxes and r.batch.count <= 500 for r in seen)
+    assert sorted(b.id for b in boxes) == sorted(i for r in seen for i in r.batch.ids())  # type: ignore[union-attr]
+    assert {r.batch.node for r in seen} <= {sim.id for sim in sims}  # type: ignore[union-attr]
+
+
+async def test_the_stuck_sweep_purges_spent_batch_records_and_keeps_the_rest(plane):
+    _, bus, store, _ = plane
+    (spent,), (live,) = await store.create_batches([_batch(2)]), await store.create_batches([_batch(2)])
+    for r, revision in spent:
+        await store.transition(r.id, State.RUNNING, known=(r, revision))
+    await store.transition(spent[0][0].id, State.STOPPING, Reason.REQUESTED)
+    await store.transition(spent[0][0].id, State.STOPPED, Reason.REQUESTED)
+    await store.forget(spent[0][0].id)
+    await store.transition(live[0][0].id, State.RUNNING, known=live[0])  # its second still reads from it
+    await fail_stuck(Deps(bus=bus, store=store, nodes=NodeView()), time.time())
+    kv = await bus.js.key_value(KV_BUCKET)
+    with pytest.raises(nats.js.errors.KeyNotFoundError):
+        await kv.get(batch_key(spent[0][0].id[3:13]))
+    assert (await kv.get(batch_key(live[0][0].id[3:13]))).value
+    assert (await store.get(spent[1][0].id))[0].state is State.RUNNING
+    with pytest.raises(errors.ServiceError):
+        await store.get(spent[0][0].id)
+    assert (await store.get(live[1][0].id))[0].state is State.SCHEDULED

@@ -46,15 +46,18 @@ from services.launcher.state import Live
 
 
 async def launch(launcher: Launcher, req: LaunchRequest) -> LaunchReply:
-    tag(launcher.node_id, req.sandboxes[0].id if len(req.sandboxes) == 1 else None)
-    launcher.intake.took(req.sandboxes)
+    items = req.items()
+    if not items:
+        raise ServiceError(ErrorCode.INVALID_REQUEST, "the launch names no sandbox")
+    tag(launcher.node_id, items[0].id if len(items) == 1 else None)
+    launcher.intake.took(items)
     try:
-        marks = StartingMarks(launcher.store, [item.id for item in req.sandboxes],
-                              known={item.id: placed for item in req.sandboxes if (placed := placed_record(item))},
+        marks = StartingMarks(launcher.store, [item.id for item in items],
+                              known={item.id: placed for item in items if (placed := placed_record(item))},
                               grace=launcher.settings.starting_grace_s)
-        results = await asyncio.gather(*(launcher.launch(item, marks) for item in req.sandboxes))
+        results = await asyncio.gather(*(launcher.launch(item, marks) for item in items))
     finally:
-        launcher.intake.answered(req.sandboxes)
+        launcher.intake.answered(items)
     return LaunchReply(results=list(results))
 
 

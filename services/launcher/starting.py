@@ -29,8 +29,9 @@ DEFAULT_GRACE_S = 0.5  # the launcher passes SANDFLEET_STARTING_GRACE_S (setting
 
 
 def placed_record(item: LaunchItem) -> tuple[SandboxRecord, int] | None:
-    """The record and revision placement sent with the launch, if it did (no read needed)."""
-    return (item.record, item.revision) if item.record is not None and item.revision else None
+    """The record and revision placement sent with the launch, if it did (no read needed;
+    revision 0: a batch member with no own record yet, whose first write expects none)."""
+    return (item.record, item.revision) if item.record is not None else None
 
 
 class StartingMarks:

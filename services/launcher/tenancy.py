@@ -33,7 +33,7 @@ class Owners:
         self._known: dict[str, str] = {}
 
     def learn(self, launch: LaunchRequest) -> None:
-        for item in launch.sandboxes:
+        for item in launch.items():
             if item.record is not None:
                 self._remember(item.id, item.record.tenant)
 

@@ -29,6 +29,7 @@ from sandfleet.telemetry import NODE_ID, SANDBOX_ID
 from schemas import node as node_schema
 from schemas.errors import ErrorCode
 from schemas.sandbox import (
+    BATCH_TOKEN_HEX,
     ENDED,
     CreateManyReply,
     CreateManyRequest,
@@ -41,6 +42,7 @@ from schemas.sandbox import (
     QuotaGetRequest,
     QuotaState,
     Reason,
+    SandboxBatch,
     SandboxList,
     SandboxRecord,
     SandboxSpec,
@@ -68,7 +70,12 @@ class Deps:
 
 
 def new_id() -> str:
+    """An id of the one-record layout (tests store such records); placement's come from batches."""
     return "sb-" + secrets.token_hex(6)
+
+
+def new_token() -> str:
+    return secrets.token_hex(BATCH_TOKEN_HEX // 2)
 
 
 async def _book(deps: Deps, spec: SandboxSpec, count: int, node: str | None = None) -> dict[str, int]:
@@ -100,14 +107,23 @@ def _check_allow(spec: SandboxSpec) -> None:
 Stored = tuple[SandboxRecord, int]  # a record and its KV revision
 
 
+@dataclass(frozen=True)
+class Placed:
+    """One batch record as stored, and what a node is sent in one launch: its members' records
+    (revision 0: no own record yet)."""
+
+    batch: SandboxBatch
+    members: list[Stored]
+
+
 Announce = Callable[[], Awaitable[bool]]  # stores a batch's first events; False: it could not, the batch is given back
 
 
 async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = None, restored_from: str = "",
                  announce_later: bool = False, tenant: str | None = None, admitted: list[str] | None = None
-                 ) -> tuple[dict[str, list[Stored]], Announce | None]:
-    """Admit, book and record `count` sandboxes (on `node` only, if given): node → its `scheduled`
-    records and revisions. `announce_later`: return once the records are stored, with what
+                 ) -> tuple[list[Placed], Announce | None]:
+    """Admit, book and record `count` sandboxes (on `node` only, if given) as batch records of at
+    most LAUNCH_CHUNK, one launch each. `announce_later`: return once the records are stored, with what
     stores their `scheduled` events, to await before handing any of them to a node (a gang
     batch is answered first: its events then do not hold the answer back). Their tenant is the
     caller's as the server vouched for it, unless given; `admitted`: the quota keys it was
@@ -127,26 +143,22 @@ async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = N
         if deps.quotas:
             await deps.quotas.give_back(quota_keys, count)
         raise
-    placed = {
-        node_id: [
-            SandboxRecord(id=new_id(), node=node_id, spec=spec, state=State.SCHEDULED, created_at=now, updated_at=now,
-                          restored_from=restored_from, tenant=owner)
-            for _ in range(k)
-        ]
-        for node_id, k in plan.items()
-    }
-    records = [r for rs in placed.values() for r in rs]
+    # One batch record per launch (a node's share, LAUNCH_CHUNK at a time): one stored message
+    # where there was one per sandbox; each sandbox's own record is written by its first change.
+    batches = [SandboxBatch(token=new_token(), node=node_id, spec=spec, count=min(LAUNCH_CHUNK, k - start),
+                            created_at=now, restored_from=restored_from, tenant=owner)
+               for node_id, k in plan.items() for start in range(0, k, LAUNCH_CHUNK)]
     try:
         if deps.quotas and quota_keys:
-            await deps.quotas.remember([r.id for r in records], quota_keys)
+            await deps.quotas.remember([i for b in batches for i in b.ids()], quota_keys)
         if announce_later:
-            stored, store_events = await deps.store.record_many(records)
+            written, store_events = await deps.store.record_batches(batches)
         else:
-            stored, store_events = await deps.store.create_many(records), None
+            written, store_events = await deps.store.create_batches(batches), None
     except (ServiceError, errors.SandfleetError, OSError) as exc:
-        await _unplace(deps, spec, plan, records, quota_keys, exc)
+        await _unplace(deps, spec, plan, [r for b in batches for r in b.records()], quota_keys, exc)
         raise ServiceError(ErrorCode.INTERNAL, f"could not record the batch: {exc}") from None
-    by_id = {r.id: (r, revision) for r, revision in stored}
+    placed = [Placed(batch, members) for batch, members in zip(batches, written)]
     announce: Announce | None = None
     if store_events is not None:
         async def announce() -> bool:
@@ -154,9 +166,9 @@ async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = N
                 await store_events()
                 return True
             except (ServiceError, errors.SandfleetError, OSError) as exc:
-                await _unplace(deps, spec, plan, records, quota_keys, exc)
+                await _unplace(deps, spec, plan, [r for p in placed for r, _ in p.members], quota_keys, exc)
                 return False
-    return {n: [by_id[r.id] for r in rs] for n, rs in placed.items()}, announce
+    return placed, announce
 
 
 async def _unplace(deps: Deps, spec, plan, records, quota_keys, exc) -> None:  # type: ignore[no-untyped-def]
@@ -192,12 +204,11 @@ async def create(deps: Deps, req: CreateRequest) -> CreateReply:
                 telemetry.current_attributes(telemetry.sandbox_attributes(claimed.id, claimed.node, spec))
                 outcome = "ok"
                 return claimed
-        placed, _ = await _place(deps, spec, 1, req.node, admitted=admitted)
-        ((node_id, records),) = placed.items()
-        record = records[0][0]
+        (placed,), _ = await _place(deps, spec, 1, req.node, admitted=admitted)
+        node_id, record = placed.batch.node, placed.members[0][0]
         telemetry.current_attributes(telemetry.sandbox_attributes(record.id, node_id, spec))
         telemetry.state_changed(State.SCHEDULED.value)
-        created = await _launch_on(deps, node_id, records)
+        created = await _launch_on(deps, placed)
         result = created[0]
         if not result.ok:
             raise ServiceError(result.code, f"launch failed on {node_id}: {result.error}")
@@ -212,17 +223,16 @@ async def create_many(deps: Deps, req: CreateManyRequest) -> CreateManyReply:
     # A large gang batch is answered once its records are stored: its events follow them
     # (before any launch), instead of sharing the server with them while the caller waits.
     placed, announce = await _place(deps, req.spec, req.count, announce_later=not req.wait and req.count > LAUNCH_CHUNK)
-    launches = [
-        (node_id, _launch_on(deps, node_id, records[start : start + LAUNCH_CHUNK], waited=req.wait))
-        for node_id, records in placed.items()
-        for start in range(0, len(records), LAUNCH_CHUNK)
-    ]
+    launches = [(p.batch.node, _launch_on(deps, p, waited=req.wait)) for p in placed]
     if not req.wait:
         task = asyncio.create_task(_launch_after_reply(deps, [coro for _, coro in launches],
                                                        flush_first=req.count > LAUNCH_CHUNK, announce=announce))
         deps.launches.add(task)
         task.add_done_callback(deps.launches.discard)
-        return CreateManyReply(placements=[NodePlacement(node=n, ids=[r.id for r, _ in rs]) for n, rs in placed.items()])
+        by_node: dict[str, list[str]] = {}
+        for p in placed:
+            by_node.setdefault(p.batch.node, []).extend(r.id for r, _ in p.members)
+        return CreateManyReply(placements=[NodePlacement(node=n, ids=ids) for n, ids in by_node.items()])
     done = await asyncio.gather(*(coro for _, coro in launches))
     seconds = time.monotonic() - started  # each waited for the whole batch
     for results in done:
@@ -259,16 +269,14 @@ async def _launch_after_reply(deps: Deps, launches: list, flush_first: bool = Tr
     await asyncio.gather(*launches)
 
 
-async def _launch_on(deps: Deps, node_id: str, stored: list[Stored], waited: bool = True) -> list[node_schema.LaunchResult]:
-    """Ask the node to launch; `waited`: a caller waits for the answer, so what the node cannot
-    start before this request times out must end failed there, not start for nobody."""
-    timeout = 30 + 0.05 * len(stored)
+async def _launch_on(deps: Deps, placed: Placed, waited: bool = True) -> list[node_schema.LaunchResult]:
+    """Ask the batch's node to launch it, in one message that is its batch record; `waited`: a
+    caller waits for the answer, so what the node cannot start before this request times out
+    must end failed there, not start for nobody."""
+    node_id, timeout = placed.batch.node, 30 + 0.05 * placed.batch.count
     answer_by = time.time() + timeout - 1.0 if waited else 0.0
-    request = node_schema.LaunchRequest(
-        sandboxes=[node_schema.LaunchItem(id=r.id, spec=r.spec, record=r, revision=rev, answer_by=answer_by)
-                   for r, rev in stored]
-    )
-    records = [r for r, _ in stored]
+    request = node_schema.LaunchRequest(batch=placed.batch, answer_by=answer_by)
+    records = [r for r, _ in placed.members]
     try:
         reply = await deps.bus.request(
             node_schema.subject(node_id, node_schema.LAUNCH),
@@ -336,12 +344,17 @@ STUCK_AFTER_S = 120.0
 
 async def fail_stuck(deps: Deps, now: float) -> list[str]:
     """End sandboxes that stayed `scheduled` with no launch (a placement replica died between
-    writing the record and asking the node): accepted work is never left in limbo."""
-    stuck = [r for r in await deps.store.all() if r.state is State.SCHEDULED and now - r.updated_at > STUCK_AFTER_S]
+    writing the record and asking the node): accepted work is never left in limbo. The same
+    pass purges the batch records no sandbox reads any longer."""
+    spent: list[str] = []
+    stuck = [r for r in await deps.store.all(spent=spent)
+             if r.state is State.SCHEDULED and now - r.updated_at > STUCK_AFTER_S]
     failed = []
     for r in stuck:
         if await _fail(deps, r.id, "never launched", Reason.LAUNCH_FAILED, only_scheduled=True):
             failed.append(r.id)
+    if spent:
+        await deps.store.drop_batches(spent)
     return failed
 
 
@@ -388,9 +401,9 @@ async def _restore(deps: Deps, record: SandboxRecord) -> CreateReply:
     """A new sandbox from `record`'s latest checkpoint: its spec, on its checkpoint's layers,
     wherever placement finds room (the lost node takes nothing)."""
     spec = msgspec.structs.replace(record.spec, layers=list(record.checkpoint), host_view=False)
-    placed, _ = await _place(deps, spec, 1, restored_from=record.id, tenant=record.tenant)
-    ((node_id, stored),) = placed.items()
-    (result,) = await _launch_on(deps, node_id, stored)
+    (placed,), _ = await _place(deps, spec, 1, restored_from=record.id, tenant=record.tenant)
+    node_id = placed.batch.node
+    (result,) = await _launch_on(deps, placed)
     if not result.ok:
         raise ServiceError(result.code, f"launch failed on {node_id}: {result.error}")
     return CreateReply(id=result.id, node=node_id)
