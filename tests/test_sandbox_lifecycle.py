@@ -110,8 +110,10 @@ async def test_exec_timeout_kills_the_command(fleet):
         await sb.destroy()
 
 
-async def test_isolation_level_no_node_runs_is_an_explicit_error(fleet):
-    with pytest.raises(errors.Unsupported, match="'vm'"):  # microvm runs here now (tests/test_microvm.py)
+async def test_a_vm_level_sandbox_without_layers_is_a_typed_error(fleet):
+    """Every level runs on this node now (a level no node offers is placement's Unsupported:
+    tests/test_placement_policy.py); a VM's root is its layers, so none is a caller's mistake."""
+    with pytest.raises(errors.InvalidRequest, match="layers"):
         await fleet.create(isolation="vm")
 
 
