@@ -29,7 +29,8 @@ from linuxnode.vm.guest_image import GuestImage, default_dir
 from linuxnode.vm.machine import Accelerator
 from linuxnode.vm.runtime import Shape
 from schemas.sandbox import DesktopSpec
-from services.launcher.drivers.vm import VM_DESKTOP_PACKAGES, input_devices
+from linuxnode.vm.full_machine import VM_DESKTOP_PACKAGES
+from services.launcher.drivers.vm import input_devices
 from tests.kernel import require
 from tests.layer_trees import APPLETS, make_busybox_base
 

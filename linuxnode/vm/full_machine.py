@@ -31,6 +31,12 @@ FIRMWARE = "SeaBIOS"  # QEMU's default for q35: Debian's seabios (bios-256k.bin)
 DEFAULT_SCREEN = (1024, 768)  # a `vm` created without a desktop still has a screen
 MAX_SCREEN = (2560, 1600)
 KEYBOARD_ID, TABLET_ID, VGA_ID = "keyboard", "tablet", "screen"
+# What a layer needs to draw on this machine's screen, as Debian packages (what `sandfleet layer
+# build NAME --debian` takes): the X server (its modesetting driver runs on the bochs DRM card)
+# with the evdev input driver (the tablet and keyboard), core fonts, a window manager that gives
+# every window the whole screen, and light programs to drive (xterm; xcalc, xeyes in x11-apps).
+VM_DESKTOP_PACKAGES = ["xserver-xorg-core", "xserver-xorg-input-evdev", "xfonts-base",
+                       "matchbox-window-manager", "xterm", "x11-apps"]
 
 
 def vga_memory_mb(width: int, height: int) -> int:

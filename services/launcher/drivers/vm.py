@@ -10,7 +10,8 @@ layers bring an X server on the card's framebuffer (Debian's Xorg, modesetting d
 bochs DRM device, evdev for the tablet and keyboard) and a small window manager; the node
 starts them as the sandbox's processes through the agent, with an X config it writes naming
 the guest's input devices (no udev in the guest to find them). `sandfleet layer build
-vm-desktop --debian` with VM_DESKTOP_PACKAGES makes such a layer (README, "The vm level").
+vm-desktop --debian` with full_machine.VM_DESKTOP_PACKAGES makes such a layer (README, "The
+`vm` level").
 
 A `vm` without a `desktop` still has its card (1024x768): a screen is part of the machine.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from linuxnode.vm import machine, vm_guest
 from linuxnode.vm.display import MonitorScreen, qcodes, typed
-from linuxnode.vm.full_machine import DEFAULT_SCREEN, FIRMWARE, FullMachines, FullShape, screen_size
+from linuxnode.vm.full_machine import DEFAULT_SCREEN, FIRMWARE, VM_DESKTOP_PACKAGES, FullMachines, screen_size
 from linuxnode.vm.guest_image import default_dir
 from schemas import desktop as wire
 from schemas.layers import Rootfs
@@ -48,11 +49,6 @@ from services.launcher.keys import LOGGER, about
 log = logging.getLogger(LOGGER)
 
 SEABIOS = Path("/usr/share/seabios/bios-256k.bin")
-# The Debian packages of a layer a `vm` desktop runs on (what `sandfleet layer build NAME --debian`
-# takes): the X server and its input driver, core fonts, a window manager that gives every
-# window the whole screen, and light programs to drive (xterm; xcalc and xeyes in x11-apps).
-VM_DESKTOP_PACKAGES = ["xserver-xorg-core", "xserver-xorg-input-evdev", "xfonts-base",
-                       "matchbox-window-manager", "xterm", "x11-apps"]
 X_CONFIG = "/tmp/sandfleet-xorg.conf"
 X_LOG = "/tmp/sandfleet-xorg.log"
 X_UP = "test -S /tmp/.X11-unix/X0 && kill -0 $(cat /tmp/.X0-lock) 2>/dev/null"
@@ -183,7 +179,7 @@ class VMScreen:
                 said = self.said.decode(errors="replace").strip().splitlines()[-3:]
                 raise Unsupported(f"the X server ended at its start (status {self.ended}): "
                                   f"{' / '.join(said) or 'nothing said'} (see {X_LOG} in the sandbox); its "
-                                  "layers need a vm desktop (VM_DESKTOP_PACKAGES)")
+                                  f"layers need a vm desktop ({' '.join(VM_DESKTOP_PACKAGES)})")
             if await self._x_up():
                 return
             await asyncio.sleep(POLL_S)
@@ -206,7 +202,7 @@ class VMScreen:
             return await self.driver.spawn(self.sandbox, command, on_output, on_exit)
         except ExecFailed as exc:
             raise Unsupported(f"cannot start {argv[0]} in the vm ({exc}): its layers need a vm desktop "
-                              "(VM_DESKTOP_PACKAGES)") from None
+                              f"({' '.join(VM_DESKTOP_PACKAGES)})") from None
 
     def _end_x(self) -> None:
         for running in reversed(self.running):
