@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import struct
 import time
@@ -100,7 +101,9 @@ async def guest(fleet, platform, tmp_path_factory) -> GuestImage:
 
 @pytest.mark.timeout(900)
 async def test_a_vm_is_a_full_machine_on_the_guest_kernel_and_leaves_nothing(fleet, platform, guest):
-    assert "vm" in platform.cli("status").stdout.decode()
+    status = platform.cli("status").stdout.decode()
+    levels = re.search(r"isolation=(\S+)", status)
+    assert levels is not None and "vm" in levels.group(1).split(","), status
     sb = await _create_warm(fleet, layers=[LAYER], memory_mb=MEMORY_MB)
     try:
         r = await sb.exec(["uname", "-r"])
@@ -181,6 +184,10 @@ async def _until(sb: Sandbox, region: tuple[int, int, int, int], ok, what: str) 
         await asyncio.sleep(0.5)
 
 
+def _dark(rgb: bytes) -> int:
+    return sum(1 for i in range(0, len(rgb), 3) if rgb[i] < 80)
+
+
 def _light(rgb: bytes) -> int:
     return sum(1 for i in range(0, len(rgb), 3) if rgb[i] > 200 and rgb[i + 1] > 200 and rgb[i + 2] > 200)
 
@@ -212,9 +219,13 @@ async def test_a_vm_desktop_shows_what_was_typed_and_what_was_clicked(fleet, pla
         columns = _changed_columns(before, typed, SCREEN.width)
         word_x = (min(columns) + max(columns)) // 2 + 20  # within "vmdesk", right of "echo"
         await sb.mouse(word_x, 8, action="double")
-        clicked = _rgb(await _until(sb, band, lambda rgb: rgb != typed_now, "the selected word"))[2]
-        selected = _changed_columns(typed_now, clicked, SCREEN.width)
-        assert min(selected) <= word_x <= max(selected), (word_x, min(selected), max(selected))
+        # Reversed, the word's cells turn dark: far more dark pixels than the pointer's few dozen.
+        clicked = _rgb(await _until(sb, band, lambda rgb: _dark(rgb) > _dark(typed_now) + 200,
+                                    "the selected word"))[2]
+        darkened = {(i // 3) % SCREEN.width for i in range(0, len(clicked), 3)
+                    if clicked[i] < 80 and typed_now[i] >= 80}
+        assert min(darkened) <= word_x <= max(darkened), (word_x, min(darkened), max(darkened))
+        assert max(darkened) - min(darkened) < 80  # one word (6 characters of 6 pixels), not the line
     finally:
         await sb.destroy()
     assert await _gone(platform, sb.id) == []

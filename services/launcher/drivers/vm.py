@@ -51,6 +51,11 @@ log = logging.getLogger(LOGGER)
 SEABIOS = Path("/usr/share/seabios/bios-256k.bin")
 X_CONFIG = "/tmp/sandfleet-xorg.conf"
 X_LOG = "/tmp/sandfleet-xorg.log"
+# No TCP, no reset when the last client goes, no screen saver; no GLX: its software renderer
+# took ~20 s of X's ~45 s start in a TCG guest, and nothing here renders GL.
+X_OPTIONS = ["-nolisten", "tcp", "-noreset", "-s", "0", "-dpms", "-extension", "GLX", "vt1"]
+# X's socket and lock exist from early in its start: an X server a launcher before this one
+# started (a restart) is taken as up by them; one this launcher starts says so by -displayfd.
 X_UP = "test -S /tmp/.X11-unix/X0 && kill -0 $(cat /tmp/.X0-lock) 2>/dev/null"
 WINDOW_MANAGER = ["matchbox-window-manager", "-use_titlebar", "no"]
 START_S = 180.0  # for X to answer: its first start in a TCG guest on a loaded node
@@ -141,31 +146,43 @@ class VMScreen:
         self.running: list[RunningCommand] = []
         self.said = bytearray()
         self.ended: int | None = None
+        self.adopted = False  # an X server that answered before this launcher started one
+        self.ready = False  # the X server this launcher started takes clients
 
     async def start(self) -> None:
         async with self.starting:
             if self.monitor is None:
                 self.monitor = await MonitorScreen.open(self.sandbox.vm.run_dir, self.width, self.height)
-            if self.running and self.ended is None or await self._x_up():
-                return
+            if (self.running and self.ended is None) or (not self.running and self.adopted):
+                return  # it runs (a failed input is no reason to restart it under the sandbox's programs)
             self._end_x()
+            if await self._x_up():  # started by a launcher before this one (a restart)
+                self.adopted = True
+                return
             listing = await self._run(["sh", "-c", 'for e in /sys/class/input/event*; do '
                                        'printf "%s=%s\\n" "${e##*/}" "$(cat "$e/device/name")"; done'])
             devices = input_devices(listing.decode(errors="replace"))
             config = x_config(devices["tablet"], devices["keyboard"]).encode()
             await asyncio.to_thread(self.driver.write_file, self.sandbox, X_CONFIG, config, 0o644)
-            self.ended, self.said = None, bytearray()
-            self.running.append(await self._spawn(
-                ["Xorg", self.display, "-config", X_CONFIG, "-logfile", X_LOG, "-nolisten", "tcp", "-noreset",
-                 "-s", "0", "-dpms", "vt1"], self._heard, self._exited))
-            await self._wait_for_x()
+            self.ended, self.said, self.ready = None, bytearray(), False
+            try:
+                self.running.append(await self._spawn(
+                    ["Xorg", self.display, "-config", X_CONFIG, "-logfile", X_LOG, "-displayfd", "1", *X_OPTIONS],
+                    self._heard, self._exited))
+                await self._wait_for_x()
+            except BaseException:
+                self._end_x()  # the next request starts it again
+                raise
             try:  # without it windows open where their program says: usable, so only logged
                 self.running.append(await self._spawn(WINDOW_MANAGER, lambda _s, _d: None, lambda _w: None))
             except Unsupported as exc:
                 log.warning("sandbox %s: no window manager (%s)", self.sandbox.sandbox_id, exc,
                             extra=about(self.sandbox.sandbox_id))
 
-    def _heard(self, _stream: int, data: bytes) -> None:
+    def _heard(self, stream: int, data: bytes) -> None:
+        if stream == 1:  # -displayfd 1: the display's number, written once X takes clients
+            self.ready = self.ready or data.strip() == self.display.lstrip(":").encode()
+            return
         self.said += data
         del self.said[:-TAIL]
 
@@ -180,7 +197,7 @@ class VMScreen:
                 raise Unsupported(f"the X server ended at its start (status {self.ended}): "
                                   f"{' / '.join(said) or 'nothing said'} (see {X_LOG} in the sandbox); its "
                                   f"layers need a vm desktop ({' '.join(VM_DESKTOP_PACKAGES)})")
-            if await self._x_up():
+            if self.ready:
                 return
             await asyncio.sleep(POLL_S)
         raise TimeoutError(f"the X server did not answer within {START_S:g} s")
@@ -205,6 +222,7 @@ class VMScreen:
                               f"({' '.join(VM_DESKTOP_PACKAGES)})") from None
 
     def _end_x(self) -> None:
+        self.adopted = False
         for running in reversed(self.running):
             running.close()
         self.running = []
