@@ -19,18 +19,22 @@ A `vm` without a `desktop` still has its card (1024x768): a screen is part of th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from linuxnode.vm import machine, vm_guest
 from linuxnode.vm.display import MonitorScreen, qcodes, typed
 from linuxnode.vm.full_machine import DEFAULT_SCREEN, FIRMWARE, VM_DESKTOP_PACKAGES, FullMachines, screen_size
 from linuxnode.vm.guest_image import default_dir
+from linuxnode.vm.qmp import QmpError
+from sandfleet.errors import ServiceError
 from schemas import desktop as wire
+from schemas.errors import ErrorCode
 from schemas.layers import Rootfs
 from schemas.node import Confinement
 from schemas.sandbox import DesktopSpec, SandboxSpec
@@ -41,6 +45,7 @@ from services.launcher.drivers.base import (
     Instance,
     LaunchRefused,
     RunningCommand,
+    SandboxGone,
     Unsupported,
 )
 from services.launcher.drivers.microvm import MicroVMDriver, VMSandbox, _own
@@ -125,6 +130,15 @@ def input_devices(listing: str) -> dict[str, str]:
     return found
 
 
+@contextlib.contextmanager
+def _monitor_errors() -> Iterator[None]:
+    """QMP failing under a call means QEMU went (or refused what the node built): the sandbox's state."""
+    try:
+        yield
+    except QmpError as exc:
+        raise SandboxGone(f"the vm's monitor: {exc}") from None
+
+
 def _png(rgb: bytes, width: int, height: int, x: int, y: int, w: int, h: int, level: int) -> bytes:
     rgbx = bytearray(width * height * 4)
     for channel in range(3):
@@ -152,7 +166,8 @@ class VMScreen:
     async def start(self) -> None:
         async with self.starting:
             if self.monitor is None:
-                self.monitor = await MonitorScreen.open(self.sandbox.vm.run_dir, self.width, self.height)
+                with _monitor_errors():
+                    self.monitor = await MonitorScreen.open(self.sandbox.vm.run_dir, self.width, self.height)
             if (self.running and self.ended is None) or (not self.running and self.adopted):
                 return  # it runs (a failed input is no reason to restart it under the sandbox's programs)
             self._end_x()
@@ -245,29 +260,37 @@ class VMScreen:
             region.x, region.y, region.width, region.height)
         if x + w > self.width or y + h > self.height:
             raise ValueError(f"region {w}x{h} at ({x}, {y}) is not within the {self.width}x{self.height} screen")
-        rgb = await self._monitor().screendump()
+        with _monitor_errors():
+            try:
+                rgb = await self._monitor().screendump()
+            except ValueError as exc:  # QEMU's dump, checked as hostile: not the caller's request
+                raise ServiceError(ErrorCode.CONFLICT, f"the vm's screen is unreadable: {exc}") from None
         png = await asyncio.to_thread(_png, rgb, self.width, self.height, x, y, w, h, level)
         if len(png) > MAX_PNG:
-            raise ValueError(f"the screenshot is {len(png)} bytes, over the bus's limit: ask for a region")
+            raise ServiceError(ErrorCode.CAPACITY, f"the screenshot is {len(png)} bytes, over the bus's limit: "
+                                                   "ask for a region of the screen")
         return wire.Screenshot(x=x, y=y, width=w, height=h, screen_width=self.width,
                                screen_height=self.height), png
 
     async def pointer(self, x: int, y: int, button: str, action: str) -> None:
-        await self._monitor().pointer(x, y, button, action)
+        with _monitor_errors():
+            await self._monitor().pointer(x, y, button, action)
 
     async def keys(self, chords: list[str]) -> None:
         presses = [qcodes(wire.chord_keysyms(c)) for c in chords]  # all checked before any is sent
         for i, codes in enumerate(presses):
             if i:
                 await asyncio.sleep(0.012)
-            await self._monitor().press(codes)
+            with _monitor_errors():
+                await self._monitor().press(codes)
 
     async def type_text(self, text: str, delay_ms: int) -> None:
         presses = [typed(c) for c in text]
         for i, codes in enumerate(presses):
             if i and delay_ms:
                 await asyncio.sleep(delay_ms / 1000)
-            await self._monitor().press(codes)
+            with _monitor_errors():
+                await self._monitor().press(codes)
 
 
 class VMDriver(MicroVMDriver):
