@@ -133,6 +133,29 @@ async def test_a_vm_is_a_full_machine_on_the_guest_kernel_and_leaves_nothing(fle
     assert await _gone(platform, sb.id) == []
 
 
+async def test_a_vm_outlives_a_launcher_crash(fleet, platform, guest):
+    """The restarted launcher takes the machine back from its record, in the vm level's own
+    directory (a new agent channel to the same QEMU): the guest's files are still there."""
+    sb = await _create_warm(fleet, layers=[LAYER], memory_mb=MEMORY_MB)
+    try:
+        await sb.write_file("/workspace/kept", b"before the crash")
+        old = platform.service_pid("launcher")
+        os.kill(old, 9)
+        await platform.restarted(fleet, "launcher", old)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = await sb.exec(["cat", "/workspace/kept"])
+                break
+            except errors.NotFound:  # not re-adopted yet
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+        assert r.stdout == b"before the crash"
+    finally:
+        await sb.destroy()
+    assert await _gone(platform, sb.id) == []
+
+
 async def test_what_a_vm_cannot_have_is_refused_typed(fleet, guest):
     with pytest.raises(errors.InvalidRequest, match="host view"):
         await fleet.create(isolation="vm", host_view=True)
