@@ -128,6 +128,8 @@ async def test_a_vm_is_a_full_machine_on_the_guest_kernel_and_leaves_nothing(fle
         assert (r.exit_code, r.stdout, r.stderr) == (3, b"piped in", b"err\n")
         await sb.write_file("/workspace/f", b"written")
         assert await sb.read_file("/workspace/f") == b"written"
+        with pytest.raises(errors.Unsupported, match="no desktop"):
+            await sb.screenshot()  # the card is there, but a screen is asked for with desktop=
     finally:
         await sb.destroy()
     assert await _gone(platform, sb.id) == []
@@ -249,6 +251,15 @@ async def test_a_vm_desktop_shows_what_was_typed_and_what_was_clicked(fleet, pla
                     if clicked[i] < 80 and typed_now[i] >= 80}
         assert min(darkened) <= word_x <= max(darkened), (word_x, min(darkened), max(darkened))
         assert max(darkened) - min(darkened) < 80  # one word (6 characters of 6 pixels), not the line
+        # What this keyboard and screen cannot do is refused before anything is sent.
+        with pytest.raises(errors.InvalidRequest, match="US keyboard"):
+            await sb.type("naïve")
+        with pytest.raises(errors.InvalidRequest, match="F13"):
+            await sb.keys("F13")
+        with pytest.raises(errors.InvalidRequest, match="off the"):
+            await sb.mouse(SCREEN.width, 0)
+        with pytest.raises(errors.InvalidRequest, match="not within"):
+            await sb.screenshot((700, 500, 101, 10))
     finally:
         await sb.destroy()
     assert await _gone(platform, sb.id) == []
