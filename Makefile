@@ -2,14 +2,14 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-APT_PACKAGES := catatonit strace libseccomp2 iproute2 util-linux python3-venv nodejs npm erofs-utils busybox-static debootstrap crun libfuse3-dev pkg-config fuse3 python3-bpfcc linux-headers-$(shell dpkg --print-architecture) nftables apparmor gcc libc6-dev prometheus tmux qemu-system-x86 qemu-utils kmod
+APT_PACKAGES := catatonit strace libseccomp2 iproute2 util-linux python3-venv nodejs npm erofs-utils busybox-static debootstrap crun libfuse3-dev pkg-config fuse3 python3-bpfcc linux-headers-$(shell dpkg --print-architecture) nftables apparmor gcc libc6-dev prometheus tmux qemu-system-x86 qemu-utils seabios kmod
 NODE_STAMP := tests/node/node_modules/.installed
 
 .PHONY: install demo test schemas clean-venv bench fusion-layers
 
 install: $(STAMP) $(NODE_STAMP)
 
-$(STAMP): pyproject.toml infra/install-deps.sh infra/bcc-in-venv.sh infra/guest-kernel.sh linuxnode/vm/guest/agent.c linuxnode/vm/guest/init linuxnode/vm/guest_image.py Makefile
+$(STAMP): pyproject.toml infra/install-deps.sh infra/bcc-in-venv.sh infra/guest-kernel.sh linuxnode/vm/guest/agent.c linuxnode/vm/guest/init linuxnode/vm/guest_image.py linuxnode/vm/vm_guest.py Makefile
 	bash infra/install-deps.sh $(APT_PACKAGES)
 	test -x $(PY) || /usr/bin/python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

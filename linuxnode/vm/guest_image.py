@@ -62,10 +62,10 @@ class GuestImage:
         return cls(kernel, initramfs, release.read_text().strip(), digest.hexdigest()[:16])
 
 
-def module_order(tree: Path, release: str) -> list[Path]:
-    """Every module MODULES needs, each once, dependencies first (as modprobe would load them)."""
+def module_order(tree: Path, release: str, names: tuple[str, ...] = MODULES) -> list[Path]:
+    """Every module `names` need, each once, dependencies first (as modprobe would load them)."""
     order: list[Path] = []
-    for name in MODULES:
+    for name in names:
         shown = subprocess.run(["modprobe", "-d", str(tree), "-S", release, "--show-depends", name],
                                capture_output=True, text=True, check=True).stdout
         for line in shown.splitlines():
@@ -95,7 +95,7 @@ def uncompressed_kernel(bzimage: bytes) -> bytes:
     return elf
 
 
-def _cpio(entries: list[tuple[str, int, bytes]]) -> bytes:
+def cpio(entries: list[tuple[str, int, bytes]]) -> bytes:
     """A `newc` archive of (name, mode, content); directories have mode 0o040xxx, links 0o120xxx."""
     out = bytearray()
     for ino, (name, mode, data) in enumerate([*entries, ("TRAILER!!!", 0, b"")], start=1):
@@ -127,7 +127,7 @@ def build(unpacked: Path, out: Path) -> GuestImage:
         entries += [(f"modules/{m.name}", 0o100644, m.read_bytes()) for m in modules]
     out.mkdir(parents=True, exist_ok=True)
     partial = out / "initramfs.img.part"
-    partial.write_bytes(gzip.compress(_cpio(entries), compresslevel=6, mtime=0))
+    partial.write_bytes(gzip.compress(cpio(entries), compresslevel=6, mtime=0))
     elf = out / "vmlinux.part"
     elf.write_bytes(uncompressed_kernel(kernel.read_bytes()))
     if shutil.which("objcopy"):  # 66 MB with symbols, which nothing here reads

@@ -106,9 +106,8 @@ class MicroVMs:
             state = await self.saved_state(shape, images) if self.snapshots else None
         run_dir = self.vms_dir / sandbox_id
         run_dir.mkdir()
-        spec = MachineSpec(self.guest, self.accelerator, shape.vcpus, shape.memory_mb, tuple(map(str, images)),
-                           Path("."), disk_mb=disk_mb, incoming=state is not None, uid=machine.vm_uid(sandbox_id),
-                           network="policed" if shape.network else "")
+        spec = self.spec(shape, images, disk_mb=disk_mb, incoming=state is not None, uid=machine.vm_uid(sandbox_id),
+                         network="policed" if shape.network else "")
         try:
             pid = machine.spawn(spec, self.qemu, cgroup_procs, netns, state, cwd=run_dir)
         except OSError as exc:
@@ -150,6 +149,12 @@ class MicroVMs:
             log.info("sandbox %s: its guest ended %d command(s) of the launcher before", sandbox_id, killed)
         return channel
 
+    def spec(self, shape: Shape, images: list[Path], **options: object) -> MachineSpec:
+        """The machine of `shape` over `images`, its sockets named relative to its directory; a
+        level with another machine (full_machine.py) gives its own."""
+        return MachineSpec(self.guest, self.accelerator, shape.vcpus, shape.memory_mb, tuple(map(str, images)),
+                           Path("."), **options)  # type: ignore[arg-type]
+
     # -- saved machine states ---------------------------------------------------------------------
 
     async def saved_state(self, shape: Shape, images: list[Path]) -> Path:
@@ -167,9 +172,7 @@ class MicroVMs:
         run_dir = self.vms_dir / f"boot-{key}"
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir()
-        spec = MachineSpec(self.guest, self.accelerator, shape.vcpus, shape.memory_mb, tuple(map(str, images)),
-                           Path("."), uid=machine.vm_uid(key),
-                           network="sealed" if shape.network else "")
+        spec = self.spec(shape, images, uid=machine.vm_uid(key), network="sealed" if shape.network else "")
         pid = machine.spawn(spec, self.qemu, [], "", None, cwd=run_dir)
         stat = procfs.read_stat(pid)
         partial = state.with_suffix(".part")

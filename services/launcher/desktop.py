@@ -11,8 +11,9 @@ outside with the driver's `read_file` and encode it to PNG on the node (framebuf
 nothing of the platform runs or listens inside the sandbox, and no screenshot spawns a process.
 
 Another level plugs in its own `Screen` through its driver: a driver with a `screen(instance,
-desktop)` method (a VM level, through its hypervisor's monitor: screen dump and input events)
-is asked for it instead of `XDisplay`.
+desktop)` method is asked for it instead of `XDisplay`. The `vm` level does (drivers/vm.py
+`VMScreen`): its screen is the machine's card, read and fed through QEMU's monitor (QMP screen
+dump and input events), with X in the guest started through the agent.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The drivers this node has, by isolation level: `process` always, `container` where crun was
-found to work at start, `microvm` where QEMU and a built guest are (linuxnode/vm). See
+found to work at start, `microvm` where QEMU and a built guest are (linuxnode/vm), `vm` where
+SeaBIOS and the vm guest are too (linuxnode/vm/full_machine.py). See
 drivers/base.py for the interface and how a level plugs in."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from services.launcher.drivers.base import Anchor, Driver, LaunchRefused
 from services.launcher.drivers.container import ContainerDriver, detect_crun
 from services.launcher.drivers.microvm import detect_microvm
 from services.launcher.drivers.process import ProcessDriver
+from services.launcher.drivers.vm import detect_vm
 
 log = logging.getLogger("sandfleet.launcher")
 
@@ -49,6 +51,10 @@ class Drivers:
         if microvm is not None:
             drivers["microvm"] = microvm
         log.info("microvm: %s", microvm_status)
+        vm, vm_status = await detect_vm(state_dir)  # a full machine: q35, firmware, a screen
+        if vm is not None:
+            drivers["vm"] = vm
+        log.info("vm: %s", vm_status)
         return cls(drivers, microvm_status)
 
     def close(self) -> None:
