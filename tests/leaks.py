@@ -89,11 +89,12 @@ def lazy_daemons() -> list[str]:
 QEMU_COMM = "qemu-system-x86"  # a microVM's QEMU (its comm, cut to 15 characters)
 
 
-def microvm_left(data_dir: str, sandbox_id: str) -> list[str]:
-    """What of one microVM sandbox is still on the machine: its QEMU (found by its pid's
-    cgroup, which names the sandbox, or its working directory, the VM's directory) and the
-    VM's directory under the launcher's state (its sockets and QEMU's log)."""
-    run_dir = os.path.join(data_dir, "launcher", "microvm", "vms", sandbox_id)
+def microvm_left(data_dir: str, sandbox_id: str, level: str = "microvm") -> list[str]:
+    """What of one microVM (or `vm`) sandbox is still on the machine: its QEMU (found by its
+    pid's cgroup, which names the sandbox, or its working directory, the VM's directory) and
+    the VM's directory under the launcher's state of its level (its sockets, QEMU's log, a
+    `vm`'s screen note)."""
+    run_dir = os.path.join(data_dir, "launcher", level, "vms", sandbox_id)
     left = [f"vm dir {run_dir}"] if os.path.exists(run_dir) else []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         stat = _stat(pid)

@@ -33,6 +33,7 @@ from schemas.sandbox import DesktopSpec
 from linuxnode.vm.full_machine import VM_DESKTOP_PACKAGES
 from services.launcher.drivers.vm import input_devices
 from tests.kernel import require
+from tests.leaks import microvm_left
 from tests.layer_trees import APPLETS, make_busybox_base
 
 LAYER = "vmf-base"
@@ -43,29 +44,9 @@ SCREEN = DesktopSpec(width=800, height=600)
 SCREEN_WAIT_S = 300.0  # a hang guard: X and xterm's first paint in a TCG guest on a loaded node
 
 
-def vm_left(data_dir: str, sandbox_id: str) -> list[str]:
-    """What of one `vm` sandbox is still on the machine: its directory (sockets, QEMU's log,
-    the screen note) and any QEMU whose cwd is that directory or whose cgroup names the sandbox."""
-    run_dir = os.path.join(data_dir, "launcher", "vm", "vms", sandbox_id)
-    left = [f"vm dir {run_dir}"] if os.path.exists(run_dir) else []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().strip() != "qemu-system-x86":
-                    continue
-            cwd = os.readlink(f"/proc/{pid}/cwd")
-            with open(f"/proc/{pid}/cgroup") as f:
-                cgroup = f.read()
-        except OSError:
-            continue
-        if cwd == run_dir or f"/{sandbox_id}" in cgroup:
-            left.append(f"qemu {pid}")
-    return left
-
-
 async def _gone(platform, sandbox_id: str, wait_s: float = 10.0) -> list[str]:
     deadline = time.monotonic() + wait_s
-    while (left := vm_left(str(platform.data_dir), sandbox_id)) and time.monotonic() < deadline:
+    while (left := microvm_left(str(platform.data_dir), sandbox_id, "vm")) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     return left
 

@@ -95,11 +95,12 @@ def _own(instance: Instance) -> VMSandbox:
     return instance
 
 
-def _unsupported(what: str) -> Unsupported:
-    return Unsupported(f"{what} is not supported for isolation 'microvm' yet")
-
-
 class MicroVMDriver:
+    LEVEL = "microvm"  # the isolation it serves, as errors name it (VMDriver serves `vm`)
+
+    def _unsupported(self, what: str) -> Unsupported:
+        return Unsupported(f"{what} is not supported for isolation {self.LEVEL!r} yet")
+
     def __init__(self, vms: MicroVMs) -> None:
         self.vms = vms
         self.live: dict[str, VMSandbox] = {}
@@ -213,7 +214,7 @@ class MicroVMDriver:
                              on_exit: Callable[[int], None],
                              terminal: tuple[int, int] | None = None) -> GuestCommand:
         if command.uid >= 0:
-            raise _unsupported("running a command as the image's user")
+            raise self._unsupported("running a command as the image's user")
         try:
             return await sandbox.channel.start(list(command.argv), dict(command.env), command.cwd, on_output, on_exit,
                                                terminal)
@@ -344,7 +345,7 @@ class MicroVMDriver:
 
     async def connect_port(self, instance: Instance, host: str, port: int) -> socket.socket:
         sandbox = self._usable(instance)
-        ipv6 = loopback_is_ipv6(host, "microvm")
+        ipv6 = loopback_is_ipv6(host, self.LEVEL)
         try:
             opened = await sandbox.channel.open_port(ipv6, port)
         except GuestBroken as exc:
@@ -359,7 +360,7 @@ class MicroVMDriver:
         """Asked of the guest's agent (its /proc/net/tcp)."""
         sandbox = self._usable(instance)
         try:
-            return await sandbox.channel.port_listens(loopback_is_ipv6(host, "microvm"), port)
+            return await sandbox.channel.port_listens(loopback_is_ipv6(host, self.LEVEL), port)
         except GuestBroken as exc:
             raise SandboxGone(f"the microVM is gone: {exc}") from None
 
@@ -368,7 +369,7 @@ class MicroVMDriver:
     def open_upload(self, instance: Instance, path: str, kind: str, mode: int, depth: int) -> UploadSink:
         sandbox = self._usable(instance)
         if kind == "dir":
-            raise _unsupported("uploading a directory tree")
+            raise self._unsupported("uploading a directory tree")
         return self._on_guest(sandbox, lambda call: vm_files.FileSink(sandbox.channel, call, path, mode))
 
     def open_download(self, instance: Instance, path: str, chunk: int, depth: int) -> DownloadSource:
@@ -394,7 +395,7 @@ class MicroVMDriver:
             raise SandboxGone(f"the microVM is gone: {exc}") from None
 
     def open_watch(self, instance: Instance, path: str, recursive: bool, max_dirs: int):
-        raise _unsupported("watching files")
+        raise self._unsupported("watching files")
 
     async def spawn_terminal(self, instance: Instance, command: Command, cols: int, rows: int,
                              on_output: Callable[[int, bytes], None], on_exit: Callable[[int], None]) -> RunningTerminal:

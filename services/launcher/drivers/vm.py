@@ -297,6 +297,8 @@ class VMDriver(MicroVMDriver):
     """The microVM's driver over full machines (`vms` is a FullMachines): its start gives the
     machine its screen; everything after start is the microVM's."""
 
+    LEVEL = "vm"
+
     vms: FullMachines
 
     async def start(self, sandbox_id: str, spec: SandboxSpec, confinement: Confinement,
