@@ -41,8 +41,9 @@ def pool_key(spec: SandboxSpec) -> str:
 
 def poolable(spec: SandboxSpec) -> bool:
     """Whether a create of this spec may take a spare (a desktop's display is part of its
-    start, so a desktop is always built for its create)."""
-    return spec.desktop is None
+    start, so a desktop is always built for its create; a build sandbox's root and
+    capabilities are not an ordinary spare's)."""
+    return spec.desktop is None and not spec.build
 
 
 def shape_of(spec: SandboxSpec) -> SandboxSpec:
@@ -56,6 +57,8 @@ def refusal(spec: SandboxSpec) -> str:
     if used:
         return (f"a pool's spec is the shape of its sandboxes; {', '.join(used)} belong to each create "
                 f"and are applied when it claims a spare")
+    if spec.build:
+        return "a build sandbox (build=true) is the builder's own and cannot be pooled"
     if not poolable(spec):
         return "a desktop sandbox is built for its create and cannot be pooled"
     if spec.isolation in ("microvm", "vm"):

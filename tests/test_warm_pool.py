@@ -201,7 +201,8 @@ async def test_clearing_a_pool_destroys_its_spares_and_leaves_nothing(fleet, pla
 
 async def test_bad_pool_specs_get_typed_errors(fleet, platform):
     for bad in (dict(labels={"task": "x"}), dict(allow=["192.0.2.1:80"]),
-                dict(layers=["wp-base"], desktop=DesktopSpec()), dict(isolation="microvm", layers=["wp-base"])):
+                dict(layers=["wp-base"], desktop=DesktopSpec()), dict(isolation="microvm", layers=["wp-base"]),
+                dict(layers=["wp-base"], build=True)):
         with pytest.raises(errors.InvalidRequest):
             await fleet.set_pool(size=1, **bad)
     for size in (-1, pools_schema.MAX_POOL_SIZE + 1):
@@ -348,3 +349,13 @@ async def test_a_tenants_create_takes_a_spare_as_its_own_within_its_quota(fleet,
         assert time.monotonic() < deadline
         await asyncio.sleep(0.2)
     await fleet.set_quota(tenant="wp-carol")
+
+
+def test_a_build_create_never_takes_an_ordinary_spare():
+    """A build sandbox's root and capabilities are made at its launch: a create asking for one
+    of a pool's shape is built cold, and no pool can be of build sandboxes."""
+    shape = dict(isolation="process", layers=["wp-base"], memory_mb=96)
+    assert pools_schema.poolable(SandboxSpec(**shape))
+    assert pools_schema.pool_key(SandboxSpec(**shape, build=True)) == pools_schema.pool_key(SandboxSpec(**shape))
+    assert not pools_schema.poolable(SandboxSpec(**shape, build=True))
+    assert "build" in pools_schema.refusal(SandboxSpec(**shape, build=True))

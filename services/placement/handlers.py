@@ -130,6 +130,9 @@ async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = N
     admitted under already."""
     _check_allow(spec)
     owner = tenant if tenant is not None else (CALLER_TENANT.get() or "")
+    if spec.build and owner:  # refused before anything is stored (the launcher refuses it too)
+        raise ServiceError(ErrorCode.FORBIDDEN, "a build sandbox (build=true) is the platform's own "
+                                                f"(sandfleet layer build); tenant {owner} may not ask for one")
     spec = with_tenant(spec, owner)
     now = time.time()
     if admitted is not None:  # a claim that found no spare admitted it already
