@@ -418,8 +418,9 @@ def _status(args: argparse.Namespace) -> int:
             print(f"service {name:<10} {'up' if ok else 'DOWN'}")
         for n in await fleet.nodes():
             print(f"node    {n.id:<10} isolation={','.join(n.isolation)} running={n.running}/{n.capacity}")
-            if n.microvm:
-                print(f"        {'microvm':<14} {n.microvm}")
+            for level, line in (("microvm", n.microvm), ("vm", n.vm)):
+                if line:
+                    print(f"        {level:<14} {line}")
             try:
                 mechanisms = (await fleet.security(n.id)).mechanisms
             except errors.SandfleetError as exc:

@@ -77,6 +77,7 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     simulated: bool = False  # a load-test node (loadtest/): it accepts launches and creates nothing
     criu: str = ""  # process-level checkpoint: "on: <criu version>", or "off: <why>" (`criu check` is run at start)
     microvm: str = ""  # the `microvm` level: "on: tcg (no usable KVM: ...), ..." or "off: <why>"
+    vm: str = ""  # the `vm` level (a full machine): "on: tcg (...), q35 + SeaBIOS, ..." or "off: <why>"
     # Spares ready to claim, by pool key (schemas/pools.py); they count in `running` and the
     # allocations already, so a claim takes no new room.
     warm: dict[str, int] = {}

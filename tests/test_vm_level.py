@@ -85,6 +85,8 @@ async def test_a_vm_is_a_full_machine_on_the_guest_kernel_and_leaves_nothing(fle
     status = platform.cli("status").stdout.decode()
     levels = re.search(r"isolation=(\S+)", status)
     assert levels is not None and "vm" in levels.group(1).split(","), status
+    line = re.search(r"^\s+vm\s+(.*)$", status, re.M)  # its own status line, which accelerator and machine
+    assert line is not None and re.match(r"on: (tcg \(no usable KVM|kvm).*q35 \+ SeaBIOS", line.group(1)), status
     sb = await _create_warm(fleet, layers=[LAYER], memory_mb=MEMORY_MB)
     try:
         r = await sb.exec(["uname", "-r"])

@@ -60,6 +60,7 @@ def node_info(launcher: Launcher, config: ServiceConfig, memory_mb: int, layers:
         accepted_memory_mb=intake.accepted_memory_mb,
         criu=criu,
         microvm=launcher.drivers.microvm,
+        vm=launcher.drivers.vm,
         warm=pools.warm() if pools is not None else {},
     )
 

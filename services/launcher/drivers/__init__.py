@@ -33,9 +33,10 @@ def _usable(ids: userns.IdRange | None) -> userns.IdRange | None:
 
 
 class Drivers:
-    def __init__(self, drivers: dict[str, Driver], microvm: str = "") -> None:
+    def __init__(self, drivers: dict[str, Driver], microvm: str = "", vm: str = "") -> None:
         self.drivers = drivers
         self.microvm = microvm  # the node's status line for the level: `on: tcg (...)` or `off: <why>`
+        self.vm = vm  # the same for the `vm` level
 
     @classmethod
     async def open(cls, state_dir: Path, userns_setting: str = "") -> Drivers:
@@ -55,7 +56,7 @@ class Drivers:
         if vm is not None:
             drivers["vm"] = vm
         log.info("vm: %s", vm_status)
-        return cls(drivers, microvm_status)
+        return cls(drivers, microvm_status, vm_status)
 
     def close(self) -> None:
         for driver in reversed(list(self.drivers.values())):
