@@ -179,13 +179,56 @@ class ReplicatedJetStream(JetStreamContext):
         return await super().add_stream(config)
 
 
+class Refusals:
+    """The server's refusals of this connection's publishes, and the requests they cut short.
+
+    A publish these credentials may not make is dropped by the server, which says so at once
+    in an `-ERR` (nats-py's error callback); the request itself would only time out. So each
+    request notes its task while it waits, and a refusal of its subject cancels it, to leave
+    as Forbidden at once instead of a Timeout many seconds later."""
+
+    def __init__(self) -> None:
+        self._when: dict[str, float] = {}  # subject → when the server last refused a publish to it
+        self._waiting: dict[str, set[asyncio.Task]] = {}
+        self._cut: set[asyncio.Task] = set()
+
+    def asking(self, subject: str) -> asyncio.Task | None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._waiting.setdefault(subject, set()).add(task)
+        return task
+
+    def done(self, subject: str, task: asyncio.Task | None) -> None:
+        waiting = self._waiting.get(subject)
+        if waiting is not None:
+            waiting.discard(task)  # type: ignore[arg-type]
+            if not waiting:
+                del self._waiting[subject]
+
+    def refused(self, subject: str) -> None:
+        self._when[subject] = time.monotonic()
+        for task in self._waiting.pop(subject, ()):
+            if not task.done():
+                self._cut.add(task)
+                task.cancel()
+
+    def cut_short(self, task: asyncio.Task | None) -> bool:
+        """Whether this cancellation was a refusal's (then it is taken back), not the caller's."""
+        if task is None or task not in self._cut:
+            return False
+        self._cut.discard(task)
+        task.uncancel()
+        return True
+
+    def refused_since(self, subject: str, since: float) -> bool:
+        return self._when.get(subject, -1.0) >= since
+
+
 class Bus:
-    def __init__(self, nc: nats.NATS, name: str, refused: dict[str, float] | None = None) -> None:
+    def __init__(self, nc: nats.NATS, name: str, refusals: Refusals | None = None) -> None:
         self.nc = nc
         self.name = name
-        # Subject → when the server last refused this connection a publish to it (its `-ERR`
-        # comes at once, the request's timeout later): such a timeout is Forbidden.
-        self._refused = refused if refused is not None else {}
+        self._refusals = refusals if refusals is not None else Refusals()
         self._bulk_subjects = natspy_internals.read_bulk_in_place(nc)  # the raw endpoints' (serve)
         self.js: JetStreamContext = ReplicatedJetStream(nc, js_replicas())
         self._tasks: set[asyncio.Task] = set()
@@ -202,7 +245,7 @@ class Bus:
         found: none sent); a bus that refuses them says so in the NoResponders' message."""
         refused: list[str] = []  # nats-py retries a refused sign-in until the deadline: say why it timed out
 
-        refused_publishes: dict[str, float] = {}
+        refusals = Refusals()
 
         async def quiet(exc: Exception) -> None:  # nats-py prints a traceback for every hiccup otherwise
             log.debug("nats: %s", exc)
@@ -210,7 +253,7 @@ class Bus:
                 refused.append(str(exc))
             denied = _REFUSED_PUBLISH.search(str(exc))
             if denied:
-                refused_publishes[denied.group(1)] = time.monotonic()
+                refusals.refused(denied.group(1))
 
         try:
             signed = credentials.connect_options(url, creds)
@@ -225,7 +268,7 @@ class Bus:
                 raise errors.NoResponders(f"NATS at {url} refused the credentials (or wants some): see "
                                           f"`sandfleet tenant add`, --creds, ${credentials.CREDS_ENV}") from None
             raise errors.NoResponders(f"cannot reach NATS at {url}: {str(exc) or 'timed out'}") from None
-        return cls(nc, name, refused_publishes)
+        return cls(nc, name, refusals)
 
     async def close(self) -> None:
         for service in self._services:
@@ -271,16 +314,21 @@ class Bus:
         sent and its reply read with fewer copies (natspy_internals.request_bulk), the reply's
         body then a bytearray."""
         asked = time.monotonic()
+        task = self._refusals.asking(subject)
         try:
             if bulk:
                 resp = await natspy_internals.request_bulk(self.nc, subject, headers, payload, timeout)
             else:
                 resp = await self.nc.request(subject, payload, timeout=timeout,  # type: ignore[arg-type]
                                              headers=headers)
+        except asyncio.CancelledError:
+            if not self._refusals.cut_short(task):
+                raise
+            raise errors.Forbidden(f"the bus does not let these credentials ask {subject}", subject=subject) from None
         except nats.errors.NoRespondersError:
             raise errors.NoResponders(f"no service answers {subject}", subject=subject) from None
         except nats.errors.TimeoutError:
-            if self._refused.get(subject, -1.0) >= asked:
+            if self._refusals.refused_since(subject, asked):
                 raise errors.Forbidden(f"the bus does not let these credentials ask {subject}",
                                        subject=subject) from None
             raise errors.Timeout(f"no reply on {subject} within {timeout:g}s", subject=subject) from None
@@ -288,6 +336,8 @@ class Bus:
             raise errors.InvalidRequest(
                 f"request of {len(payload)} bytes exceeds the bus's maximum payload", subject=subject
             ) from None
+        finally:
+            self._refusals.done(subject, task)
         failure = reply_error(resp, subject)
         if failure is not None:
             raise failure

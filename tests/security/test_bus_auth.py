@@ -345,3 +345,17 @@ async def test_what_the_bus_will_not_carry_for_a_tenant_is_forbidden(alice, flee
         assert (await fleet.get(sb.id)).state is sandbox.State.RUNNING
     finally:
         await sb.destroy()
+
+
+async def test_a_refused_request_is_forbidden_as_soon_as_the_server_says_so(alice):
+    """The server's -ERR comes at once; the request would wait out its own timeout. Asked with a
+    timeout of 120 s, the refusal must arrive well inside 60 (a broken cut-short would time out
+    here, not at 120), and the connection goes on serving what it may ask."""
+    asked = alice.bus.request(node.subject("any-node", node.PAUSE_SELECTED), {"labels": {}}, node.Empty, timeout=120)
+    with pytest.raises(errors.Forbidden, match="pause"):
+        await asyncio.wait_for(asked, 60)
+    assert await alice.list() is not None  # its own requests still answered
+    tasks = [alice.bus.request(node.subject("any-node", node.RESUME_SELECTED), {"labels": {}}, node.Empty,
+                               timeout=120) for _ in range(5)]  # several waiting at once: each told
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+    assert all(isinstance(r, errors.Forbidden) for r in results), results
