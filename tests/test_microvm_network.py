@@ -14,21 +14,19 @@ import asyncio
 import ipaddress
 import os
 import shutil
-import subprocess
-from dataclasses import dataclass, field
 
 import pytest
 
 import sandfleet
 from sandfleet import errors
 from sandfleet.layers_client import Layers
-from linuxnode import netns, veth
+from linuxnode import veth
 from linuxnode.vm.guest_image import GuestImage, default_dir
 from tests.conftest import NODE_ID, own_platform
 from tests.kernel import require
 from tests.layer_trees import APPLETS, make_busybox_base
 from tests.leaks import microvm_left
-from tests.security.netlab import ip, start_fake_internet
+from tests.security.netlab import NodeInternet
 from tests.security.test_egress_platform import Watch
 
 pytestmark = pytest.mark.kernel
@@ -56,49 +54,14 @@ def _subnet() -> str:
     return str(list(mine.subnets())[1])
 
 
-@dataclass
-class Internet:
-    """node ── sfv<pid> LINK_HOST ── eth0 LINK_PEER [namespace: INTERNET_NET hosts, DNS]"""
-
-    link: str = field(default_factory=lambda: f"sfv{os.getpid() % 100000}")
-    owner: str = field(default_factory=lambda: f"vmnlab{os.getpid()}")  # never a node's id
-    ns: str = ""
-    proc: subprocess.Popen | None = None
-
-    def up(self) -> None:
-        self.ns = netns.create(self.owner, "internet")
-        try:
-            ip("link", "add", self.link, "type", "veth", "peer", "name", "eth0", "netns", os.path.basename(self.ns))
-            ip("addr", "add", f"{LINK_HOST}/24", "dev", self.link)
-            ip("link", "set", self.link, "up")
-            with open(f"/proc/sys/net/ipv4/conf/{self.link}/forwarding", "w") as f:
-                f.write("1")
-            ip("route", "add", INTERNET_NET, "via", LINK_PEER, "dev", self.link)
-            ip("addr", "add", f"{LINK_PEER}/24", "dev", "eth0", ns=self.ns)
-            ip("link", "set", "eth0", "up", ns=self.ns)
-            for host in sorted({h for key in ("http", "udp", "dns") for h, _ in INTERNET[key]}):
-                ip("addr", "add", f"{host}/32", "dev", "lo", ns=self.ns)
-            ip("route", "add", "default", "via", LINK_HOST, ns=self.ns)
-            self.proc = start_fake_internet(self.ns, INTERNET)
-        except BaseException:
-            self.down()
-            raise
-
-    def down(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-        subprocess.run(["ip", "link", "del", self.link], capture_output=True)
-        netns.remove(self.owner, "internet")
-
-
 @pytest.fixture(scope="module")
 def vm_platform(tmp_path_factory):
     require(os.geteuid() == 0, "microVMs need root")
     require(shutil.which("qemu-system-x86_64") is not None, "qemu-system-x86 is installed")
     require(shutil.which("nft") is not None, "nft is installed (Debian nftables)")
     require(isinstance(GuestImage.find(default_dir()), GuestImage), "a built guest (make install)")
-    internet = Internet()
+    internet = NodeInternet(INTERNET, link=f"sfv{os.getpid() % 100000}", owner=f"vmnlab{os.getpid()}",
+                            link_host=LINK_HOST, link_peer=LINK_PEER, internet_net=INTERNET_NET)
     internet.up()
     try:
         env = {"SANDFLEET_DNS_UPSTREAM": f"{UPSTREAM[0]}:{UPSTREAM[1]}", "SANDFLEET_EGRESS_SUBNET": _subnet()}

@@ -204,30 +204,35 @@ class NodeInternet:
 
     The link, its route and its forwarding flag are the test's own and go with the link;
     nothing else of the host's network changes. Replies to the node's NAT come in on this
-    link, so it forwards (the node's veths forward what comes from its sandboxes).
+    link, so it forwards (the node's veths forward what comes from its sandboxes). A module
+    that runs beside another one's internet gives its own link name, owner and addresses.
     """
 
     config: dict
     link: str = field(default_factory=lambda: f"sft{os.getpid() % 100000}")
+    owner: str = NODE  # whose namespace it is (never a platform node's id)
+    link_host: str = "10.77.0.1"
+    link_peer: str = "10.77.0.2"
+    internet_net: str = "10.77.100.0/24"
     netns: str = ""
     _proc: subprocess.Popen | None = None
 
     def up(self) -> None:
-        self.netns = netns.create(NODE, "node-internet")
+        self.netns = netns.create(self.owner, "node-internet")
         name = os.path.basename(self.netns)
         try:
             ip("link", "add", self.link, "type", "veth", "peer", "name", "eth0", "netns", name)
-            ip("addr", "add", "10.77.0.1/24", "dev", self.link)
+            ip("addr", "add", f"{self.link_host}/24", "dev", self.link)
             ip("link", "set", self.link, "up")
             with open(f"/proc/sys/net/ipv4/conf/{self.link}/forwarding", "w") as f:
                 f.write("1")
-            ip("route", "add", "10.77.100.0/24", "via", "10.77.0.2", "dev", self.link)
-            ip("addr", "add", "10.77.0.2/24", "dev", "eth0", ns=self.netns)
+            ip("route", "add", self.internet_net, "via", self.link_peer, "dev", self.link)
+            ip("addr", "add", f"{self.link_peer}/24", "dev", "eth0", ns=self.netns)
             ip("link", "set", "eth0", "up", ns=self.netns)
             hosts = {h for key in ("tcp", "udp", "http", "dns") for h, _ in self.config.get(key, [])}
             for host in sorted(hosts):
                 ip("addr", "add", f"{host}/32", "dev", "lo", ns=self.netns)
-            ip("route", "add", "default", "via", "10.77.0.1", ns=self.netns)
+            ip("route", "add", "default", "via", self.link_host, ns=self.netns)
             self._proc = start_fake_internet(self.netns, self.config)
         except BaseException:
             self.down()
@@ -239,7 +244,7 @@ class NodeInternet:
             self._proc.wait()
             self._proc = None
         subprocess.run(["ip", "link", "del", self.link], capture_output=True)
-        netns.remove(NODE, "node-internet")
+        netns.remove(self.owner, "node-internet")
 
 
 class NetnsLoop:
