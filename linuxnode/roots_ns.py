@@ -90,10 +90,48 @@ def _in_thread(fn):
     return value
 
 
+# What sandbox platforms mount on a host: layers, roots, upper-dir tmpfs, namespace names, lazy
+# layers' FUSE files. A namespace copied from the host gets a copy of each, which would keep
+# its file system alive after the host unmounts it (where `/` is private nothing propagates).
+_SANDBOX_TYPES = ("erofs", "overlay", "nsfs")
+_SANDBOX_SOURCES = ("upper", "sandfleet-lazy")
+_PRUNED_DIRS = ("/run/netns",)
+_SYSTEM = ("/", "/usr", "/etc", "/bin", "/sbin", "/lib", "/lib64", "/opt", "/var", "/boot", "/nix")
+
+
+def prune_copied_sandbox_mounts() -> int:
+    """Detach, in the calling thread's (new, private or slave) mount namespace, every mount a
+    sandbox platform made on the host that it was copied with (see _SANDBOX_TYPES), and
+    everything beneath /run/netns; never a system directory. Returns how many went. Uses the
+    standard library only: the spawner calls it."""
+    with open("/proc/thread-self/mountinfo") as f:
+        lines = f.read().splitlines()
+    points = []
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 2:
+            continue
+        point = fields[4].encode().decode("unicode_escape")
+        sandbox = (tail[0] in _SANDBOX_TYPES or tail[1] in _SANDBOX_SOURCES
+                   or any(point.startswith(d + "/") for d in _PRUNED_DIRS))
+        if sandbox and point not in _SYSTEM:
+            points.append(point)
+    gone = 0
+    for point in sorted(points, key=lambda p: p.count("/"), reverse=True):
+        try:
+            linux.umount2(point, linux.MNT_DETACH)
+            gone += 1
+        except OSError:
+            pass  # gone already with a parent
+    return gone
+
+
 def _new_namespace() -> int:
     def make() -> int:
         linux.unshare(CLONE_FS | linux.CLONE_NEWNS)  # this thread only
         linux.mount(None, "/", None, linux.MS_REC | MS_SLAVE)  # the host's reach in, ours never out
+        prune_copied_sandbox_mounts()  # other nodes' on this host, and what an older version left
         return os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
 
     return _in_thread(make)

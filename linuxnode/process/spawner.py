@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from linuxnode import layered_root, userns
+from linuxnode import layered_root, roots_ns, userns
 from linuxnode import syscalls as linux
 from linuxnode.process import children, protocol, rootfs
 from linuxnode.process.protocol import Ping, Request, Signal, StartInit, StartInitOnRoot
@@ -48,22 +48,15 @@ def _children_in_new_pidns():
         linux.restore_signals(blocked)
 
 
-_PRUNED = ("/run/netns",)  # where the host holds one mount per sandbox (its network namespace's name)
-
-
 def _own_mount_namespace() -> None:
-    """Live in a private copy of the host's mount namespace, without the mounts beneath
-    _PRUNED: each init's unshare copies this table, so it is kept the size it was at start
-    whatever the host gains later (roots are composed elsewhere: linuxnode.roots_ns)."""
+    """Live in a private copy of the host's mount namespace without the sandbox mounts the host
+    held when it was made (other nodes' roots, every network namespace's name): each init's
+    unshare copies this table, so it stays the size it was whatever the host gains later
+    (roots are composed in the node's roots namespace: linuxnode.roots_ns)."""
     try:
         linux.unshare(linux.CLONE_NEWNS)  # the spawner is one thread: the process moves
         linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
-        with open("/proc/self/mountinfo") as f:
-            points = [line.split()[4] for line in f]
-        for point in sorted(points, key=lambda p: p.count("/"), reverse=True):
-            if any(point.startswith(top + "/") for top in _PRUNED):
-                with contextlib.suppress(OSError):
-                    linux.umount2(point.encode().decode("unicode_escape"), linux.MNT_DETACH)
+        roots_ns.prune_copied_sandbox_mounts()
     except OSError as exc:  # inits then copy the host's table, as before
         os.write(2, f"sandfleet spawner: no mount namespace of its own: {exc}\n".encode())
 

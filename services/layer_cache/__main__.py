@@ -12,6 +12,9 @@ leaves the roots over its images broken: they are marked so and an event says wh
 Every mount it makes is in the node's roots namespace (linuxnode.roots_ns), entered before
 anything else (the FUSE daemon it starts is born there too), so the host's mount table does
 not grow with sandboxes; a clean stop that leaves no root unpins the namespace.
+SANDFLEET_ROOTS_NS=host keeps them in the host's table instead (roots readable by their
+paths from anywhere on the host, as the layer-cache's own module tests read them; the
+launcher finds no pin and takes roots from its own namespace).
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ def enter_roots_namespace(node_id: str) -> int:
 
 
 async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
-    host_ns = enter_roots_namespace(config.node_id)
+    own_namespace = os.environ.get("SANDFLEET_ROOTS_NS", "") != "host"
+    host_ns = enter_roots_namespace(config.node_id) if own_namespace else -1
     layout = Layout(config.data_dir / "layer-cache")
     ids = userns.node_range()  # sandbox roots' host ids: layers are mounted idmapped to them
     budget = int(os.environ.get("SANDFLEET_LAYER_CACHE_MB", DEFAULT_BUDGET_MB)) << 20
@@ -115,9 +119,10 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
         lazy.daemon.stop()
     else:
         lazy.daemon.detach()  # roots read through it: it serves on for the next instance
-    if not composer.live and not composer.mounts.mounted:
-        roots_ns.remove(config.node_id, host_ns)  # nothing in it is anyone's: it ends with us
-    os.close(host_ns)
+    if own_namespace:
+        if not composer.live and not composer.mounts.mounted:
+            roots_ns.remove(config.node_id, host_ns)  # nothing in it is anyone's: it ends with us
+        os.close(host_ns)
 
 
 if __name__ == "__main__":

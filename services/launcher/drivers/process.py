@@ -194,7 +194,7 @@ class ProcessDriver:
         if sandbox.rootfs is None:
             raise NoWritableLayer(f"sandbox {sandbox.sandbox_id} has no layers (host_view): "
                                   "it has no writable layer to pack")
-        return Path(sandbox.rootfs.upper)  # the overlay's upper dir, which holds /workspace too
+        return Path(self.host_path(sandbox.rootfs.upper))  # the overlay's upper dir, which holds /workspace too
 
     async def leftovers(self, keep: set[str]) -> list[str]:
         return []  # a process sandbox leaves nothing the agent and layer-cache do not reclaim
