@@ -1,5 +1,7 @@
-"""A sandbox root made from layers: the composed overlay (the layer-cache's `Rootfs.path`)
-used as `/`, writable, with the sandbox's own /dev, /proc and /tmp mounted into it.
+"""A sandbox root made from layers: the composed overlay (the layer-cache's `Rootfs.path`, in
+the node's roots namespace: linuxnode.roots_ns) used as `/`, writable, with the sandbox's own
+/dev, /proc and /tmp mounted into it. It reaches the sandbox's namespace as a detached clone
+of the overlay (open_tree), attached there: it is never mounted in the host's table.
 
 The overlay's content is the user's: any path in it may be a symlink planted to point at
 the host (`dev -> /`), and every mount below is made as root before the sandbox is sealed.
