@@ -1,6 +1,7 @@
 """The node's roots namespace: one mount namespace per node where every sandbox root is
 composed (EROFS layers, overlays, upper-dir tmpfs, the lazy layers' FUSE mount), so the
-host's mount table stays the size it was however many sandboxes run.
+host's mount table does not grow by a root's mounts however many sandboxes run (each
+sandbox's network namespace name, linuxnode.netns, is still one mount of the host's).
 
 Why: every new mount namespace starts as a copy of the one it is made from, and the kernel
 copies (and later tears down) each mount. With each sandbox adding its mounts to the host's
@@ -15,7 +16,8 @@ the host's namespace, which is older, so the kernel allows it; on a mount that d
 propagate, which a bind of a mount-namespace file needs), so it outlives the processes in
 it: a restarted layer-cache enters the same namespace and finds its roots there. Its `/`
 is a slave of the host's: mounts the host makes later (a new disk) are seen inside, nothing
-made inside reaches the host.
+made inside reaches the host. It starts as a copy of the host's table without the sandbox
+mounts in it (other nodes' roots on the same host: a copy would keep them alive).
 
 The layer-cache (and the FUSE daemon it starts, which inherits it) *lives* in it: `enter()`
 at start, before it mounts anything, so its mount code and `/proc/self/mountinfo` read as
