@@ -39,6 +39,32 @@ def roots_mounts_of(plat) -> list[str]:
     return [line.split()[4] for line in text.splitlines() if str(plat.data_dir) in line.split()[4]]
 
 
+def runtime_tables(plat) -> dict[str, int]:
+    """Sizes of the mount tables every new sandbox namespace is copied from: the spawner's
+    (each `process` init unshares from it) and crun's (each container's: the launcher's
+    threads in a namespace that is neither the launcher's nor the roots namespace), found by
+    the platform's data dir in their environment."""
+    found = {}
+    roots = os.stat(roots_ns.pin_path(NODE)).st_ino
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"SANDFLEET_DATA_DIR={plat.data_dir}".encode() not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            if any(b"linuxnode.process.spawner" in a for a in argv):
+                found["spawner"] = sum(1 for _ in open(f"/proc/{pid}/mountinfo"))
+            elif b"services.launcher" in argv:
+                own = os.stat(f"/proc/{pid}/ns/mnt").st_ino
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    if os.stat(f"/proc/{pid}/task/{tid}/ns/mnt").st_ino not in (own, roots):
+                        found["crun"] = sum(1 for _ in open(f"/proc/{pid}/task/{tid}/mountinfo"))
+        except OSError:
+            continue
+    return found
+
+
 @pytest.fixture(scope="module")
 def plat(leak_check, tmp_path_factory):
     require(os.geteuid() == 0, "mounting needs root")
@@ -76,9 +102,13 @@ async def test_host_table_stays_flat_with_sandboxes_of_both_levels_and_after_res
     if "container" not in next(n for n in await fleet.nodes() if n.id == NODE).isolation:
         pytest.skip("this node offers no container level")
     empty_host = host_mounts_of(plat)
+    await (await fleet.create(isolation="container", layers=[layer], memory_mb=64)).destroy()  # crun's pool is up
+    copied_from = runtime_tables(plat)
+    assert set(copied_from) == {"spawner", "crun"}
     boxes = await _make(fleet, layer)
     try:
         await asyncio.gather(*(_answers(b, f"w{i}") for i, b in enumerate(boxes)))
+        assert runtime_tables(plat) == copied_from  # what each new sandbox namespace copies: constant
         host = host_mounts_of(plat)
         # The only mounts of the platform's on the host: one network namespace name per sandbox.
         assert sorted(set(host) - set(empty_host)) == sorted(f"/run/netns/sf-{NODE}.{b.id}" for b in boxes)
