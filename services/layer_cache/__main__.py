@@ -62,8 +62,14 @@ def enter_roots_namespace(node_id: str) -> int:
 
 
 async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
-    own_namespace = os.environ.get("SANDFLEET_ROOTS_NS", "") != "host"
-    host_ns = enter_roots_namespace(config.node_id) if own_namespace else -1
+    own_namespace, host_ns = os.environ.get("SANDFLEET_ROOTS_NS", "") != "host", -1
+    if own_namespace:
+        try:
+            host_ns = enter_roots_namespace(config.node_id)
+        except OSError as exc:  # roots then go to the host's table, as before; the launcher finds no pin
+            log.error("no roots namespace for node %s (%s): roots are mounted in the host's mount table",
+                      config.node_id, exc)
+            own_namespace = False
     layout = Layout(config.data_dir / "layer-cache")
     ids = userns.node_range()  # sandbox roots' host ids: layers are mounted idmapped to them
     budget = int(os.environ.get("SANDFLEET_LAYER_CACHE_MB", DEFAULT_BUDGET_MB)) << 20
