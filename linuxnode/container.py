@@ -12,7 +12,8 @@ cgroup namespace is rooted there, and no sandbox code ever runs outside them (wh
 done in it reaches the host) and, on hybrid hosts, without the v2 hierarchy, since crun 1.8
 refuses to create a container while it sees a cgroup v2 mount that is not the only one. The
 pool threads that run crun live in it. It never gets the host's later mounts: each container's
-root is cloned from the host (open_tree) and attached at `<bundle>/rootfs` just for the call,
+root is cloned where it is composed (open_tree in the node's roots namespace, linuxnode.roots_ns)
+and attached at `<bundle>/rootfs` just for the call,
 and its network namespace is named through our fd of it. So the mount table crun copies for
 every container stays the size it was at start instead of growing with every live sandbox
 (copying 6,000 mounts costs ~28 ms of CPU here, and crun copies and tears down the table of
@@ -86,6 +87,9 @@ class ContainerSpec:
     id_host: int = 0
     hostname: str = "sandbox"
     apparmor_profile: str = ""  # loaded by the node agent where the kernel runs AppArmor
+    # The root as a detached mount tree (the caller's fd), cloned where roots are composed (the
+    # node's roots namespace, linuxnode.roots_ns); -1: cloned from `rootfs` in our own namespace.
+    root_tree: int = -1
 
 
 def bundle_config(spec: ContainerSpec, shim: tuple[str, list[str]] | None = None) -> dict:
@@ -225,12 +229,12 @@ class Crun:
             os.rmdir(target)
         return code, helpers
 
-    async def _run_bundle(self, sandbox_id: str, bundle: Path, config: dict, rootfs: str, netns_path: str | None,
+    async def _run_bundle(self, sandbox_id: str, bundle: Path, config: dict, tree: int, netns_path: str | None,
                           cgroup_procs: list[str]) -> None:
-        """Write the bundle (its root at `<bundle>/rootfs`, its netns named through our fd) and run it."""
+        """Write the bundle (its root the detached mount `tree`, attached for the run; its netns
+        named through our fd) and run it."""
         fds: list[int] = []
         try:
-            fds.append(tree := mount_api.clone_tree(rootfs, recursive=True))
             fds.append(netns_fd := os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC) if netns_path else -1)
             cgroup_fds = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in cgroup_procs]
             fds += cgroup_fds
@@ -253,12 +257,17 @@ class Crun:
         """Run the container, its init born in the sandbox's cgroups; returns the init."""
         bundle = self.bundles / spec.sandbox_id
         bundle.mkdir(parents=True, exist_ok=False)
+        own_tree = -1
         try:
-            layered_root.ensure_owned_dir(spec.rootfs, "workspace", spec.id_host)
+            if spec.root_tree < 0:
+                own_tree = mount_api.clone_tree(spec.rootfs, recursive=True)
+            tree = own_tree if own_tree >= 0 else spec.root_tree
+            root = f"/proc/self/fd/{tree}"  # the root as the tree has it, wherever it is composed
+            layered_root.ensure_owned_dir(root, "workspace", spec.id_host)
             if spec.id_host:
-                layered_root.ensure_dir(spec.rootfs, "sys")
-            shim = (self.shim, self._confine(spec.rootfs, spec.cgroup_procs)) if self.shim else None
-            await self._run_bundle(spec.sandbox_id, bundle, bundle_config(spec, shim), spec.rootfs, spec.netns,
+                layered_root.ensure_dir(root, "sys")
+            shim = (self.shim, self._confine(root, spec.cgroup_procs)) if self.shim else None
+            await self._run_bundle(spec.sandbox_id, bundle, bundle_config(spec, shim), tree, spec.netns,
                                    spec.cgroup_procs)
             pid = int((bundle / "init.pid").read_text())
             start_time = _start_time(pid)
@@ -270,6 +279,9 @@ class Crun:
         except BaseException:
             await self.remove(spec.sandbox_id, None)
             raise
+        finally:
+            if own_tree >= 0:
+                os.close(own_tree)
         return init
 
     # -- remove and recovery ---------------------------------------------------------------
@@ -320,7 +332,11 @@ class Crun:
             bundle = self.bundles / sandbox_id
             try:
                 bundle.mkdir(parents=True)
-                await self._run_bundle(sandbox_id, bundle, config, tmp, None, [])
+                tree = mount_api.clone_tree(tmp, recursive=True)
+                try:
+                    await self._run_bundle(sandbox_id, bundle, config, tree, None, [])
+                finally:
+                    os.close(tree)
                 return None
             except (OSError, ContainerError, concurrent.futures.BrokenExecutor) as exc:
                 return str(exc)

@@ -17,7 +17,7 @@ import re
 import threading
 import time
 
-from linuxnode import mount_api, procfs
+from linuxnode import mount_api, procfs, roots_ns
 from linuxnode import syscalls as linux
 
 _JOIN = ('while [ "$1" != -- ]; do echo 0 >"$1" || { echo "sandfleet: cannot join cgroup $1" >&2; exit 125; }; '
@@ -173,6 +173,7 @@ def make_crun_namespace(hybrid_v2: str | None, prune: tuple[str, ...], roots: st
             for point in _mounts_beneath(prune):
                 with contextlib.suppress(OSError):  # already gone with a parent
                     linux.umount2(point, linux.MNT_DETACH)
+            roots_ns.prune_copied_sandbox_mounts()  # other nodes' roots and layers: a copy keeps them alive
             # crun resolves a root and its mount sources as the container's root once it has a
             # user namespace: an unprivileged host id, which may not pass the node's data dir
             # (under /root or pytest's 0700 directories). Here, every parent may be passed.

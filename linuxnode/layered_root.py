@@ -1,5 +1,7 @@
-"""A sandbox root made from layers: the composed overlay (the layer-cache's `Rootfs.path`)
-used as `/`, writable, with the sandbox's own /dev, /proc and /tmp mounted into it.
+"""A sandbox root made from layers: the composed overlay (the layer-cache's `Rootfs.path`, in
+the node's roots namespace: linuxnode.roots_ns) used as `/`, writable, with the sandbox's own
+/dev, /proc and /tmp mounted into it. It reaches the sandbox's namespace as a detached clone
+of the overlay (open_tree), attached there: it is never mounted in the host's table.
 
 The overlay's content is the user's: any path in it may be a symlink planted to point at
 the host (`dev -> /`), and every mount below is made as root before the sandbox is sealed.
@@ -20,7 +22,7 @@ import socket
 import stat
 from typing import NamedTuple
 
-from linuxnode import procfs, userns
+from linuxnode import mount_api, procfs, userns
 from linuxnode import syscalls as linux
 
 INIT_BINARY = "/usr/bin/catatonit"  # where the process runtime's init execs it from, inside the root
@@ -153,16 +155,19 @@ def _host_facts() -> tuple[tuple, tuple, tuple]:
 
 
 def check(rootfs_dir: str) -> None:
-    """Refuse, before forking, a root the plan cannot use."""
-    if not os.path.isabs(rootfs_dir) or not os.path.isdir(rootfs_dir):
-        raise ValueError(f"root {rootfs_dir!r} is not an absolute path to a directory")
+    """Refuse, before forking, a root the plan cannot use. Its path is the roots namespace's
+    (linuxnode.roots_ns), so it is not looked for here: cloning it tells."""
+    if not os.path.isabs(rootfs_dir):
+        raise ValueError(f"root {rootfs_dir!r} is not an absolute path")
     if not os.access(INIT_BINARY, os.X_OK):
         raise ValueError(f"{INIT_BINARY} is missing on the host")
 
 
-def plan(rootfs_dir: str, tmp_size_mb: int, hostname: str, stage: str, id_host: int = 0) -> tuple[Step, ...]:
-    """Every step the init child takes, in its private mount namespace, to bind `rootfs_dir` on
-    `stage`, give it /dev, /proc, /tmp and the init binary, and pivot into it. Unlike the host
+def plan(root_tree: int, tmp_size_mb: int, hostname: str, stage: str, id_host: int = 0) -> tuple[Step, ...]:
+    """Every step the init child takes, in its private mount namespace, to attach the root (the
+    detached mount tree `root_tree`, cloned from where the root is composed: the node's roots
+    namespace, so the host's table never holds it) on `stage`, give it /dev, /proc, /tmp and
+    the init binary, and pivot into it. Unlike the host
     view, `/` stays writable (writes go to the sandbox's own upper dir) and /workspace is the
     overlay's own directory, so a task layer can bring one; it is made if no layer has it.
     With a user namespace (`id_host`) the layers are idmapped by the layer-cache, so the root's
@@ -175,7 +180,7 @@ def plan(rootfs_dir: str, tmp_size_mb: int, hostname: str, stage: str, id_host: 
         steps.append(Step(what, call, args))
 
     add("make all mounts private", linux.mount, None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
-    add("bind the root", linux.mount, rootfs_dir, stage, None, linux.MS_BIND)
+    add("attach the root", mount_api.attach, root_tree, stage)
     add("make the root nosuid", linux.mount, None, stage, None,
         linux.MS_REMOUNT | linux.MS_BIND | linux.MS_NOSUID | linux.MS_NODEV)
 

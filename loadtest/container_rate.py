@@ -39,7 +39,7 @@ from pathlib import Path
 import sandfleet
 from loadtest.platform import running_platform
 from loadtest.report import percentiles, print_table, write_json
-from linuxnode import procfs
+from linuxnode import procfs, roots_ns
 from linuxnode.container import ContainerSpec, bundle_config
 from sandfleet.layers_client import Layers
 
@@ -110,15 +110,19 @@ async def cycles(create, exec_true, destroy, n: int, concurrency: int) -> tuple[
 
 # -- the baseline: plain crun, driven by subprocess ----------------------------------------------
 
-def layer_lowerdir(rootfs: str) -> str:
-    """The lowerdir option of the overlay mounted at `rootfs` (the node's shared EROFS mounts)."""
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields, _, rest = line.partition(" - ")
-            if fields.split()[4] == rootfs:
-                for opt in rest.split()[2].split(","):
-                    if opt.startswith("lowerdir="):
-                        return opt.removeprefix("lowerdir=")
+def layer_lowerdir(rootfs: str, node_id: str) -> str:
+    """The lowerdir option of the overlay mounted at `rootfs` (the node's shared EROFS mounts),
+    read where the node composes roots (its roots namespace, linuxnode.roots_ns, if pinned)."""
+    text = roots_ns.read_mountinfo(node_id)
+    if text is None:
+        with open("/proc/self/mountinfo") as f:
+            text = f.read()
+    for line in text.splitlines():
+        fields, _, rest = line.partition(" - ")
+        if fields.split()[4] == rootfs:
+            for opt in rest.split()[2].split(","):
+                if opt.startswith("lowerdir="):
+                    return opt.removeprefix("lowerdir=")
     raise RuntimeError(f"no overlay mounted at {rootfs}")
 
 
@@ -212,7 +216,9 @@ def plain_crun_round(lowerdir: str, n: int, concurrency: int, work: Path, node_i
     child = [sys.executable, "-m", "loadtest.container_rate", "--plain-crun", "--n", str(n),
              "--concurrency", str(concurrency), "--lowerdir", lowerdir, "--work", str(work),
              "--cgroup-parent", f"sandfleet/{node_id}-plain"]
-    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+    # From the node's roots namespace where it has one: the layer mounts are there (linuxnode.roots_ns).
+    inside = ["nsenter", f"--mount={roots_ns.pin_path(node_id)}"] if node_id in roots_ns.pinned_nodes() else []
+    out = subprocess.run([*inside, "unshare", "--mount", "--propagation", "private", "sh", "-c",
                           f'{prelude}exec "$@"', "sh", *child], capture_output=True, text=True)
     # What crun detached (the inits it killed, its helpers) was orphaned to us, a subreaper.
     with contextlib.suppress(ChildProcessError):
@@ -271,7 +277,7 @@ async def _prepare(url: str, node_id: str) -> str:
     async with sandfleet.connect(url, name="bench") as fleet:
         await build_busybox_layer(fleet)
         rootfs = await Layers(fleet.bus).compose(node_id, "bench-plain-lowers", [LAYER])
-        return layer_lowerdir(rootfs.path)
+        return layer_lowerdir(rootfs.path, node_id)
 
 
 async def _release(url: str, node_id: str) -> None:

@@ -10,6 +10,11 @@ reports the platform's own memory (PSS of the supervisor, nats-server and every 
 stacks) and the PSS of the sandbox's own processes, plus what its memory cgroup is charged.
 Then it destroys everything and checks that no overlay, cgroup, network namespace or
 process of the node is left.
+
+Each batch also records the mount tables as the node fills: the host's (which roots no
+longer enter: linuxnode.roots_ns) and the node's roots namespace's, and what a new mount
+namespace costs on the host then (`unshare -m true`, median of 5: every namespace a tool or
+runtime makes on the host copies the host's table).
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import sandfleet
-from linuxnode import cgroups
+from linuxnode import cgroups, roots_ns
 from loadtest.container_rate import LAYER, build_busybox_layer
 from loadtest.platform import leftovers, running_platform
 from loadtest.report import print_table, write_json
@@ -56,6 +62,20 @@ def pss_kib(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def mount_tables(node_id: str) -> dict[str, float]:
+    """Lines of the host's mount table and of the node's roots namespace's, and the host's
+    `unshare -m true` in ms (median of 5)."""
+    with open("/proc/self/mountinfo") as f:
+        host = sum(1 for _ in f)
+    roots = len((roots_ns.read_mountinfo(node_id) or "").splitlines())
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        subprocess.run(["unshare", "-m", "true"], check=True)
+        times.append((time.perf_counter() - t0) * 1000)
+    return {"host_mounts": host, "roots_mounts": roots, "unshare_ms": round(statistics.median(times), 1)}
 
 
 def platform_pss_kib(data_dir: Path) -> dict[str, int]:
@@ -130,11 +150,15 @@ async def step_up(url: str, node_id: str, data_dir: Path, args: argparse.Namespa
                     break
                 boxes += made
                 await _start_sleep(made, args.concurrency)
+                batch_s = time.perf_counter() - t0
                 m = meminfo()
-                steps.append({"sandboxes": len(boxes), "batch_s": round(time.perf_counter() - t0, 2),
-                              "used_mib": round(used_kib(m) / KIB), "available_mib": round(m["MemAvailable"] / KIB)})
+                steps.append({"sandboxes": len(boxes), "batch_s": round(batch_s, 2),
+                              "used_mib": round(used_kib(m) / KIB), "available_mib": round(m["MemAvailable"] / KIB),
+                              **mount_tables(node_id)})
                 print(f"{len(boxes):6d} sandboxes  batch {steps[-1]['batch_s']:6.2f}s  "
-                      f"used {steps[-1]['used_mib']} MiB  available {steps[-1]['available_mib']} MiB", flush=True)
+                      f"used {steps[-1]['used_mib']} MiB  available {steps[-1]['available_mib']} MiB  "
+                      f"mounts host {steps[-1]['host_mounts']} roots {steps[-1]['roots_mounts']}  "
+                      f"unshare -m {steps[-1]['unshare_ms']} ms", flush=True)
                 if m["MemAvailable"] < args.reserve_mb * KIB:
                     limit = f"memory: MemAvailable {m['MemAvailable'] // KIB} MiB < reserve {args.reserve_mb} MiB"
                     break
@@ -195,6 +219,11 @@ def main() -> int:
         [[results["sandboxes_held"], results["limited_by"], results["platform_pss_mib_total"], per["host_used"],
           per["kernel"], per["processes_pss_kib"], per["kernel_plus_processes"], per["cgroup_charged_kib"]]],
     )
+    first, last = results["steps"][0], results["steps"][-1]
+    print(f"batch of {args.batch}: first {first['batch_s']} s, last {last['batch_s']} s "
+          f"({last['batch_s'] / first['batch_s']:.2f}x); host mounts {first['host_mounts']} -> {last['host_mounts']}, "
+          f"roots namespace {first['roots_mounts']} -> {last['roots_mounts']}; "
+          f"unshare -m {first['unshare_ms']} -> {last['unshare_ms']} ms")
     print(f"fill {results['seconds_to_fill']} s, destroy all {results['seconds_to_destroy_all']} s; "
           f"left after destroy: {results['left_after_destroy'] or 'nothing'}, live records: {results['live_after_destroy']}")
     out = write_json(args.out, "density", {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

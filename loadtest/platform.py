@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from linuxnode import procfs
+from linuxnode import procfs, roots_ns
 from sandfleet.config import free_port
 
 CLI = [sys.executable, "-m", "sandfleet.cli"]
@@ -68,7 +68,11 @@ def leftovers(nodes: list[str], data_dir: Path, whole_node: bool = False) -> dic
     after `down`: every mount under the data dir and the nodes' own cgroup roots)."""
     with open("/proc/self/mountinfo") as f:
         points = [line.split()[4] for line in f]
+    for n in nodes:  # and where the node composes roots (linuxnode.roots_ns), while it is pinned
+        points += [line.split()[4] for line in (roots_ns.read_mountinfo(n) or "").splitlines()]
     mounts = [p for p in points if p.startswith(str(data_dir)) and (whole_node or "/sandboxes/" in p)]
+    if whole_node:
+        mounts += [f"roots namespace pinned: {roots_ns.pin_path(n)}" for n in nodes if n in roots_ns.pinned_nodes()]
     cgroups = []
     for hierarchy in os.listdir("/sys/fs/cgroup"):
         for n in nodes:

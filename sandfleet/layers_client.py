@@ -74,7 +74,11 @@ class Layers:
 
     async def build_dir(self, name: str, path: str | Path, *, on: str | None = None, tags: Iterable[str] = (),
                         compression: str = "lz4", timeout: float = BUILD_TIMEOUT_S) -> BuildReply:
-        src = Path(path).resolve()
+        # Symlinks above it are not resolved: a path through /proc/<pid>/fd (a directory of another
+        # mount namespace: a checkpoint's upper dir in the node's roots namespace) means it as given.
+        src = Path(os.path.abspath(path))
+        if src.is_symlink():
+            src = src.resolve()  # a link to the directory: tar what it names, not the link
         if not src.is_dir():
             raise errors.InvalidRequest(f"{src} is not a directory")
         with tempfile.TemporaryDirectory(prefix="sandfleet-layer-") as tmp:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import sandfleet
+from linuxnode import roots_ns
 from sandfleet.config import free_port
 from tests.leaks import Snapshot
 from tests.otlp_receiver import OtlpReceiver
@@ -35,6 +36,9 @@ NODE_ID = os.environ.get("SANDFLEET_TEST_NODE_ID", "testnode")
 EVENT_DEADLINE_S = 30.0
 
 
+_ROOTS_VIEWS: dict[str, roots_ns.RootsView] = {}
+
+
 @dataclass(frozen=True)
 class Platform:
     url: str
@@ -44,6 +48,14 @@ class Platform:
 
     def state(self) -> dict:
         return json.loads((self.data_dir / "supervisor.json").read_text())
+
+    def roots_path(self, path: str | Path) -> Path:
+        """A path of the node's roots namespace (where its layer-cache mounts layers and roots:
+        linuxnode.roots_ns) as this process reaches it."""
+        view = _ROOTS_VIEWS.get(self.node_id)
+        if view is None:
+            view = _ROOTS_VIEWS[self.node_id] = roots_ns.RootsView(self.node_id)
+        return Path(view.path(str(path)))
 
     def service_pid(self, name: str) -> int:
         return self.state()["services"][name]
@@ -146,11 +158,14 @@ def _processes_of(data_dir: Path) -> list[str]:
 def _marks(dirs: list[str], node_ids: list[str], prefix: bool = False) -> list[str]:
     """What names a resource as made under one of `dirs` or for one of `node_ids` (or, with
     `prefix`, a node whose id starts with one: a platform's nodes are named after it): paths,
-    cgroups (`/<node>`), namespaces, links, nft tables, the DNS stub's addresses, a process's
-    cgroup, argv, node id or data dir (tests/leaks.py `_owner`)."""
+    cgroups (`sandfleet/<node>`: a bare `/<node>` prefix would take any path with a directory
+    of that name, e.g. every layer-cache's `mnt/` for node `mnt`), the roots namespace's pin
+    (and so what it holds), namespaces, links, nft tables, the DNS stub's addresses, a
+    process's cgroup, argv, node id or data dir (tests/leaks.py `_owner`)."""
     end = "" if prefix else "."
     sep = "" if prefix else ":"
-    return [*dirs, *(f"/{n}" for n in node_ids), *(f"sf-{n}{end}" for n in node_ids),
+    return [*dirs, *(f"sandfleet/{n}" for n in node_ids), *(f"{roots_ns.RUN_DIR}/{n}" for n in node_ids),
+            *(f"sf-{n}{end}" for n in node_ids),
             *(f"sandfleet-{n}" for n in node_ids), *(f"sandfleet:{n}{sep}" for n in node_ids),
             *(f"sandfleet-dns:{n}" for n in node_ids), *(f"node={n}{'' if prefix else ' '}" for n in node_ids)]
 

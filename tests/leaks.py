@@ -7,16 +7,32 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from linuxnode import roots_ns
+
+
+def _mount_lines(text: str, prefix: str = "") -> list[str]:
+    found = []
+    for line in text.splitlines():
+        left, right = line.split(" - ", 1)
+        fstype, source = right.split()[:2]
+        found.append(f"{prefix}{left.split()[4]} {fstype} {source}")
+    return found
+
 
 def _mounts() -> list[str]:
-    """Every mount of this mount namespace, whatever its type: mount point, type, source."""
-    found = []
+    """Every mount of this mount namespace, whatever its type: mount point, type, source; and
+    every mount of each node's roots namespace (linuxnode.roots_ns), named after its pin, so
+    a pinned namespace left behind counts as what it holds."""
     with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, right = line.split(" - ", 1)
-            fstype, source = right.split()[:2]
-            found.append(f"{left.split()[4]} {fstype} {source}")
+        found = _mount_lines(f.read())
+    for node in roots_ns.pinned_nodes():
+        found += _mount_lines(roots_ns.read_mountinfo(node) or "", f"{roots_ns.pin_path(node)}: ")
     return found
+
+
+def roots_mount_points(node_id: str) -> list[str]:
+    """Mount points of the node's roots namespace (none if it has none pinned)."""
+    return [line.split()[4] for line in (roots_ns.read_mountinfo(node_id) or "").splitlines()]
 
 
 def _cgroups() -> list[str]:
@@ -175,6 +191,7 @@ def node_left(node_id: str, data_dir: str) -> list[str]:
     cgroup), its network namespaces."""
     with open("/proc/self/mountinfo") as f:
         left = [line.split()[4] for line in f if line.split()[4].startswith(data_dir)]
+    left += [f"roots namespace: {p}" for p in roots_mount_points(node_id) if p.startswith(data_dir)]
     left += [f"cgroup {h}/{node_id}" for h in os.listdir("/sys/fs/cgroup")
              if os.path.exists(f"/sys/fs/cgroup/{h}/sandfleet/{node_id}")]
     netns = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []

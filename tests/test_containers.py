@@ -225,7 +225,7 @@ async def test_a_write_in_one_container_never_reaches_another_or_the_layer(fleet
         assert (await a.exec(["/bin/evil"])).stdout == b"evil\n"
         assert (await b.exec(["sh", "-c", "echo fine; test -e /bin/evil || echo no"])).stdout == b"fine\nno\n"
         digest = (await base.get(BASE)).digest.removeprefix("sha256:")
-        assert os.readlink(platform.data_dir / "layer-cache" / "mnt" / digest / "bin" / "sh") == "busybox"
+        assert os.readlink(platform.roots_path(platform.data_dir / "layer-cache" / "mnt" / digest / "bin" / "sh")) == "busybox"
     finally:
         await asyncio.gather(a.destroy(), b.destroy())
 

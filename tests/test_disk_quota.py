@@ -13,6 +13,7 @@ import signal
 import pytest
 
 from sandfleet.layers_client import Layers
+from linuxnode import roots_ns
 from tests.kernel import require
 from tests.layer_trees import BUSYBOX, make_busybox_base
 
@@ -22,8 +23,8 @@ BASE = "dq-base"
 def upper_mount(platform, sandbox_id: str) -> list[str]:
     """The mountinfo lines of the sandbox's upper-dir tmpfs."""
     point = f"{platform.data_dir}/layer-cache/sandboxes/{sandbox_id} "
-    with open("/proc/self/mountinfo") as f:
-        return [line for line in f if f" {point}" in line and " - tmpfs " in line]
+    text = roots_ns.read_mountinfo(platform.node_id) or ""  # where roots are composed (linuxnode.roots_ns)
+    return [line for line in text.splitlines() if f" {point}" in line and " - tmpfs " in line]
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,8 @@ import pytest
 from sandfleet import errors
 from sandfleet.layers_client import Layers
 from schemas.sandbox import Reason, State
+from linuxnode import roots_ns
+from tests.conftest import NODE_ID
 from tests.kernel import require
 from tests.layer_trees import BUSYBOX, make_layer_sources
 
@@ -31,8 +33,9 @@ def sha256(path: Path) -> str:
 
 
 def overlay_of(sandbox_id: str) -> list[str]:
-    with open("/proc/self/mountinfo") as f:
-        return [line for line in f if " - overlay " in line and f"/sandboxes/{sandbox_id}/rootfs " in line]
+    """The sandbox's overlay in the session platform's roots namespace (linuxnode.roots_ns)."""
+    text = roots_ns.read_mountinfo(NODE_ID) or ""
+    return [line for line in text.splitlines() if " - overlay " in line and f"/sandboxes/{sandbox_id}/rootfs " in line]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +73,7 @@ async def test_writes_stay_in_their_sandbox_and_never_change_a_layer(fleet, laye
     a, b = await asyncio.gather(*(fleet.create(memory_mb=128, layers=LAYERS) for _ in range(2)))
     try:
         base_digest = (await layers.get("lsb-base")).digest.removeprefix("sha256:")
-        base_mount = platform.data_dir / "layer-cache" / "mnt" / base_digest
+        base_mount = platform.roots_path(platform.data_dir / "layer-cache" / "mnt" / base_digest)
         original = sha256(base_mount / "bin" / "busybox")
         # The sandbox's own processes may not touch system content (Landlock); the file API may.
         assert (await a.exec(["rm", "/bin/sh"])).exit_code != 0
@@ -84,7 +87,7 @@ async def test_writes_stay_in_their_sandbox_and_never_change_a_layer(fleet, laye
         assert os.readlink(base_mount / "bin" / "sh") == "busybox"  # the layer is untouched
         assert sha256(base_mount / "bin" / "busybox") == original
         roots = {r.sandbox_id: r for r in (await layers.cache(platform.node_id)).rootfs}
-        upper_a, upper_b = Path(roots[a.id].upper), Path(roots[b.id].upper)
+        upper_a, upper_b = platform.roots_path(roots[a.id].upper), platform.roots_path(roots[b.id].upper)
         assert (upper_a / "bin" / "evil").read_bytes() == b"#!/bin/busybox sh\necho evil\n"
         assert not (upper_b / "bin" / "evil").exists() and not (upper_b / "new").exists()
     finally:

@@ -3,6 +3,8 @@
 The module starts its own nats-server and the service as a subprocess (`python -m
 services.layer_cache`), builds small layers from busybox-static, composes them into roots,
 and checks the kernel's mount table at every step. At the end nothing it made is left.
+Its layer-cache composes in the host's own mount table (SANDFLEET_ROOTS_NS=host), so roots
+are read by their paths; the node's roots namespace is tests/test_flat_mounts.py's.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class Service:
     def start(self) -> None:
         self.env = {
             **os.environ, "SANDFLEET_NATS_URL": self.url, "SANDFLEET_DATA_DIR": str(self.data_dir),
-            "SANDFLEET_NODE_ID": NODE, "SANDFLEET_LAYER_CACHE_MB": str(BUDGET_MB), "PYTHONPATH": str(ROOT),
+            "SANDFLEET_NODE_ID": NODE, "SANDFLEET_ROOTS_NS": "host", "SANDFLEET_LAYER_CACHE_MB": str(BUDGET_MB), "PYTHONPATH": str(ROOT),
             "SANDFLEET_LAYER_FETCH": "full",  # whole images; tests/test_lazy_layers.py covers lazy fetching
         }
         with open(self.log, "ab") as log:

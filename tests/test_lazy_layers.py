@@ -5,6 +5,8 @@ layers from busybox-static and a multi-MB blob, empties the node's cache so the 
 come from the store, and reads through composed roots with chroot, the way a sandbox does.
 The store going away is a stopped nats-server (SIGSTOP: nothing answers, nothing is lost).
 What the FUSE daemon did is read from its `<mount>/.stats` counters and the chunk maps.
+Its layer-cache composes in the host's own mount table (SANDFLEET_ROOTS_NS=host), so roots
+are read by their paths; the node's roots namespace is tests/test_flat_mounts.py's.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class Service:
     def start(self) -> None:
         self.env = {
             **os.environ, "SANDFLEET_NATS_URL": self.url, "SANDFLEET_DATA_DIR": str(self.data_dir),
-            "SANDFLEET_NODE_ID": NODE, "SANDFLEET_LAYER_FETCH": self.fetch, "PYTHONPATH": str(ROOT),
+            "SANDFLEET_NODE_ID": NODE, "SANDFLEET_ROOTS_NS": "host", "SANDFLEET_LAYER_FETCH": self.fetch, "PYTHONPATH": str(ROOT),
             "SANDFLEET_LAZY_FETCH_TIMEOUT_S": str(FETCH_TIMEOUT_S), "SANDFLEET_LAZY_READAHEAD": str(READAHEAD),
         }
         with open(self.log, "ab") as log:

@@ -154,7 +154,7 @@ async def test_writes_through_an_absolute_symlink_stay_inside_the_root(kernel, f
     try:
         assert not os.path.lexists(f"/etc/{planted}"), "a member written through an absolute symlink reached the host"
         rootfs = await layers.compose(platform.node_id, f"sb-symlink{secrets.token_hex(3)}", [name])
-        root = Path(rootfs.path)
+        root = platform.roots_path(rootfs.path)
         try:
             assert os.readlink(root / "escape") == "/etc"  # kept as it is: it resolves in the sandbox's root
             assert (root / "etc" / planted).read_bytes() == b"inside"
@@ -186,7 +186,7 @@ async def test_setuid_and_setgid_bits_do_not_survive_an_import(kernel, fleet, pl
     await layers.build_tar(name, archive)
     try:
         rootfs = await layers.compose(platform.node_id, f"sb-setuid{secrets.token_hex(3)}", [name])
-        root = Path(rootfs.path)
+        root = platform.roots_path(rootfs.path)
         try:
             assert stat.S_IMODE((root / "bin" / "su").stat().st_mode) == 0o755
             assert stat.S_IMODE((root / "bin" / "wall").stat().st_mode) == 0o755
@@ -296,7 +296,7 @@ async def test_setuid_bits_in_an_image_layer_do_not_survive(kernel, fleet, platf
     try:
         rootfs = await layers.compose(platform.node_id, f"sb-suidimg{secrets.token_hex(3)}", [name])
         try:
-            assert stat.S_IMODE((Path(rootfs.path) / "bin" / "su").stat().st_mode) == 0o755
+            assert stat.S_IMODE((platform.roots_path(rootfs.path) / "bin" / "su").stat().st_mode) == 0o755
         finally:
             assert await layers.release(platform.node_id, rootfs.sandbox_id)
     finally:

@@ -11,10 +11,10 @@ import select
 import signal
 import time
 
-from linuxnode import layered_root, names, procfs, userns
+from linuxnode import layered_root, mount_api, names, procfs, userns
 from linuxnode.process import rootfs, spawner
 from linuxnode.process.model import ExecError, InitProcess, ProcessSpec, RuntimeStartError
-from linuxnode.process.protocol import Signal, StartInit
+from linuxnode.process.protocol import Signal, StartInit, StartInitOnRoot
 from linuxnode.process.reports import Report
 
 START_TIMEOUT_S = 10.0
@@ -60,12 +60,22 @@ def _send_start(spec: ProcessSpec) -> int:
         netns_fd = os.open(spec.netns, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
         raise RuntimeStartError(f"sandbox {spec.sandbox_id}: open netns {spec.netns}: {exc.strerror}") from None
+    own_tree = -1
+    try:
+        if spec.rootfs_dir is not None and spec.root_tree < 0:
+            own_tree = mount_api.clone_tree(spec.rootfs_dir, recursive=True)
+    except OSError as exc:
+        os.close(netns_fd)
+        raise RuntimeStartError(f"sandbox {spec.sandbox_id}: clone the root {spec.rootfs_dir}: {exc.strerror}") from None
     report_r, report_w = os.pipe2(os.O_CLOEXEC)
     try:
-        spawner.send(StartInit(cgroup_procs=tuple(spec.cgroup_procs), tmp_size_mb=spec.tmp_size_mb,
-                               workspace_size_mb=spec.workspace_size_mb, hostname=spec.hostname,
-                               rootfs_dir=spec.rootfs_dir, apparmor=spec.apparmor_profile, id_host=spec.id_host,
-                               report=report_w, netns=netns_fd))
+        init = dict(cgroup_procs=tuple(spec.cgroup_procs), tmp_size_mb=spec.tmp_size_mb,
+                    workspace_size_mb=spec.workspace_size_mb, hostname=spec.hostname, rootfs_dir=spec.rootfs_dir,
+                    apparmor=spec.apparmor_profile, id_host=spec.id_host, report=report_w, netns=netns_fd)
+        if spec.rootfs_dir is None:
+            spawner.send(StartInit(**init))
+        else:
+            spawner.send(StartInitOnRoot(**init, root_tree=own_tree if own_tree >= 0 else spec.root_tree))
     except BaseException as exc:
         os.close(report_r)
         if isinstance(exc, OSError):
@@ -74,6 +84,8 @@ def _send_start(spec: ProcessSpec) -> int:
     finally:
         os.close(report_w)
         os.close(netns_fd)
+        if own_tree >= 0:
+            os.close(own_tree)
     return report_r
 
 

@@ -33,6 +33,9 @@ class ProcessSpec:
     workspace_size_mb: int = 1024
     hostname: str = "sandbox"
     rootfs_dir: str | None = None  # a composed root (see linuxnode.layered_root); None: the host view
+    # The root as a detached mount tree (an fd, the caller's to close), cloned where it is mounted
+    # (linuxnode.roots_ns.RootsView.clone); -1: cloned from `rootfs_dir` in the caller's namespace.
+    root_tree: int = -1
     apparmor_profile: str = ""  # loaded by the node agent where the kernel runs AppArmor
     # The host uid/gid that is root inside (linuxnode.userns); 0: no user namespace, root is the host's.
     id_host: int = 0

@@ -124,6 +124,16 @@ class StartInit(_Wire):
     netns: int = _fd()  # the sandbox's network namespace
 
 
+@_request("init-on-root")
+@dataclass(frozen=True, kw_only=True)
+class StartInitOnRoot(StartInit):
+    """StartInit on a composed root (`rootfs_dir` names it, for messages): the root itself comes
+    as a detached mount tree (an open_tree clone, made where the root is mounted: the node's
+    roots namespace, linuxnode.roots_ns), which the init attaches in its own namespace."""
+
+    root_tree: int = _fd()
+
+
 @_request("exec")
 @dataclass(frozen=True, kw_only=True)
 class ExecCommand(_Wire):
@@ -167,7 +177,7 @@ class TerminalCommand(SpawnCommand):
     tty (setsid, then TIOCSCTTY), so job control, Ctrl-C as a byte and window changes work."""
 
 
-Request = Ping | Signal | StartInit | ExecCommand | SpawnCommand | TerminalCommand
+Request = Ping | Signal | StartInit | StartInitOnRoot | ExecCommand | SpawnCommand | TerminalCommand
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), check_circular=False)  # json.dumps makes one a call

@@ -19,10 +19,10 @@ import sys
 import threading
 import time
 
-from linuxnode import layered_root, userns
+from linuxnode import layered_root, roots_ns, userns
 from linuxnode import syscalls as linux
 from linuxnode.process import children, protocol, rootfs
-from linuxnode.process.protocol import Ping, Request, Signal, StartInit
+from linuxnode.process.protocol import Ping, Request, Signal, StartInit, StartInitOnRoot
 from linuxnode.process.reports import error_record, pid_record, report_failure
 
 _HOST_PIDNS = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
@@ -48,10 +48,24 @@ def _children_in_new_pidns():
         linux.restore_signals(blocked)
 
 
+def _own_mount_namespace() -> None:
+    """Live in a private copy of the host's mount namespace without the sandbox mounts the host
+    held when it was made (other nodes' roots, every network namespace's name): each init's
+    unshare copies this table, so it stays the size it was whatever the host gains later
+    (roots are composed in the node's roots namespace: linuxnode.roots_ns)."""
+    try:
+        linux.unshare(linux.CLONE_NEWNS)  # the spawner is one thread: the process moves
+        linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
+        roots_ns.prune_copied_sandbox_mounts()
+    except OSError as exc:  # inits then copy the host's table, as before
+        os.write(2, f"sandfleet spawner: no mount namespace of its own: {exc}\n".encode())
+
+
 def main(sock_fd: int, seccomp: bytes = b"") -> None:
     """Serve fork requests until the launcher closes its end; reap every child. `seccomp` is
     the filter every child installs before exec (built by the launcher: no libseccomp here)."""
     sock = socket.socket(fileno=sock_fd)
+    _own_mount_namespace()
     linux.set_child_subreaper()  # a command whose exec helper died is reaped here, not leaked upward
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -155,10 +169,10 @@ def _serve(request: Request, reports: dict[int, int | None], last_cap: int, secc
         return
     try:
         if isinstance(request, StartInit):
-            plan = (rootfs.plan(request.tmp_size_mb, request.workspace_size_mb, request.hostname, request.id_host)
-                    if request.rootfs_dir is None
-                    else layered_root.plan(request.rootfs_dir, request.tmp_size_mb, request.hostname, rootfs.STAGE,
-                                           request.id_host))
+            plan = (layered_root.plan(request.root_tree, request.tmp_size_mb, request.hostname, rootfs.STAGE,
+                                      request.id_host)
+                    if isinstance(request, StartInitOnRoot)
+                    else rootfs.plan(request.tmp_size_mb, request.workspace_size_mb, request.hostname, request.id_host))
             user = _user_namespace(request.id_host) if request.id_host else -1
             with _children_in_new_pidns():
                 pid = os.fork()

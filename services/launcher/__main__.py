@@ -87,7 +87,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
     settings = LauncherSettings.from_env()
     # Sandbox inits are double-forked; as subreaper we reap them instead of a PID 1 that may not.
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    drivers = await Drivers.open(config.data_dir / "launcher", config.userns)
+    drivers = await Drivers.open(config.data_dir / "launcher", config.userns, config.node_id)
     criu_status = await asyncio.to_thread(pausing.detect_criu)  # reported in every heartbeat
     log.info("process checkpoints (CRIU): %s", criu_status)
     try:

@@ -8,16 +8,24 @@ SANDFLEET_NATS_URL, SANDFLEET_NODE_ID and SANDFLEET_DATA_DIR (state goes to
 stay mounted for the next instance to re-adopt, and so does the lazy-layer daemon while a
 lazy image is mounted (it is ended with the last one). A daemon that cannot be adopted
 leaves the roots over its images broken: they are marked so and an event says which.
+
+Every mount it makes is in the node's roots namespace (linuxnode.roots_ns), entered before
+anything else (the FUSE daemon it starts is born there too), so the host's mount table does
+not grow with sandboxes; a clean stop that leaves no root unpins the namespace.
+SANDFLEET_ROOTS_NS=host keeps them in the host's table instead (roots readable by their
+paths from anywhere on the host, as the layer-cache's own module tests read them; the
+launcher finds no pin and takes roots from its own namespace).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import os
 
-from linuxnode import userns
+from linuxnode import roots_ns, userns
 from sandfleet import metrics, runner
 from sandfleet.bus import Endpoint
 from sandfleet.config import ServiceConfig
@@ -38,7 +46,30 @@ log = logging.getLogger("sandfleet.layer_cache")
 DEFAULT_BUDGET_MB = 10240
 
 
+def enter_roots_namespace(node_id: str) -> int:
+    """Live in the node's roots namespace from here on (made and pinned if there is none);
+    returns an fd of the host's, where the pin is undone at the end."""
+    host = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    ns = roots_ns.ensure(node_id)
+    try:
+        roots_ns.enter(ns)
+    finally:
+        os.close(ns)
+    # Worker threads are started by the thread that submits to them: a fresh pool's are born
+    # in the roots namespace (one made before the move would mount on the host).
+    asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor())
+    return host
+
+
 async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
+    own_namespace, host_ns = os.environ.get("SANDFLEET_ROOTS_NS", "") != "host", -1
+    if own_namespace:
+        try:
+            host_ns = enter_roots_namespace(config.node_id)
+        except OSError as exc:  # roots then go to the host's table, as before; the launcher finds no pin
+            log.error("no roots namespace for node %s (%s): roots are mounted in the host's mount table",
+                      config.node_id, exc)
+            own_namespace = False
     layout = Layout(config.data_dir / "layer-cache")
     ids = userns.node_range(config.userns)  # sandbox roots' host ids: layers are mounted idmapped to them
     budget = int(os.environ.get("SANDFLEET_LAYER_CACHE_MB", DEFAULT_BUDGET_MB)) << 20
@@ -94,6 +125,10 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
         lazy.daemon.stop()
     else:
         lazy.daemon.detach()  # roots read through it: it serves on for the next instance
+    if own_namespace:
+        if not composer.live and not composer.mounts.mounted:
+            roots_ns.remove(config.node_id, host_ns)  # nothing in it is anyone's: it ends with us
+        os.close(host_ns)
 
 
 if __name__ == "__main__":

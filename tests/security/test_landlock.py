@@ -140,9 +140,9 @@ async def test_overwriting_bin_bash_is_refused_reported_and_leaves_the_layer_alo
 
         assert (await sb.exec(["/bin/bash"])).stdout == b"the real bash\n"
         roots = {x.sandbox_id: x for x in (await layers.cache(platform.node_id)).rootfs}
-        assert not (Path(roots[sb.id].upper) / "bin").exists()  # nothing was copied up
+        assert not (platform.roots_path(roots[sb.id].upper) / "bin").exists()  # nothing was copied up
         digest = (await layers.get("ll-bash")).digest.removeprefix("sha256:")
-        assert (platform.data_dir / "layer-cache" / "mnt" / digest / "bin" / "bash").read_bytes() == BASH
+        assert platform.roots_path(platform.data_dir / "layer-cache" / "mnt" / digest / "bin" / "bash").read_bytes() == BASH
         # What the sandbox may write, it writes.
         r = await sb.exec(["sh", "-c", "echo ok > /workspace/out && echo ok > /tmp/out && cat /workspace/out /tmp/out"])
         assert r.stdout == b"ok\nok\n"

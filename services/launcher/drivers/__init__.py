@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from linuxnode import process as process_runtime
-from linuxnode import userns
+from linuxnode import roots_ns, userns
 from services.launcher.drivers.base import Anchor, Driver, LaunchRefused
 from services.launcher.drivers.container import ContainerDriver, detect_crun
 from services.launcher.drivers.microvm import detect_microvm
@@ -33,35 +33,44 @@ def _usable(ids: userns.IdRange | None) -> userns.IdRange | None:
 
 
 class Drivers:
-    def __init__(self, drivers: dict[str, Driver], microvm: str = "", vm: str = "") -> None:
+    def __init__(self, drivers: dict[str, Driver], microvm: str = "", vm: str = "",
+                 roots: roots_ns.RootsView | None = None) -> None:
         self.drivers = drivers
+        self.roots = roots
         self.microvm = microvm  # the node's status line for the level: `on: tcg (...)` or `off: <why>`
         self.vm = vm  # the same for the `vm` level
 
     @classmethod
-    async def open(cls, state_dir: Path, userns_setting: str = "") -> Drivers:
+    async def open(cls, state_dir: Path, userns_setting: str = "", node_id: str = "") -> Drivers:
         """Every level this node can run, each ready for its first sandbox, their roots the host
-        ids `userns_setting` gives (ServiceConfig.userns, SANDFLEET_USERNS; linuxnode.userns)."""
+        ids `userns_setting` gives (ServiceConfig.userns, SANDFLEET_USERNS; linuxnode.userns) and
+        taken from the node's roots namespace (linuxnode.roots_ns; `node_id` names it; none:
+        roots are mounted in the launcher's own namespace)."""
         process_runtime.warm_up()  # the forking helper takes ~50 ms to start; not on the first create
         ids = _usable(userns.node_range(userns_setting))
-        drivers: dict[str, Driver] = {"process": ProcessDriver(ids)}
+        roots = roots_ns.RootsView(node_id) if node_id else None
+        drivers: dict[str, Driver] = {"process": ProcessDriver(ids, roots)}
         crun = await detect_crun(state_dir)  # `container` only where crun really runs here
         if crun is not None:
-            drivers["container"] = ContainerDriver(crun, ids)
+            drivers["container"] = ContainerDriver(crun, ids, roots)
         microvm, microvm_status = await detect_microvm(state_dir)
         if microvm is not None:
+            microvm.roots = roots
             drivers["microvm"] = microvm
         log.info("microvm: %s", microvm_status)
         vm, vm_status = await detect_vm(state_dir)  # a full machine: q35, firmware, a screen
         if vm is not None:
+            vm.roots = roots
             drivers["vm"] = vm
         log.info("vm: %s", vm_status)
-        return cls(drivers, microvm_status, vm_status)
+        return cls(drivers, microvm_status, vm_status, roots)
 
     def close(self) -> None:
         for driver in reversed(list(self.drivers.values())):
             driver.close()
         process_runtime.shutdown()
+        if self.roots is not None:
+            self.roots.close()
 
     @property
     def levels(self) -> list[str]:

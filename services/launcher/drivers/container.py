@@ -7,9 +7,10 @@ level keeps one exec path (see linuxnode/container.py)."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
-from linuxnode import userns
+from linuxnode import roots_ns, userns
 from linuxnode.container import ContainerError, ContainerSpec, Crun
 from linuxnode.process import InitProcess
 from schemas.layers import Rootfs
@@ -22,8 +23,8 @@ log = logging.getLogger("sandfleet.launcher")
 
 
 class ContainerDriver(ProcessDriver):
-    def __init__(self, crun: Crun, ids: userns.IdRange | None = None) -> None:
-        super().__init__(ids)
+    def __init__(self, crun: Crun, ids: userns.IdRange | None = None, roots: roots_ns.RootsView | None = None) -> None:
+        super().__init__(ids, roots)
         self.crun = crun
 
     async def start(self, sandbox_id: str, spec: SandboxSpec, confinement: Confinement,
@@ -31,14 +32,19 @@ class ContainerDriver(ProcessDriver):
         if rootfs is None:
             raise LaunchRefused("a container has no host view: name its layers, e.g. layers=['base']")
         self.check_build(spec, rootfs)
+        tree = await self.root_tree(rootfs)
         try:
             init = await self.crun.start(
                 ContainerSpec(sandbox_id=sandbox_id, rootfs=rootfs.path, cgroup_procs=confinement.cgroup_procs,
                               netns=confinement.netns, tmp_size_mb=tmp_size_mb(spec),
-                              apparmor_profile=confinement.apparmor_profile, id_host=self.id_host(rootfs))
+                              apparmor_profile=confinement.apparmor_profile, id_host=self.id_host(rootfs),
+                              root_tree=tree)
             )
         except ContainerError as exc:
             raise StartFailed(str(exc)) from None
+        finally:
+            if tree >= 0:
+                os.close(tree)
         return NamespaceSandbox(sandbox_id, init, confinement, rootfs, spec.build)
 
     async def stop(self, sandbox_id: str, anchor: Anchor | None) -> None:

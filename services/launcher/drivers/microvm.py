@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from sandfleet import errors
-from linuxnode import cgroups
+from linuxnode import cgroups, roots_ns
 from linuxnode import process as process_runtime
 from linuxnode.vm import layer_disks, machine
 from linuxnode.vm import files as vm_files
@@ -101,9 +101,20 @@ class MicroVMDriver:
     def _unsupported(self, what: str) -> Unsupported:
         return Unsupported(f"{what} is not supported for isolation {self.LEVEL!r} yet")
 
+    roots: roots_ns.RootsView | None = None  # where roots are composed (Drivers.open); None: our own namespace
+
     def __init__(self, vms: MicroVMs) -> None:
         self.vms = vms
         self.live: dict[str, VMSandbox] = {}
+
+    def _layer_images(self, rootfs: str) -> list[Path]:
+        """The image files under a composed root, read from the roots namespace's table, as QEMU
+        (our child) opens them: a file on the data disk where it is, a lazy layer's FUSE file
+        (mounted in the roots namespace only) through it."""
+        if self.roots is None:
+            return layer_disks.images_under(rootfs)
+        return [p if p.exists() else Path(self.roots.path(str(p)))
+                for p in layer_disks.images_under(rootfs, self.roots.mountinfo())]
 
     # -- start and end ----------------------------------------------------------------------
 
@@ -123,7 +134,7 @@ class MicroVMDriver:
         except ValueError as exc:
             raise LaunchRefused(str(exc)) from None
         try:
-            images = await asyncio.to_thread(layer_disks.images_under, rootfs.path)
+            images = await asyncio.to_thread(self._layer_images, rootfs.path)
         except layer_disks.NoLayerImages as exc:
             raise StartFailed(f"no layer images to attach: {exc}") from None
         shape = Shape(vcpus=max(1, math.ceil(spec.cpu)), memory_mb=guest_mb, layers=tuple(rootfs.layers),

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from linuxnode import cgroups, netns, procfs, userns
+from linuxnode import cgroups, netns, procfs, roots_ns, userns
 from linuxnode import process as process_runtime
 from linuxnode.process import InitProcess, ProcessSpec, background, fileops, terminal, transfer
 from linuxnode.process.watch import DirWatch
@@ -82,8 +82,24 @@ class ProcessDriver:
     """`process`, and the host-side operations every namespace level shares. `ids`: the node's
     user-namespace range (linuxnode.userns.node_range), None where roots are the host's uid 0."""
 
-    def __init__(self, ids: userns.IdRange | None = None) -> None:
+    def __init__(self, ids: userns.IdRange | None = None, roots: roots_ns.RootsView | None = None) -> None:
         self.ids = ids
+        # Where roots of layers are mounted (the node's roots namespace); None: this process's own.
+        self.roots = roots
+
+    async def root_tree(self, rootfs: Rootfs) -> int:
+        """A detached clone of the composed root, for the runtime to attach in the sandbox's own
+        namespace (the caller closes it); -1 where roots are in this process's own namespace."""
+        if self.roots is None:
+            return -1
+        try:
+            return await asyncio.to_thread(self.roots.clone, rootfs.path)
+        except OSError as exc:
+            raise StartFailed(f"cannot clone the root {rootfs.path}: {exc.strerror}") from None
+
+    def host_path(self, path: str) -> str:
+        """A path of the roots namespace as this process reaches it."""
+        return self.roots.path(path) if self.roots is not None else path
 
     def id_host(self, rootfs: Rootfs | None) -> int:
         """Who the sandbox's root is on the host: for a root of layers, the id its layers were
@@ -102,6 +118,7 @@ class ProcessDriver:
     async def start(self, sandbox_id: str, spec: SandboxSpec, confinement: Confinement,
                     rootfs: Rootfs | None) -> Instance:
         self.check_build(spec, rootfs)
+        tree = await self.root_tree(rootfs) if rootfs is not None else -1
         try:
             init = await process_runtime.start_async(
                 ProcessSpec(
@@ -112,11 +129,14 @@ class ProcessDriver:
                     workspace_size_mb=spec.disk_mb,  # the host view's one writable disk
                     apparmor_profile=confinement.apparmor_profile,
                     id_host=self.id_host(rootfs),
-                    **({"rootfs_dir": rootfs.path} if rootfs is not None else {}),
+                    **({"rootfs_dir": rootfs.path, "root_tree": tree} if rootfs is not None else {}),
                 )
             )
         except process_runtime.RuntimeStartError as exc:
             raise StartFailed(str(exc)) from None
+        finally:
+            if tree >= 0:
+                os.close(tree)
         return NamespaceSandbox(sandbox_id, init, confinement, rootfs, spec.build)
 
     async def stop(self, sandbox_id: str, anchor: Anchor | None) -> None:
@@ -186,7 +206,7 @@ class ProcessDriver:
         if sandbox.rootfs is None:
             raise NoWritableLayer(f"sandbox {sandbox.sandbox_id} has no layers (host_view): "
                                   "it has no writable layer to pack")
-        return Path(sandbox.rootfs.upper)  # the overlay's upper dir, which holds /workspace too
+        return Path(self.host_path(sandbox.rootfs.upper))  # the overlay's upper dir, which holds /workspace too
 
     async def leftovers(self, keep: set[str]) -> list[str]:
         return []  # a process sandbox leaves nothing the agent and layer-cache do not reclaim
@@ -197,7 +217,9 @@ class ProcessDriver:
     # -- health: what a sandbox uses, read from outside it ------------------------------------
 
     async def usage(self, instance: Instance) -> Usage:
-        return await asyncio.to_thread(_usage, _own(instance))
+        sandbox = _own(instance)
+        upper = self.host_path(sandbox.rootfs.upper) if sandbox.rootfs is not None else None
+        return await asyncio.to_thread(_usage, sandbox, upper)
 
     # -- background processes (issue 12: processes) --------------------------------------
 
@@ -294,7 +316,7 @@ class ProcessDriver:
         return _Terminal(running)
 
 
-def _usage(sandbox: NamespaceSandbox) -> Usage:
+def _usage(sandbox: NamespaceSandbox, upper: str | None) -> Usage:
     """Its cgroup files, its writable layer, and /proc/<init>/net/dev (which shows the host the
     counters of the init's network namespace: `lo` and the sandbox's end of its veth)."""
     try:
@@ -304,8 +326,8 @@ def _usage(sandbox: NamespaceSandbox) -> Usage:
     interfaces = procfs.read_net_dev(sandbox.init.pid)
     if not process_runtime.is_alive(sandbox.init):
         raise SandboxGone("the sandbox's init is gone")  # and a recycled pid's figures are not its own
-    if sandbox.rootfs is not None:
-        disk = _bytes_used(Path(sandbox.rootfs.upper))
+    if upper is not None:  # its upper dir, as the roots namespace has it
+        disk = _bytes_used(Path(upper))
     else:  # the host view: its one writable disk is the /workspace tmpfs in its mount namespace
         disk = _filesystem_used(Path(f"/proc/{sandbox.init.pid}/root/workspace"))
     return Usage(cpu_s=used.cpu_usec / 1e6 if used.cpu_usec >= 0 else -1.0, memory_bytes=used.memory_bytes,
