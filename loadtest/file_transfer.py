@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import sandfleet
-from linuxnode import procfs
+from linuxnode import procfs, userns
 from loadtest.platform import running_platform
 from loadtest.report import print_table, write_json
 
@@ -90,9 +90,14 @@ def make_tree(root: Path, files: int) -> None:
         (d / f"f{i:06d}.txt").write_bytes(rng.randbytes(1024))
 
 
-def _tar_pipe(src_dir: str, dst_dir: str, only: str = ".") -> None:
+def _tar_pipe(src_dir: str, dst_dir: str, only: str = ".", owner: int | None = None) -> None:
+    """`tar -c | tar -x`; with `owner`, what is made belongs to that host id (the sandbox's root
+    under its user namespace, as an upload's files do), so the sandbox can remove it."""
     os.makedirs(dst_dir, exist_ok=True)
-    pack = subprocess.Popen(["tar", "-C", src_dir, "-cf", "-", only], stdout=subprocess.PIPE)
+    owned = [] if owner is None else [f"--owner={owner}", f"--group={owner}", "--numeric-owner"]
+    if owner is not None:
+        os.chown(dst_dir, owner, owner)
+    pack = subprocess.Popen(["tar", "-C", src_dir, *owned, "-cf", "-", only], stdout=subprocess.PIPE)
     subprocess.run(["tar", "-C", dst_dir, "-xf", "-"], stdin=pack.stdout, check=True)
     pack.stdout.close()  # type: ignore[union-attr]
     assert pack.wait() == 0
@@ -113,12 +118,12 @@ async def one_round(sb, init_pid: int, work: Path, payload: Path, is_tree: bool,
         await sb.download(remote, back)
         t2 = time.perf_counter()
     else:
-        root = f"/proc/{init_pid}/root"
+        root, owner = f"/proc/{init_pid}/root", userns.mapped_root(init_pid)
         t0 = time.perf_counter()
         if is_tree:
-            await asyncio.to_thread(_tar_pipe, str(payload), root + remote)
+            await asyncio.to_thread(_tar_pipe, str(payload), root + remote, ".", owner)
         else:
-            await asyncio.to_thread(_tar_pipe, str(payload.parent), root + remote, payload.name)
+            await asyncio.to_thread(_tar_pipe, str(payload.parent), root + remote, payload.name, owner)
         t1 = time.perf_counter()
         c1 = cpu.read()
         await asyncio.to_thread(_tar_pipe, root + remote, str(back))
