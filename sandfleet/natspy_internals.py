@@ -11,6 +11,7 @@ upgrade that moves them fails there, loudly, and not in a benchmark."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import secrets
 from collections.abc import Callable
@@ -98,24 +99,35 @@ def read_per_turn(limit: int) -> None:
 # A 4 MiB chunk received through nats-py is copied five times in Python (the stream reader's
 # buffer, its read, the parser's buffer, a slice of it, the bytes of the slice) and sent through
 # it, twice more (the frame joined to its payload, the pending list joined). At 1 GiB that is
-# most of a receiver's CPU after sha256. Only the raw paths opt in (their subjects are marked):
-# a marked message's payload is read into one buffer of its size and handed on as that
-# `bytearray`; everything else is parsed as nats-py parses it.
+# most of a receiver's CPU after its hash. Only the raw paths opt in (their subjects are marked).
+# A marked message's payload is read from the socket straight into one buffer of its size
+# (`_SocketToBody`, once the connection is plain TCP and at a frame's start), or else copied
+# into one from the reads (`_BulkParser`); either way it is handed on as that `bytearray`, and
+# everything else is parsed as nats-py parses it.
 
 BULK_BYTES = 256 << 10  # a payload this large (of a marked subject) is read into a buffer of its own
+_SCRATCH = 256 << 10  # what the socket is read into between marked payloads
+_BODIES_HELD = 4  # payloads read ahead of the parser before the socket is paused
+_READ = b"B"  # what `_SocketToBody` puts before a frame's line whose payload it read itself
 
 
 class _BulkParser(Parser):
     """nats-py's parser, but a marked subject's large payload never reaches it: while subjects
     are marked, the frames are found here first (each control line, then its payload's size),
     nats-py's parser is handed every other frame whole, and a marked one's payload is copied
-    once, from each read into a buffer of its size, handed on as that buffer."""
+    once, from each read into a buffer of its size, or taken whole from `_SocketToBody` (its
+    line comes marked `_READ`), handed on as that buffer."""
 
     bulk_subjects: set[bytes]
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # nats-py's, at each (re)connect
         super().reset()
         self._clear()
+        direct = getattr(self, "_direct", None)
+        if direct is not None:
+            direct.detached = True  # the old connection's socket feeds nothing more
+        self._direct: _SocketToBody | None = None
+        self.bodies: collections.deque[bytearray] = collections.deque()
 
     def _clear(self) -> None:
         self._scanning = False  # finding frames here (only from a frame's start: see parse)
@@ -127,7 +139,7 @@ class _BulkParser(Parser):
 
     async def parse(self, data: bytes = b"") -> None:
         if not self._scanning:
-            if not (self.bulk_subjects and self.state == AWAITING_CONTROL_LINE and not self.buf):
+            if not ((self.bulk_subjects or self._direct) and self.state == AWAITING_CONTROL_LINE and not self.buf):
                 return await super().parse(data)  # nothing marked, or mid-frame: as nats-py does
             self._scanning = True
         at, size = 0, len(data)
@@ -147,6 +159,9 @@ class _BulkParser(Parser):
                         await super().parse(line)
                     return
                 line, self._line, at = self._line + data[at:end + 1], b"", end + 1
+                if line[:1] == _READ and self._direct is not None:
+                    await self._deliver(_frame(line[1:]), self._direct.taken(self.bodies))  # type: ignore[arg-type]
+                    continue
                 frame = _frame(line)
                 if frame is not None and frame[0] in self.bulk_subjects and frame[4] >= BULK_BYTES:
                     self._arg, self._body, self._filled = frame, bytearray(frame[4] + CRLF_SIZE), 0
@@ -154,8 +169,11 @@ class _BulkParser(Parser):
                 await super().parse(line)
                 if frame is not None:
                     self._skip = frame[4] + CRLF_SIZE
-        if not (self.bulk_subjects or self._line or self._skip or self._body is not None):
-            self._scanning = False
+        if not (self._line or self._skip or self._body is not None):
+            if self._direct is None and self.bulk_subjects:
+                self._direct = _SocketToBody.install(self)
+            if not (self.bulk_subjects or self._direct):
+                self._scanning = False
 
     async def _fill(self, data: bytes, at: int) -> int:
         """Copy what of `data` from `at` the payload still needs; once it is whole, hand the message
@@ -166,15 +184,144 @@ class _BulkParser(Parser):
         memoryview(body)[self._filled:self._filled + take] = memoryview(data)[at:at + take]
         self._filled += take
         if self._filled == len(body):
-            subject, sid, reply, header_size, _ = self._arg
-            self._body, self._arg = None, ()
-            hdr = None
-            if header_size:
-                hdr = bytes(body[:header_size])
-                del body[:header_size]  # a bytearray drops its front without moving the rest
-            del body[-CRLF_SIZE:]
-            await self.nc._process_msg(sid, subject, reply, body, hdr)
+            arg, self._body, self._arg = self._arg, None, ()
+            await self._deliver(arg, body)
         return at + take
+
+    async def _deliver(self, frame: tuple, body: bytearray) -> None:
+        """A marked message whose payload (headers, data, CRLF) is all in `body`."""
+        subject, sid, reply, header_size, _ = frame
+        hdr = None
+        if header_size:
+            hdr = bytes(body[:header_size])
+            del body[:header_size]  # a bytearray drops its front without moving the rest
+        del body[-CRLF_SIZE:]
+        await self.nc._process_msg(sid, subject, reply, body, hdr)
+
+
+class _SocketToBody(asyncio.BufferedProtocol):
+    """Between a plain TCP connection's socket and nats-py's stream reader: the frames are found
+    as they come off the socket, and a marked subject's large payload is read from the socket
+    straight into a buffer of its size (the event loop reads into what `get_buffer` gives: no
+    copy in Python at all). Everything else goes on to the stream reader as it came; where a
+    payload was taken, its frame's line goes on after it, marked `_READ`, and the payload waits
+    in the parser's `bodies` for it, so messages keep their order.
+
+    Installed by the parser (`install`) once nothing of the stream is unread or half parsed
+    (so the next byte off the socket starts a frame). nats-py reaches the socket through
+    `TcpTransport._io_reader` and `_io_writer` (asyncio streams), the only way to it; a TLS or
+    websocket connection is left as it is. A reconnect's `reset` detaches it."""
+
+    def __init__(self, parser: _BulkParser, transport: asyncio.Transport, inner: asyncio.Protocol) -> None:
+        self._parser, self._transport, self._inner = parser, transport, inner
+        self._scratch = bytearray(_SCRATCH)
+        self._line = b""
+        self._skip = 0
+        self._body: bytearray | None = None
+        self._filled = 0
+        self._read_line = b""  # the marked line of the payload being read
+        self._paused = False
+        self.detached = False
+
+    @classmethod
+    def install(cls, parser: _BulkParser) -> _SocketToBody | None:
+        transport = getattr(parser.nc, "_transport", None)
+        if type(transport) is not TcpTransport or transport._io_reader is not transport._bare_io_reader:
+            return None  # websocket, TLS: read as before
+        reader, socket = transport._io_reader, transport._io_writer.transport  # type: ignore[union-attr]
+        inner = socket.get_protocol()
+        if reader is None or reader._buffer or not isinstance(inner, asyncio.StreamReaderProtocol):
+            return None  # bytes not yet parsed: the socket's next one may not start a frame
+        direct = cls(parser, socket, inner)
+        socket.set_protocol(direct)
+        return direct
+
+    def taken(self, bodies: collections.deque[bytearray]) -> bytearray:
+        """The next payload read ahead (the parser met its marked line); reading goes on if it waited."""
+        body = bodies.popleft()
+        if self._paused and len(bodies) < _BODIES_HELD and not self.detached:
+            self._paused = False
+            self._transport.resume_reading()
+        return body
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._body is not None:
+            return memoryview(self._body)[self._filled:]
+        return memoryview(self._scratch)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.detached:
+            return
+        if self._body is not None:
+            self._filled += nbytes
+            if self._filled == len(self._body):
+                self._read_whole()
+            return
+        self._scan(nbytes)
+
+    def _scan(self, size: int) -> None:
+        data, at, passed = self._scratch, 0, 0  # data[passed:at] goes on to the stream reader as it came
+        while at < size:
+            if self._body is not None:  # a marked payload began in this read: its first bytes
+                take = min(len(self._body) - self._filled, size - at)
+                memoryview(self._body)[self._filled:self._filled + take] = memoryview(data)[at:at + take]
+                self._filled, at = self._filled + take, at + take
+                passed = at
+                if self._filled == len(self._body):
+                    self._read_whole()
+            elif self._skip:
+                n = min(self._skip, size - at)
+                self._skip, at = self._skip - n, at + n
+            else:
+                end = data.find(b"\n", at, size)
+                if end < 0:  # held back until it is whole: it may be a marked frame's
+                    self._pass(data, passed, at)
+                    self._line += bytes(data[at:size])
+                    if len(self._line) > MAX_CONTROL_LINE_SIZE:  # the parser will say what is wrong
+                        self._inner.data_received(self._line)
+                        self._line = b""
+                    return
+                line, held = self._line + bytes(data[at:end + 1]), self._line
+                self._line = b""
+                frame = _frame(line)
+                if frame is not None and frame[0] in self._parser.bulk_subjects and frame[4] >= BULK_BYTES:
+                    self._pass(data, passed, at)
+                    self._read_line, self._body, self._filled = _READ + line, bytearray(frame[4] + CRLF_SIZE), 0
+                    at = passed = end + 1
+                    continue
+                if held:
+                    self._pass(data, passed, at)
+                    self._inner.data_received(held)
+                    passed = at
+                at = end + 1
+                if frame is not None:
+                    self._skip = frame[4] + CRLF_SIZE
+        self._pass(data, passed, size)
+
+    def _pass(self, data: bytearray, start: int, end: int) -> None:
+        if end > start:
+            self._inner.data_received(bytes(data[start:end]))
+
+    def _read_whole(self) -> None:
+        bodies = self._parser.bodies
+        bodies.append(self._body)  # type: ignore[arg-type]
+        self._body = None
+        self._inner.data_received(self._read_line)
+        if len(bodies) >= _BODIES_HELD:  # the parser is behind: hold the socket (again, if the reader let it go)
+            self._paused = True
+            self._transport.pause_reading()
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
 
 
 def _frame(line: bytes) -> tuple[bytes, int, bytes, int, int] | None:
@@ -202,6 +349,7 @@ def read_bulk_in_place(nc: Client) -> set[bytes]:
         ps.__class__ = _BulkParser
         ps.bulk_subjects = set()
         ps._clear()
+        ps._direct, ps.bodies = None, collections.deque()
     return ps.bulk_subjects  # type: ignore[union-attr]
 
 
