@@ -18,7 +18,6 @@ from typing import BinaryIO
 from linuxnode.process.resolve import INSIDE_TREE, Escapes, openat
 
 MAX_DEPTH = 256  # each level holds a directory fd while it is packed
-DROPPED_MODES = stat.S_ISUID | stat.S_ISGID
 
 
 def member_parts(name: str) -> list[str]:
