@@ -1,7 +1,7 @@
 """A tree's tar stream (ustar, with pax `x` records and GNU long names: what sandfleet's client
 and tarfile write) read without tarfile, and unpacked under a directory fd: the one reader of
 the node (a tree upload, linuxnode/process/ustar.py) and of the client (a tree download,
-sandfleet/_tartree.py).
+sandfleet/_tartree.py); and the header blocks both write (`header`, `padding`, `end`).
 
 tarfile costs ~60 us a member (a TarInfo, a checksum by struct, an ExFileObject and its buffers
 per file); this reader parses the header blocks itself and writes each file's bytes to its fd
@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import os
 import stat
+import struct
+import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 BLOCK = 512
+_RECORD = 20 * BLOCK
 DROPPED_MODES = stat.S_ISUID | stat.S_ISGID
 _REGULAR = (b"0", b"\0", b"7")  # 7: contiguous, a regular file to everyone but its maker
 _KINDS = {b"5": "dir", b"2": "symlink", b"1": "link", **{t: "file" for t in _REGULAR}}
@@ -247,3 +250,41 @@ def _unpack_file(reader: Reader, member: Member, parent: int, name: str, mode: i
         os.utime(fd, (member.mtime, member.mtime))
     finally:
         os.close(fd)
+
+
+# -- writing --------------------------------------------------------------------------------------
+
+_USTAR = struct.Struct("100s8s8s8s12s12s8sc100s6s2s32s32s8s8s155s12x")
+
+
+def header(info: tarfile.TarInfo) -> bytes:
+    """The member's header block: written here for the common member (an ASCII name that fits
+    ustar, small numbers) at a fraction of what TarInfo.tobuf costs, else by tobuf (pax)."""
+    name = info.name + "/" if info.type == tarfile.DIRTYPE else info.name
+    try:
+        raw, link = name.encode("ascii"), info.linkname.encode("ascii")
+    except UnicodeEncodeError:
+        return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    prefix = b""
+    if len(raw) > 100:  # ustar splits a long name at a slash: prefix (155) / name (100)
+        cut = raw.rfind(b"/", 0, 156)
+        if cut > 0 and len(raw) - cut - 1 <= 100:
+            prefix, raw = raw[:cut], raw[cut + 1:]
+    if len(raw) > 100 or len(link) > 100 or info.size >= 8 ** 11 or max(info.uid, info.gid) >= 8 ** 7 \
+            or not 0 <= info.mtime < 8 ** 11:
+        return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    block = _USTAR.pack(raw, b"%07o\0" % info.mode, b"%07o\0" % info.uid, b"%07o\0" % info.gid,
+                        b"%011o\0" % info.size, b"%011o\0" % info.mtime, b" " * 8, info.type, link, b"ustar\0",
+                        b"00", b"", b"", b"", b"", prefix)
+    return block[:148] + b"%06o\0" % sum(block) + block[155:]
+
+
+def padding(size: int) -> bytes:
+    """What follows a member's `size` bytes of data to its block's end."""
+    return b"\0" * (-size % BLOCK)
+
+
+def end(written: int) -> bytes:
+    """The archive's end after `written` bytes: two zero blocks, then zeros to a whole record."""
+    tail = 2 * BLOCK
+    return b"\0" * (tail + (-(written + tail) % _RECORD))

@@ -18,7 +18,6 @@ import queue
 import secrets
 import shutil
 import stat
-import struct
 import tarfile
 import threading
 from collections.abc import AsyncIterator
@@ -63,34 +62,8 @@ class ToLoop(io.RawIOBase):
         self._hand(error)
 
 
-_BLOCK, _RECORD = 512, 20 * 512
-_USTAR = struct.Struct("100s8s8s8s12s12s8sc100s6s2s32s32s8s8s155s12x")
-
-
-def _header(info: tarfile.TarInfo) -> bytes:
-    """The member's header block: written here for the common member (an ASCII name that fits
-    ustar, small numbers) at a fraction of what TarInfo.tobuf costs, else by tobuf (pax)."""
-    name = info.name + "/" if info.type == tarfile.DIRTYPE else info.name
-    try:
-        raw, link = name.encode("ascii"), info.linkname.encode("ascii")
-    except UnicodeEncodeError:
-        return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
-    prefix = b""
-    if len(raw) > 100:  # ustar splits a long name at a slash: prefix (155) / name (100)
-        cut = raw.rfind(b"/", 0, 156)
-        if cut > 0 and len(raw) - cut - 1 <= 100:
-            prefix, raw = raw[:cut], raw[cut + 1:]
-    if len(raw) > 100 or len(link) > 100 or info.size >= 8 ** 11 or max(info.uid, info.gid) >= 8 ** 7 \
-            or not 0 <= info.mtime < 8 ** 11:
-        return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
-    block = _USTAR.pack(raw, b"%07o\0" % info.mode, b"%07o\0" % info.uid, b"%07o\0" % info.gid,
-                        b"%011o\0" % info.size, b"%011o\0" % info.mtime, b" " * 8, info.type, link, b"ustar\0",
-                        b"00", b"", b"", b"", b"", prefix)
-    return block[:148] + b"%06o\0" % sum(block) + block[155:]
-
-
 def _pack_tree(out: ToLoop, top: Path) -> None:
-    """The tree under `top` as a tar stream written to `out`, headers made by `_header` (tarfile's
+    """The tree under `top` as a tar stream written to `out`, headers made by `ustar.header` (tarfile's
     TarFile.add costs ~90 us a member in name look-ups, copies and checksums): directories,
     regular files, symlinks and hard links; nothing else. Whole-second mtimes (a float one
     would cost each member a pax header)."""
@@ -105,22 +78,22 @@ def _pack_tree(out: ToLoop, top: Path) -> None:
         parts: list[bytes] = []
         if stat.S_ISDIR(st.st_mode):
             info.type = tarfile.DIRTYPE
-            parts.append(_header(info))
+            parts.append(ustar.header(info))
             with os.scandir(path) as entries:
                 names = sorted(e.name for e in entries)
             stack.extend((os.path.join(path, n), f"{arc}/{n}") for n in reversed(names))  # in order, depth first
         elif stat.S_ISLNK(st.st_mode):
             info.type, info.linkname = tarfile.SYMTYPE, os.readlink(path)
-            parts.append(_header(info))
+            parts.append(ustar.header(info))
         elif stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and (st.st_dev, st.st_ino) in seen:
             info.type, info.linkname = tarfile.LNKTYPE, seen[(st.st_dev, st.st_ino)]
-            parts.append(_header(info))
+            parts.append(ustar.header(info))
         elif stat.S_ISREG(st.st_mode):
             if st.st_nlink > 1:
                 seen[(st.st_dev, st.st_ino)] = arc
             with open(path, "rb", buffering=0) as f:
                 info.size = left = os.fstat(f.fileno()).st_size
-                parts.append(_header(info))
+                parts.append(ustar.header(info))
                 while left:
                     data = f.read(min(left, 1 << 20))
                     if not data:
@@ -130,12 +103,11 @@ def _pack_tree(out: ToLoop, top: Path) -> None:
                     if left and len(parts) > 4:
                         written += out.write(b"".join(parts))
                         parts = []
-            parts.append(b"\0" * (-info.size % _BLOCK))
+            parts.append(ustar.padding(info.size))
         else:
             continue  # sockets, fifos and devices do not travel
         written += out.write(b"".join(parts))
-    end = 2 * _BLOCK
-    out.write(b"\0" * (end + (-(written + end) % _RECORD)))
+    out.write(ustar.end(written))
 
 
 async def tar_chunks(local: Path, digest) -> AsyncIterator[bytes]:

@@ -153,3 +153,31 @@ def test_garbage_a_bad_checksum_and_a_truncated_member_are_value_errors(tmp_path
     cut = good[:good.index(b"x" * 100) + 1000]
     with pytest.raises(ValueError, match="ends inside"):
         _unpack(side, cut, tmp_path / "cut")
+
+
+def test_the_nodes_pack_is_a_tar_that_tarfile_and_our_reader_read_as_the_tree_it_was(tmp_path, side):
+    from linuxnode.process import tree
+
+    src = tmp_path / "src"
+    (src / "a" / ("d" * 120)).mkdir(parents=True)
+    (src / "a" / "file.txt").write_bytes(b"hello\n" * 1000)
+    (src / "a" / "empty").write_bytes(b"")
+    (src / "a" / ("d" * 120) / ("n" * 90)).write_bytes(os.urandom(70_000))  # past ustar's 100: prefix or pax
+    (src / "ünïcödé.txt").write_bytes("é".encode())
+    (src / "a" / "link").symlink_to("file.txt")
+    os.chmod(src / "a" / "file.txt", 0o640)
+    for path in [*src.rglob("*"), src]:
+        if not path.is_symlink():
+            os.utime(path, (1_600_000_000, 1_600_000_000))
+    buf = io.BytesIO()
+    top = os.open(src, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        tree.pack(top, buf)
+    finally:
+        os.close(top)
+    data = buf.getvalue()
+    assert len(data) % (20 * 512) == 0  # whole records, as tar writes them
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(tmp_path / "theirs")
+    _unpack(side, data, tmp_path / "ours", 4096)
+    assert _seen(tmp_path / "theirs") == _seen(src) == _seen(tmp_path / "ours")
