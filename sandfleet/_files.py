@@ -130,19 +130,29 @@ async def download(sb: Sandbox, path: str, dst: str | os.PathLike, *, progress: 
     sink = _FileSink(temp, transfer.mode) if transfer.kind == "file" else _tartree.TreeSink(temp)
     digest, size = stream_check.digest(transfer.check), 0
     chunks = _chunks(sb, transfer.transfer_id)
+    # One chunk is written (in a thread) while the next ones come and more are asked for: written
+    # inline, each write held the asking back, and a slow disk emptied the window.
+    writing: asyncio.Future | None = None
     try:
         async for chunk, data in chunks:
+            if writing is not None:
+                await writing
+                writing = None
             if chunk.eof:
                 if chunk.digest != digest.hexdigest() or chunk.size != size:
                     raise ValueError(f"download of {path}: {transfer.check} {chunk.digest} ({chunk.size} bytes) on the node, "
                                      f"{digest.hexdigest()} ({size} bytes) received")
                 break
             size += len(data)
-            await asyncio.to_thread(_write_hashed, sink, digest, data)
+            writing = asyncio.ensure_future(asyncio.to_thread(_write_hashed, sink, digest, data))
             if progress is not None:
                 progress(size, transfer.size)
+        if writing is not None:  # the stream ended without its eof chunk
+            await writing
         await asyncio.to_thread(sink.commit, dst)
     except BaseException:
+        if writing is not None:  # the sink is not aborted under a write still running
+            await asyncio.gather(writing, return_exceptions=True)
         await asyncio.to_thread(sink.abort)
         raise
     finally:
