@@ -12,13 +12,13 @@ import xxhash
 from schemas.files import Check
 
 
-class Digest(Protocol):
+class RunningDigest(Protocol):
     def update(self, data: bytes | bytearray | memoryview, /) -> None: ...
 
     def hexdigest(self) -> str: ...
 
 
-def digest(check: Check) -> Digest:
+def digest(check: Check) -> RunningDigest:
     if check == "sha256":
         return hashlib.sha256()
     if check == "xxh3-128":

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from sandfleet.errors import ServiceError
-from sandfleet.stream_check import Digest, digest
+from sandfleet.stream_check import RunningDigest, digest
 from schemas.errors import ErrorCode
 from schemas.files import WINDOW, Check
 from services.launcher.drivers.base import DownloadSource, UploadSink
@@ -30,7 +30,7 @@ class Transfer:
     check: Check
     idle_s: float
     path: str = ""
-    digest: Digest = field(init=False)  # of the bytes written (upload) or read (download) so far, in order
+    digest: RunningDigest = field(init=False)  # of the bytes written (upload) or read (download) so far, in order
     touched: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     next_seq: int = 0  # upload: the next chunk to write; download: the next to read
