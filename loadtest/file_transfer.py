@@ -6,21 +6,21 @@
 Two payloads: one file of `--mb` MiB (seeded random bytes, incompressible) and one tree of
 `--files` small files (1 KiB each, 100 per directory). Each round, alternating sides:
   sdk      `sb.upload(local, path)` then `sb.download(path, local2)` through a platform
-           started for the run (chunked, pipelined, sha256 on both sides, temp file + rename);
+           started for the run (chunked, pipelined, xxh3-128 on both sides, temp file + rename);
   direct   what the node could do with no bus: `tar -c` of the local copy piped into
-           `tar -x` under /proc/<init>/root (the host entering the sandbox's root), and back.
+           `tar -x` under /proc/<init>/root (the host entering the sandbox's root, what it
+           makes owned by the sandbox's mapped root, as an upload's files are), and back.
 Figures are medians over rounds in MB/s (10^6 bytes of payload per second; a tree counts its
 files' bytes) and files/s for the tree; the ratio is sdk / direct (the issue's target: >= 0.5).
 Beside each, the CPU seconds each side used (medians): the client (this process), the launcher
 and nats-server for the sdk; the two tars for direct. On a machine others share, wall time
 follows the load, CPU seconds say what the path itself costs.
 
-Where the time goes (perf of a 1 GiB transfer, raw chunks read into one buffer each and sent
-unjoined to their frame, see sandfleet/natspy_internals.py): per GiB each side spends ~0.9 CPU-s
-in sha256; the receiver ~1 more in the socket's copies (uvloop/asyncio's stream, then ours) and the
-page faults of fresh 4 MiB buffers; the node ~0.3 writing; nats-server ~1.4 forwarding. A tree adds
-tar: the client's own ustar headers (~26 us a member) and the node's own reader
-(linuxnode/process/ustar.py, ~26 us a member) up; tarfile on both sides down.
+Where the time goes (perf and py-spy of a 1 GiB transfer): per GiB nats-server ~1.1 CPU-s
+forwarding; the launcher ~1.0 up (the kernel's copies off the socket, straight into the chunk's
+buffer, and into tmpfs; xxh3 ~0.1) and ~0.6 down; the client ~0.6 up (the file read, the send)
+and ~1.6 down (its write to the host's disk, which the direct tar pays too). A tree adds the one
+ustar module (formats/ustar.py) at both ends, ~26 us a member, and the filesystem's file creation.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import sandfleet
-from linuxnode import procfs
+from linuxnode import procfs, userns
 from loadtest.platform import running_platform
 from loadtest.report import print_table, write_json
 
@@ -90,9 +90,14 @@ def make_tree(root: Path, files: int) -> None:
         (d / f"f{i:06d}.txt").write_bytes(rng.randbytes(1024))
 
 
-def _tar_pipe(src_dir: str, dst_dir: str, only: str = ".") -> None:
+def _tar_pipe(src_dir: str, dst_dir: str, only: str = ".", owner: int | None = None) -> None:
+    """`tar -c | tar -x`; with `owner`, what is made belongs to that host id (the sandbox's root
+    under its user namespace, as an upload's files do), so the sandbox can remove it."""
     os.makedirs(dst_dir, exist_ok=True)
-    pack = subprocess.Popen(["tar", "-C", src_dir, "-cf", "-", only], stdout=subprocess.PIPE)
+    owned = [] if owner is None else [f"--owner={owner}", f"--group={owner}", "--numeric-owner"]
+    if owner is not None:
+        os.chown(dst_dir, owner, owner)
+    pack = subprocess.Popen(["tar", "-C", src_dir, *owned, "-cf", "-", only], stdout=subprocess.PIPE)
     subprocess.run(["tar", "-C", dst_dir, "-xf", "-"], stdin=pack.stdout, check=True)
     pack.stdout.close()  # type: ignore[union-attr]
     assert pack.wait() == 0
@@ -113,12 +118,12 @@ async def one_round(sb, init_pid: int, work: Path, payload: Path, is_tree: bool,
         await sb.download(remote, back)
         t2 = time.perf_counter()
     else:
-        root = f"/proc/{init_pid}/root"
+        root, owner = f"/proc/{init_pid}/root", userns.mapped_root(init_pid)
         t0 = time.perf_counter()
         if is_tree:
-            await asyncio.to_thread(_tar_pipe, str(payload), root + remote)
+            await asyncio.to_thread(_tar_pipe, str(payload), root + remote, ".", owner)
         else:
-            await asyncio.to_thread(_tar_pipe, str(payload.parent), root + remote, payload.name)
+            await asyncio.to_thread(_tar_pipe, str(payload.parent), root + remote, payload.name, owner)
         t1 = time.perf_counter()
         c1 = cpu.read()
         await asyncio.to_thread(_tar_pipe, root + remote, str(back))

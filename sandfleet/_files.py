@@ -1,7 +1,7 @@
 """Uploads and downloads of any size (`Sandbox.upload`, `Sandbox.download`): a file as its bytes,
 a directory as a tar stream, in chunks of schemas.files.CHUNK_BYTES with up to WINDOW of them
-in flight, hashed (sha256) on both sides and compared at the end. Pure Python (stdlib tarfile:
-a directory's tar stream is _tartree.py).
+in flight, hashed on both sides (the transfer's check: xxh3-128 unless sha256 is asked for,
+sandfleet/stream_check.py) and compared at the end. A directory's tar stream is _tartree.py.
 
 A download is written beside its destination under a temporary name and renamed into place,
 so a local reader never sees half a file either. A tree from a sandbox is untrusted: its
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 import secrets
 import stat
@@ -21,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sandfleet import _tartree
+from sandfleet import _tartree, stream_check
 from schemas import files as wire
 
 if TYPE_CHECKING:
@@ -34,9 +33,10 @@ _TIMEOUT_S = 60.0
 # -- upload ---------------------------------------------------------------------------------
 
 async def upload(sb: Sandbox, src: str | os.PathLike | bytes, path: str, *, mode: int | None = None,
-                 progress: Progress | None = None, idle_s: float = 60.0) -> wire.TransferDone:
+                 progress: Progress | None = None, idle_s: float = 60.0,
+                 check: wire.Check = "xxh3-128") -> wire.TransferDone:
     bus = sb._fleet.bus
-    digest = hashlib.sha256()  # updated by whoever makes the chunks, off the loop
+    digest = stream_check.digest(check)  # updated by whoever makes the chunks, off the loop
     if isinstance(src, (bytes, bytearray, memoryview)):
         kind, total, chunks = "file", len(src), _bytes_chunks(bytes(src), digest)
         file_mode = 0o644 if mode is None else mode
@@ -48,7 +48,7 @@ async def upload(sb: Sandbox, src: str | os.PathLike | bytes, path: str, *, mode
         else:
             kind, total, chunks = "file", st.st_size, _file_chunks(local, digest)
             file_mode = stat.S_IMODE(st.st_mode) if mode is None else mode
-    begin = wire.UploadRequest(sandbox_id=sb.id, path=path, kind=kind, mode=file_mode, idle_s=idle_s)
+    begin = wire.UploadRequest(sandbox_id=sb.id, path=path, kind=kind, mode=file_mode, idle_s=idle_s, check=check)
     transfer = await bus.request(sb._subject(wire.UPLOAD), begin, wire.Transfer, timeout=_TIMEOUT_S)
     size, seq = 0, 0
     inflight: set[asyncio.Task] = set()
@@ -69,7 +69,7 @@ async def upload(sb: Sandbox, src: str | os.PathLike | bytes, path: str, *, mode
             done, inflight = await asyncio.wait(inflight)
             _raise_first(done)
         end = wire.UploadEnd(sandbox_id=sb.id, transfer_id=transfer.transfer_id, chunks=seq, size=size,
-                             sha256=digest.hexdigest())
+                             digest=digest.hexdigest())
         done = await bus.request(sb._subject(wire.UPLOAD_END), end, wire.TransferDone, timeout=_TIMEOUT_S * 5)
     except BaseException:
         for task in inflight:
@@ -78,8 +78,8 @@ async def upload(sb: Sandbox, src: str | os.PathLike | bytes, path: str, *, mode
         await chunks.aclose()  # a tree's tar thread stops
         await _close_quietly(sb, transfer.transfer_id)
         raise
-    if done.sha256 != digest.hexdigest():
-        raise ValueError(f"upload of {path}: sha256 {done.sha256} on the node, {digest.hexdigest()} sent")
+    if done.digest != digest.hexdigest():
+        raise ValueError(f"upload of {path}: {check} {done.digest} on the node, {digest.hexdigest()} sent")
     return done
 
 
@@ -121,34 +121,44 @@ async def _file_chunks(local: Path, digest) -> AsyncIterator[bytes]:
 # -- download -------------------------------------------------------------------------------
 
 async def download(sb: Sandbox, path: str, dst: str | os.PathLike, *, progress: Progress | None = None,
-                   idle_s: float = 60.0) -> wire.TransferDone:
+                   idle_s: float = 60.0, check: wire.Check = "xxh3-128") -> wire.TransferDone:
     bus = sb._fleet.bus
-    begin = wire.DownloadRequest(sandbox_id=sb.id, path=path, idle_s=idle_s)
+    begin = wire.DownloadRequest(sandbox_id=sb.id, path=path, idle_s=idle_s, check=check)
     transfer = await bus.request(sb._subject(wire.DOWNLOAD), begin, wire.Transfer, timeout=_TIMEOUT_S)
     dst = Path(dst)
     temp = dst.parent / f".{dst.name}.sandfleet-{secrets.token_hex(6)}.part"
     sink = _FileSink(temp, transfer.mode) if transfer.kind == "file" else _tartree.TreeSink(temp)
-    digest, size = hashlib.sha256(), 0
+    digest, size = stream_check.digest(transfer.check), 0
     chunks = _chunks(sb, transfer.transfer_id)
+    # One chunk is written (in a thread) while the next ones come and more are asked for: written
+    # inline, each write held the asking back, and a slow disk emptied the window.
+    writing: asyncio.Future | None = None
     try:
         async for chunk, data in chunks:
+            if writing is not None:
+                await writing
+                writing = None
             if chunk.eof:
-                if chunk.sha256 != digest.hexdigest() or chunk.size != size:
-                    raise ValueError(f"download of {path}: sha256 {chunk.sha256} ({chunk.size} bytes) on the node, "
+                if chunk.digest != digest.hexdigest() or chunk.size != size:
+                    raise ValueError(f"download of {path}: {transfer.check} {chunk.digest} ({chunk.size} bytes) on the node, "
                                      f"{digest.hexdigest()} ({size} bytes) received")
                 break
             size += len(data)
-            await asyncio.to_thread(_write_hashed, sink, digest, data)
+            writing = asyncio.ensure_future(asyncio.to_thread(_write_hashed, sink, digest, data))
             if progress is not None:
                 progress(size, transfer.size)
+        if writing is not None:  # the stream ended without its eof chunk
+            await writing
         await asyncio.to_thread(sink.commit, dst)
     except BaseException:
+        if writing is not None:  # the sink is not aborted under a write still running
+            await asyncio.gather(writing, return_exceptions=True)
         await asyncio.to_thread(sink.abort)
         raise
     finally:
         await chunks.aclose()  # the requests asked ahead are answered or cancelled first
         await _close_quietly(sb, transfer.transfer_id)
-    return wire.TransferDone(size=size, sha256=digest.hexdigest())
+    return wire.TransferDone(size=size, digest=digest.hexdigest(), check=transfer.check)
 
 
 def _write_hashed(sink: _FileSink | _tartree.TreeSink, digest, data: bytes) -> None:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from schemas.desktop import InputDone, Screenshot, ScreenInfo
 
     from sandfleet.client import Fleet
-    from schemas.files import TransferDone
+    from schemas.files import Check, TransferDone
 
 
 ExecResult = node.ExecReply  # what a command did: the node's reply as it came
@@ -159,11 +159,12 @@ class Sandbox:
     # -- files of any size, and the file tree (sandfleet/_files.py) ------------------------
 
     async def upload(self, src: str | os.PathLike | bytes, path: str, *, mode: int | None = None,
-                     progress: _files.Progress | None = None) -> TransferDone:
+                     progress: _files.Progress | None = None, check: Check = "xxh3-128") -> TransferDone:
         """Copy a local file or directory (or bytes) to `path` in the sandbox, of any size: chunked,
-        pipelined, sha256-checked; nothing is visible at `path` until it is all there. A directory
-        keeps its modes and symlinks and replaces what was at `path`."""
-        return await _files.upload(self, src, path, mode=mode, progress=progress)
+        pipelined, checked end to end (`check`: xxh3-128, or "sha256" for a digest to compare with
+        others; the result's `digest`); nothing is visible at `path` until it is all there. A
+        directory keeps its modes and symlinks and replaces what was at `path`."""
+        return await _files.upload(self, src, path, mode=mode, progress=progress, check=check)
 
     @property
     def files(self) -> _files.Files:
@@ -171,9 +172,9 @@ class Sandbox:
         return _files.Files(self)
 
     async def download(self, path: str, dst: str | os.PathLike, *,
-                       progress: _files.Progress | None = None) -> TransferDone:
+                       progress: _files.Progress | None = None, check: Check = "xxh3-128") -> TransferDone:
         """Copy a file or directory of the sandbox to the local `dst` (replaced), checked the same way."""
-        return await _files.download(self, path, dst, progress=progress)
+        return await _files.download(self, path, dst, progress=progress, check=check)
 
     # -- terminals: a command on a pty the node holds (sandfleet/_pty.py) --------------------
 

@@ -1,26 +1,29 @@
-"""A directory as a tar stream, on the client: packed in a thread into chunks for an upload,
-and unpacked in a thread from a download's chunks. Pure Python (stdlib tarfile).
+"""A directory as a tar stream, on the client: packed in a thread into chunks for an upload
+(headers written here), and unpacked in a thread from a download's chunks by formats/ustar.py,
+the node's reader too. Pure Python.
 
 A tree from a sandbox is untrusted: its members are unpacked only below the destination, never
-through a symlink, and devices, fifos and setuid bits are left out.
+through a symlink; devices and fifos are refused, setuid and setgid bits dropped, and nobody's
+ownership is taken from the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import io
 import os
 import queue
 import secrets
 import shutil
 import stat
-import struct
 import tarfile
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from formats import ustar
 from schemas import files as wire
 
 
@@ -59,34 +62,8 @@ class ToLoop(io.RawIOBase):
         self._hand(error)
 
 
-_BLOCK, _RECORD = 512, 20 * 512
-_USTAR = struct.Struct("100s8s8s8s12s12s8sc100s6s2s32s32s8s8s155s12x")
-
-
-def _header(info: tarfile.TarInfo) -> bytes:
-    """The member's header block: written here for the common member (an ASCII name that fits
-    ustar, small numbers) at a fraction of what TarInfo.tobuf costs, else by tobuf (pax)."""
-    name = info.name + "/" if info.type == tarfile.DIRTYPE else info.name
-    try:
-        raw, link = name.encode("ascii"), info.linkname.encode("ascii")
-    except UnicodeEncodeError:
-        return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
-    prefix = b""
-    if len(raw) > 100:  # ustar splits a long name at a slash: prefix (155) / name (100)
-        cut = raw.rfind(b"/", 0, 156)
-        if cut > 0 and len(raw) - cut - 1 <= 100:
-            prefix, raw = raw[:cut], raw[cut + 1:]
-    if len(raw) > 100 or len(link) > 100 or info.size >= 8 ** 11 or max(info.uid, info.gid) >= 8 ** 7 \
-            or not 0 <= info.mtime < 8 ** 11:
-        return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
-    block = _USTAR.pack(raw, b"%07o\0" % info.mode, b"%07o\0" % info.uid, b"%07o\0" % info.gid,
-                        b"%011o\0" % info.size, b"%011o\0" % info.mtime, b" " * 8, info.type, link, b"ustar\0",
-                        b"00", b"", b"", b"", b"", prefix)
-    return block[:148] + b"%06o\0" % sum(block) + block[155:]
-
-
 def _pack_tree(out: ToLoop, top: Path) -> None:
-    """The tree under `top` as a tar stream written to `out`, headers made by `_header` (tarfile's
+    """The tree under `top` as a tar stream written to `out`, headers made by `ustar.header` (tarfile's
     TarFile.add costs ~90 us a member in name look-ups, copies and checksums): directories,
     regular files, symlinks and hard links; nothing else. Whole-second mtimes (a float one
     would cost each member a pax header)."""
@@ -101,22 +78,22 @@ def _pack_tree(out: ToLoop, top: Path) -> None:
         parts: list[bytes] = []
         if stat.S_ISDIR(st.st_mode):
             info.type = tarfile.DIRTYPE
-            parts.append(_header(info))
+            parts.append(ustar.header(info))
             with os.scandir(path) as entries:
                 names = sorted(e.name for e in entries)
             stack.extend((os.path.join(path, n), f"{arc}/{n}") for n in reversed(names))  # in order, depth first
         elif stat.S_ISLNK(st.st_mode):
             info.type, info.linkname = tarfile.SYMTYPE, os.readlink(path)
-            parts.append(_header(info))
+            parts.append(ustar.header(info))
         elif stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and (st.st_dev, st.st_ino) in seen:
             info.type, info.linkname = tarfile.LNKTYPE, seen[(st.st_dev, st.st_ino)]
-            parts.append(_header(info))
+            parts.append(ustar.header(info))
         elif stat.S_ISREG(st.st_mode):
             if st.st_nlink > 1:
                 seen[(st.st_dev, st.st_ino)] = arc
             with open(path, "rb", buffering=0) as f:
                 info.size = left = os.fstat(f.fileno()).st_size
-                parts.append(_header(info))
+                parts.append(ustar.header(info))
                 while left:
                     data = f.read(min(left, 1 << 20))
                     if not data:
@@ -126,12 +103,11 @@ def _pack_tree(out: ToLoop, top: Path) -> None:
                     if left and len(parts) > 4:
                         written += out.write(b"".join(parts))
                         parts = []
-            parts.append(b"\0" * (-info.size % _BLOCK))
+            parts.append(ustar.padding(info.size))
         else:
             continue  # sockets, fifos and devices do not travel
         written += out.write(b"".join(parts))
-    end = 2 * _BLOCK
-    out.write(b"\0" * (end + (-(written + end) % _RECORD)))
+    out.write(ustar.end(written))
 
 
 async def tar_chunks(local: Path, digest) -> AsyncIterator[bytes]:
@@ -158,24 +134,51 @@ async def tar_chunks(local: Path, digest) -> AsyncIterator[bytes]:
         writer.abandoned.set()
 
 
-class Pipe(io.RawIOBase):
-    def __init__(self) -> None:
-        self.chunks: queue.Queue = queue.Queue(wire.WINDOW)
-        self.held = b""
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
-    def readable(self) -> bool:
-        return True
 
-    def readinto(self, buffer) -> int:
-        while not self.held:
-            item = self.chunks.get()
-            if item is None:
-                return 0
-            self.held = item
-        n = min(len(buffer), len(self.held))
-        buffer[:n] = self.held[:n]
-        self.held = self.held[n:]
-        return n
+class _OneAtATime:
+    """formats.ustar.Beneath on any POSIX system: each directory on a member's way opened from
+    its parent's fd with O_NOFOLLOW, so a symlink (one the tree itself planted) is never followed
+    and nothing lands outside the top."""
+
+    def __init__(self, top: int) -> None:
+        self._top, self._parts, self._fd = top, None, -1
+
+    def parts(self, name: str) -> list[str]:
+        parts = [p for p in name.split("/") if p not in ("", ".")]
+        if ".." in parts:
+            raise ValueError(f"tar member {name!r} climbs out of the tree")
+        return parts
+
+    def open_dir(self, parts: list[str]) -> int:
+        fd = os.dup(self._top)
+        try:
+            for part in parts:
+                try:
+                    below = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    raise ValueError(f"a tar member goes through a symlink or a non-directory: {'/'.join(parts)!r}") \
+                        from None
+                os.close(fd)
+                fd = below
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def parent(self, parts: list[str]) -> int:
+        if parts[:-1] != self._parts:
+            self.close()
+            self._fd, self._parts = self.open_dir(parts[:-1]), parts[:-1]
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd, self._parts = -1, None
 
 
 class TreeSink:
@@ -184,33 +187,38 @@ class TreeSink:
     def __init__(self, temp: Path) -> None:
         self.temp = temp
         temp.mkdir(mode=0o700)
-        self.pipe = Pipe()
+        self.chunks: queue.Queue[bytes | bytearray | None] = queue.Queue(wire.WINDOW)  # None: the stream's end
+        self._ended = False  # the unpack took the end
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._unpack, daemon=True)
         self.thread.start()
 
+    def _next_chunk(self) -> bytes | bytearray:
+        item = self.chunks.get()
+        if item is None:
+            self._ended = True
+            return b""
+        return item
+
     def _unpack(self) -> None:
         try:
-            dirs: list[tuple[Path, int]] = []
-            with tarfile.open(fileobj=io.BufferedReader(self.pipe, 1 << 20), mode="r|") as tar:
-                for member in tar:
-                    _unpack_member(tar, member, self.temp, dirs)
-            for where, mode in reversed(dirs):  # last: a read-only directory must not stop its children
-                os.chmod(where, mode)
-            while self.pipe.readinto(bytearray(1 << 16)):  # padding after the tar's end
-                pass
+            top = os.open(self.temp, _DIR_FLAGS)
+            try:
+                ustar.unpack(self._next_chunk, top, _OneAtATime(top))
+            finally:
+                os.close(top)
         except BaseException as exc:
             self.error = exc
-            while self.pipe.chunks.get() is not None:  # let the writer finish
+            while not self._ended and self.chunks.get() is not None:  # let the writer finish
                 pass
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | bytearray) -> None:
         if self.error is not None:
             raise self.error
-        self.pipe.chunks.put(data)
+        self.chunks.put(data)
 
     def commit(self, dst: Path) -> None:
-        self.pipe.chunks.put(None)
+        self.chunks.put(None)
         self.thread.join()
         if self.error is not None:
             raise self.error
@@ -226,30 +234,6 @@ class TreeSink:
         if self.thread.is_alive():
             self.error = self.error or BrokenPipeError()
             with contextlib.suppress(queue.Full):
-                self.pipe.chunks.put(None, timeout=1)
+                self.chunks.put(None, timeout=1)
             self.thread.join(timeout=5)
         shutil.rmtree(self.temp, ignore_errors=True)
-
-
-def _unpack_member(tar: tarfile.TarFile, member: tarfile.TarInfo, top: Path, dirs: list[tuple[Path, int]]) -> None:
-    parts = [p for p in member.name.split("/") if p not in ("", ".")]
-    if ".." in parts:
-        raise ValueError(f"tar member {member.name!r} climbs out of the tree")
-    member.mode &= 0o777 | stat.S_ISVTX
-    if member.isdir():
-        dirs.append((top.joinpath(*parts), member.mode))
-        member.mode |= 0o700
-    if not parts:
-        return
-    where = top
-    for part in parts[:-1]:  # nothing written through a symlink the tree itself planted
-        where = where / part
-        if where.is_symlink() or not where.is_dir():
-            raise ValueError(f"tar member {member.name!r} goes through a symlink or a non-directory")
-    if not (member.isdir() or member.isreg() or member.issym() or member.islnk()):
-        return  # devices, fifos: left out
-    if member.islnk():
-        link = [p for p in member.linkname.split("/") if p not in ("", ".")]
-        if ".." in link or not link:
-            raise ValueError(f"tar member {member.name!r}: a hard link out of the tree")
-    tar.extract(member, top, set_attrs=not member.issym())

@@ -4,7 +4,7 @@ Every message is JSON from a msgspec Struct, except bulk bytes (file chunks, pro
 a `Raw` message carries its Struct as JSON in the `Sandfleet-Meta` header and its bytes as the
 body as they are, so a chunk costs no base64 and no JSON around its data (`request_raw`, and
 `Endpoint(raw=True)` or a handler returning `Raw` on the service side); those bytes are read
-into one buffer and sent unjoined to their frame (natspy_internals). Outgoing messages carry
+into one buffer and sent unjoined to their frame (natspy_bulk). Outgoing messages carry
 W3C trace context in headers; every handled request runs inside a span whose parent is the caller's. Handler
 errors become NATS micro error headers plus an `ErrorBody`, and transport failures become
 the `sandfleet.errors` tree, so neither side ever sees a foreign exception or a traceback.
@@ -36,7 +36,7 @@ from nats.micro.service import EndpointConfig, Service, ServiceConfig
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from sandfleet import credentials, errors, natspy_internals, telemetry
+from sandfleet import credentials, errors, natspy_bulk, natspy_internals, telemetry
 from sandfleet.config import js_replicas, nats_servers
 from schemas.errors import ErrorBody, ErrorCode
 
@@ -229,7 +229,7 @@ class Bus:
         self.nc = nc
         self.name = name
         self._refusals = refusals if refusals is not None else Refusals()
-        self._bulk_subjects = natspy_internals.read_bulk_in_place(nc)  # the raw endpoints' (serve)
+        self._bulk_subjects = natspy_bulk.read_bulk_in_place(nc)  # the raw endpoints' (serve)
         self.js: JetStreamContext = ReplicatedJetStream(nc, js_replicas())
         self._tasks: set[asyncio.Task] = set()
         self._services: list[Service] = []
@@ -297,7 +297,7 @@ class Bus:
         header and `data` is the body; a reply with a META header is decoded from it and its
         body returned as it came (a large one as the bytearray it was read into), any other
         reply is decoded from its body (then b""). Neither body is copied to be joined to its
-        frame (natspy_internals.request_bulk).
+        frame (natspy_bulk.request_bulk).
         No span of its own: it carries bulk bytes, many a second, under the caller's span."""
         headers = telemetry.inject()
         if data is not None:
@@ -311,13 +311,13 @@ class Bus:
     async def _ask(self, subject: str, payload: bytes | memoryview, headers: dict[str, str], timeout: float,
                    bulk: bool = False) -> Msg:
         """One request; transport failures and error replies as the sandfleet.errors tree. `bulk`:
-        sent and its reply read with fewer copies (natspy_internals.request_bulk), the reply's
+        sent and its reply read with fewer copies (natspy_bulk.request_bulk), the reply's
         body then a bytearray."""
         asked = time.monotonic()
         task = self._refusals.asking(subject)
         try:
             if bulk:
-                resp = await natspy_internals.request_bulk(self.nc, subject, headers, payload, timeout)
+                resp = await natspy_bulk.request_bulk(self.nc, subject, headers, payload, timeout)
             else:
                 resp = await self.nc.request(subject, payload, timeout=timeout,  # type: ignore[arg-type]
                                              headers=headers)
@@ -409,7 +409,7 @@ class Bus:
             self.nc, ServiceConfig(name=name, version=version, description=name, queue_group=queue_group)
         )
         for ep in endpoints:
-            if ep.raw:  # its requests' bodies are read into one buffer each (natspy_internals)
+            if ep.raw:  # its requests' bodies are read into one buffer each (natspy_bulk)
                 self._bulk_subjects.add(ep.subject.encode())
             await service.add_endpoint(
                 EndpointConfig(
@@ -459,7 +459,7 @@ class Bus:
                     span.set_attribute(telemetry.SANDBOX_ID, sandbox_id)
                 result = await (ep.handler(msg, req.data) if ep.raw else ep.handler(msg))
                 if isinstance(result, Raw):  # its bytes go to the socket as they are, not joined to the frame
-                    await natspy_internals.publish_bulk(self.nc, natspy_internals.reply_to(req), "",
+                    await natspy_bulk.publish_bulk(self.nc, natspy_bulk.reply_to(req), "",
                                                         {META: encode(result.meta).decode()}, result.data)
                 else:
                     await req.respond(encode(result))

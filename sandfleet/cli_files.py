@@ -83,14 +83,14 @@ def _cp(args: argparse.Namespace) -> int:
                 if await _remote_dir(sb, target):
                     target = str(PurePosixPath(target) / Path(args.src).resolve().name)
                 done = await sb.upload(args.src, target, progress=meter)
-                return f"{args.src} -> {sb.id}:{target}\t{done.size} bytes\tsha256 {done.sha256}"
+                return f"{args.src} -> {sb.id}:{target}\t{done.size} bytes\t{done.check} {done.digest}"
             assert src is not None
             sb = await fleet.sandbox(src[0])
             local = Path(args.dst)
             if local.is_dir():
                 local = local / (PurePosixPath(src[1]).name or "root")
             done = await sb.download(src[1], local, progress=meter)
-            return f"{sb.id}:{src[1]} -> {local}\t{done.size} bytes\tsha256 {done.sha256}"
+            return f"{sb.id}:{src[1]} -> {local}\t{done.size} bytes\t{done.check} {done.digest}"
 
     try:
         summary = asyncio.run(go())

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sandfleet import errors
+from sandfleet import errors, stream_check
 from sandfleet.layers_client import Layers
 from schemas import files as wire
 from tests.kernel import require
@@ -58,15 +58,23 @@ async def make(request, fleet, base):
             pass  # a test destroyed it
 
 
-def _generate(path: Path, size: int, seed: int) -> str:
-    rng, digest = random.Random(seed), hashlib.sha256()
+def _generate(path: Path, size: int, seed: int) -> tuple[str, str]:
+    """The file's (sha256, xxh3-128) digests, hex."""
+    rng, sha, xxh = random.Random(seed), hashlib.sha256(), stream_check.digest("xxh3-128")
     with open(path, "wb") as f:
         left = size
         while left:
             block = rng.randbytes(min(left, 8 << 20))
             f.write(block)
-            digest.update(block)
+            sha.update(block)
+            xxh.update(block)
             left -= len(block)
+    return sha.hexdigest(), xxh.hexdigest()
+
+
+def _xxh3(data: bytes) -> str:
+    digest = stream_check.digest("xxh3-128")
+    digest.update(data)
     return digest.hexdigest()
 
 
@@ -87,16 +95,16 @@ def _leftovers(root: str) -> list[str]:
 async def test_a_big_file_goes_up_and_comes_back_byte_for_byte(make, tmp_path):
     sb = await make(disk_mb=BIG // (1 << 20) + 64, memory_mb=256)
     src, back = tmp_path / "big", tmp_path / "back"
-    digest = _generate(src, BIG, seed=12)
+    sha, xxh = _generate(src, BIG, seed=12)
     seen = []
-    done = await sb.upload(src, "/workspace/big", progress=lambda n, total: seen.append((n, total)))
-    assert (done.size, done.sha256) == (BIG, digest)
+    done = await sb.upload(src, "/workspace/big", progress=lambda n, total: seen.append((n, total)), check="sha256")
+    assert (done.size, done.check, done.digest) == (BIG, "sha256", sha)
     assert seen[-1] == (BIG, BIG) and len(seen) == -(-BIG // wire.CHUNK_BYTES)
     r = await sb.exec(["wc", "-c", "/workspace/big"])
     assert r.stdout.split()[0] == str(BIG).encode()
     src.unlink()  # keep the test's disk small: the download is compared with the hash, then regenerated
-    got = await sb.download("/workspace/big", back)
-    assert (got.size, got.sha256) == (BIG, digest)
+    got = await sb.download("/workspace/big", back)  # the default check
+    assert (got.size, got.check, got.digest) == (BIG, "xxh3-128", xxh)
     _generate(src, BIG, seed=12)
     assert _same_bytes(src, back)
     assert not _leftovers(str(tmp_path))
@@ -220,7 +228,7 @@ async def test_a_tar_with_a_symlink_out_is_refused_and_leaves_nothing(make, tmp_
             sandbox_id=sb.id, transfer_id=begin.transfer_id, seq=0), wire.ChunkAck, data=data)
         await bus.request(sb._subject(wire.UPLOAD_END), wire.UploadEnd(
             sandbox_id=sb.id, transfer_id=begin.transfer_id, chunks=1, size=len(data),
-            sha256=hashlib.sha256(data).hexdigest()), wire.TransferDone)
+            digest=_xxh3(data)), wire.TransferDone)
     listing = (await sb.exec(["ls", "-a", "/workspace", "/tmp"])).stdout
     assert b"pwned" not in listing and b".sandfleet-" not in listing and not os.path.exists("/tmp/pwned")
 
@@ -237,18 +245,23 @@ async def test_a_wrong_hash_or_a_missing_chunk_keeps_nothing(make):
         req = wire.UploadChunk(sandbox_id=sb.id, transfer_id=tid, seq=seq)
         await bus.request_raw(sb._subject(wire.UPLOAD_CHUNK), req, wire.ChunkAck, data=data)
 
-    async def end(tid: str, chunks: int, size: int, sha: str) -> None:
-        req = wire.UploadEnd(sandbox_id=sb.id, transfer_id=tid, chunks=chunks, size=size, sha256=sha)
+    async def end(tid: str, chunks: int, size: int, digest: str) -> None:
+        req = wire.UploadEnd(sandbox_id=sb.id, transfer_id=tid, chunks=chunks, size=size, digest=digest)
         await bus.request(sb._subject(wire.UPLOAD_END), req, wire.TransferDone)
 
     tid = await begin()
     await chunk(tid, 0, b"abc")
-    with pytest.raises(errors.InvalidRequest, match="sha256"):
-        await end(tid, 1, 3, "0" * 64)
+    with pytest.raises(errors.InvalidRequest, match="digest"):
+        await end(tid, 1, 3, "0" * 32)
+    tid = await begin()  # two chunks sent under each other's numbers: put in order, they are not the bytes
+    await chunk(tid, 0, b"def")
+    await chunk(tid, 1, b"abc")
+    with pytest.raises(errors.InvalidRequest, match="digest"):
+        await end(tid, 2, 6, _xxh3(b"abcdef"))
     tid = await begin()
     await chunk(tid, 1, b"def")  # chunk 0 never comes
     with pytest.raises(errors.InvalidRequest, match="chunks"):
-        await end(tid, 2, 3, hashlib.sha256(b"def").hexdigest())
+        await end(tid, 2, 3, _xxh3(b"def"))
     tid = await begin()
     with pytest.raises(errors.InvalidRequest, match="window"):
         await chunk(tid, 10_000, b"far ahead")

@@ -111,7 +111,7 @@ SUBJECTS = [
     Subject("launcher", files.UPLOAD, files.UploadRequest, NOWHERE | {"path": "/x"}),
     Subject("launcher", files.UPLOAD_CHUNK, files.UploadChunk, NOWHERE | {"transfer_id": "ab", "seq": 0}, raw=True),
     Subject("launcher", files.UPLOAD_END, files.UploadEnd, NOWHERE | {"transfer_id": "ab", "chunks": 0, "size": 0,
-                                                                      "sha256": "0" * 64}),
+                                                                      "digest": "0" * 32}),
     Subject("launcher", files.DOWNLOAD, files.DownloadRequest, NOWHERE | {"path": "/x"}),
     Subject("launcher", files.DOWNLOAD_CHUNK, files.DownloadChunkRequest, NOWHERE | {"transfer_id": "ab", "seq": 0}),
     Subject("launcher", files.CLOSE, files.CloseRequest, NOWHERE | {"transfer_id": "ab"}),

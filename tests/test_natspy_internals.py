@@ -1,10 +1,11 @@
-"""The nats-py private attributes sandfleet stands on (sandfleet/natspy_internals.py) still do what
+"""The nats-py private attributes sandfleet stands on (sandfleet/natspy_internals.py, natspy_bulk.py) still do what
 it relies on, checked against a real nats-server: a nats-py upgrade that moves or changes one
 fails here by name, not as a stalled batch or a benchmark gone slow."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 from collections.abc import AsyncIterator, Iterator
 
@@ -15,7 +16,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from sandfleet import natspy_internals
+from sandfleet import natspy_bulk, natspy_internals
 from sandfleet.bus import Bus
 from tests.natsd import bare_nats_server
 
@@ -148,7 +149,7 @@ def test_a_nats_py_without_the_queue_attribute_is_refused_loudly():
 # -- the bulk paths (Bus.request_raw, Endpoint(raw=True)) -------------------------------------------
 
 async def test_a_marked_subjects_large_payloads_arrive_whole_among_the_others(nc):
-    natspy_internals.read_bulk_in_place(nc).add(b"bulk.big")
+    natspy_bulk.read_bulk_in_place(nc).add(b"bulk.big")
     big = [bytes(range(256)) * 3500, b"\x07" * 900_000]  # past BULK_BYTES, under the server's 1 MB
     sent = [("bulk.small", b"a", None), ("bulk.big", big[0], {"K": "v"}), ("bulk.small", b"b", None),
             ("bulk.big", big[1], None), ("bulk.other", big[1], None), ("bulk.big", b"small", None)]
@@ -162,32 +163,32 @@ async def test_a_marked_subjects_large_payloads_arrive_whole_among_the_others(nc
 
 async def test_a_bulk_request_is_answered_and_fails_as_nats_py_would(nc):
     async def echo(msg: Msg) -> None:
-        await natspy_internals.publish_bulk(nc, msg.reply, "", {"Sandfleet-Meta": "{}"}, msg.data)
+        await natspy_bulk.publish_bulk(nc, msg.reply, "", {"Sandfleet-Meta": "{}"}, msg.data)
 
     await nc.subscribe("svc.echo", cb=echo)  # queued: publish_bulk must send the SUB before its frame
     payload = bytes(range(256)) * 3000
-    reply = await natspy_internals.request_bulk(nc, "svc.echo", {"A": "b"}, memoryview(payload), timeout=10)
+    reply = await natspy_bulk.request_bulk(nc, "svc.echo", {"A": "b"}, memoryview(payload), timeout=10)
     assert bytes(reply.data) == payload and isinstance(reply.data, bytearray)
     assert reply.headers == {"Sandfleet-Meta": "{}"}
-    small = await natspy_internals.request_bulk(nc, "svc.echo", {}, b"x", timeout=10)
+    small = await natspy_bulk.request_bulk(nc, "svc.echo", {}, b"x", timeout=10)
     assert small.data == b"x"
     with pytest.raises(nats.errors.NoRespondersError):
-        await natspy_internals.request_bulk(nc, "svc.nobody", {}, b"x", timeout=10)
+        await natspy_bulk.request_bulk(nc, "svc.nobody", {}, b"x", timeout=10)
     async def silent(msg: Msg) -> None:
         pass
 
     await nc.subscribe("svc.silent", cb=silent)
     with pytest.raises(nats.errors.TimeoutError):
-        await natspy_internals.request_bulk(nc, "svc.silent", {}, b"x", timeout=0.2)
-    assert not nc._resp_map and len(natspy_internals.read_bulk_in_place(nc)) == 0  # nothing left marked
+        await natspy_bulk.request_bulk(nc, "svc.silent", {}, b"x", timeout=0.2)
+    assert not nc._resp_map and len(natspy_bulk.read_bulk_in_place(nc)) == 0  # nothing left marked
 
 
 def test_a_nats_py_parsing_elsewhere_is_refused_loudly():
     class Elsewhere:
         _ps = object()
 
-    with pytest.raises(RuntimeError, match="natspy_internals"):
-        natspy_internals.read_bulk_in_place(Elsewhere())  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="natspy_bulk"):
+        natspy_bulk.read_bulk_in_place(Elsewhere())  # type: ignore[arg-type]
 
 
 async def test_a_bulk_publish_goes_after_what_the_connection_had_pending(nc):
@@ -195,7 +196,7 @@ async def test_a_bulk_publish_goes_after_what_the_connection_had_pending(nc):
     # reach the server first.
     got, done = await _collect(nc, "order.>", 2)
     await natspy_internals.write_frames(nc, b"PUB order.first 1\r\n1\r\n")  # pending, not flushed
-    await natspy_internals.publish_bulk(nc, "order.second", "", {}, b"2" * 300_000)
+    await natspy_bulk.publish_bulk(nc, "order.second", "", {}, b"2" * 300_000)
     await asyncio.wait_for(done, 10)
     assert [m.subject for m in got] == ["order.first", "order.second"]
 
@@ -216,7 +217,7 @@ async def test_marked_frames_are_found_whether_a_read_holds_them_whole_or_in_pie
             self.pings += 1
 
     conn = Conn()
-    natspy_internals.read_bulk_in_place(conn).add(b"big")  # type: ignore[arg-type]
+    natspy_bulk.read_bulk_in_place(conn).add(b"big")  # type: ignore[arg-type]
     big, hdr = bytes(range(256)) * 2000, b"NATS/1.0\r\nA: b\r\n\r\n"
     frames = (f"HMSG big 1 _INBOX.x {len(hdr)} {len(hdr) + len(big)}\r\n".encode() + hdr + big + b"\r\n"
               + b"PING\r\nMSG small 2 3\r\nabc\r\n"
@@ -231,3 +232,104 @@ async def test_marked_frames_are_found_whether_a_read_holds_them_whole_or_in_pie
         for at in range(0, len(frames), cut):
             await conn._ps.parse(frames[at:at + cut])
         assert conn.got == want and conn.pings == 1, cut
+
+
+async def test_once_between_frames_a_marked_payload_is_read_from_the_socket_straight_into_its_buffer(nc):
+    natspy_bulk.read_bulk_in_place(nc).add(b"direct.big")
+    big = [bytes(range(256)) * 3500, b"\x07" * 900_000]
+    sent = [("direct.small", b"a", None), ("direct.big", big[0], {"K": "v"}), ("direct.small", b"b", None),
+            ("direct.big", big[1], None), ("direct.other", big[1], None), ("direct.big", b"small", None)]
+    got, done = await _collect(nc, "direct.>", 3 * len(sent))
+    for _ in range(3):  # the first round may come before the socket is taken over; the rest after
+        for subject, data, headers in sent:
+            await nc.publish(subject, data, headers=headers)
+        await nc.flush()
+    await asyncio.wait_for(done, 10)
+    assert [(m.subject, bytes(m.data), m.headers) for m in got] == 3 * sent
+    assert [type(m.data) for m in got[-len(sent):]] == [bytes, bytearray, bytes, bytearray, bytes, bytes]
+    direct = nc._ps._direct  # type: ignore[attr-defined]
+    assert isinstance(direct, natspy_bulk._SocketToBody)
+    assert nc._transport._io_writer.transport.get_protocol() is direct  # type: ignore[union-attr]
+    assert not nc._ps.bodies  # type: ignore[attr-defined]  # nothing held once parsed
+
+
+class _Socket:
+    """What _SocketToBody asks of the event loop's transport: pausing and resuming its reads."""
+
+    def __init__(self) -> None:
+        self.reading = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+
+class _Inner(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.stream = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        self.stream += data
+
+
+def _feed(direct, data: bytes, cut: int) -> None:
+    """`data` as the event loop would deliver it: into get_buffer's buffer, at most `cut` a read."""
+    at = 0
+    while at < len(data):
+        buf = direct.get_buffer(-1)
+        n = min(len(buf), cut, len(data) - at)
+        buf[:n] = data[at:at + n]
+        at += n
+        direct.buffer_updated(n)
+
+
+async def test_payloads_read_from_the_socket_keep_their_place_among_the_frames_however_the_reads_cut():
+    from nats.protocol.parser import Parser
+
+    class Conn:
+        def __init__(self) -> None:
+            self._ps = Parser(self)
+            self.got: list[tuple] = []
+
+        async def _process_msg(self, sid, subject, reply, data, hdr) -> None:
+            self.got.append((subject, sid, reply, type(data), bytes(data), hdr))
+
+        async def _process_ping(self) -> None:
+            self.got.append(("ping",))
+
+    big, hdr = bytes(range(256)) * 2000, b"NATS/1.0\r\nA: b\r\n\r\n"
+    frames = (f"HMSG big 1 _INBOX.x {len(hdr)} {len(hdr) + len(big)}\r\n".encode() + hdr + big + b"\r\n"
+              + b"PING\r\nMSG small 2 3\r\nabc\r\n"
+              + f"MSG big 1 {len(big)}\r\n".encode() + big + b"\r\n"
+              + f"MSG other 4 {len(big)}\r\n".encode() + big + b"\r\n")
+    want = [(b"big", 1, b"_INBOX.x", bytearray, big, hdr), ("ping",), (b"small", 2, b"", bytes, b"abc", None),
+            (b"big", 1, b"", bytearray, big, None), (b"other", 4, b"", bytes, big, None)]
+    for cut in (997, 4096, 300_000, len(frames)):  # control lines cut too
+        conn = Conn()
+        natspy_bulk.read_bulk_in_place(conn).add(b"big")  # type: ignore[arg-type]
+        inner = _Inner()
+        direct = natspy_bulk._SocketToBody(conn._ps, _Socket(), inner)  # type: ignore[arg-type]
+        conn._ps._direct = direct  # type: ignore[attr-defined]
+        _feed(direct, frames, cut)
+        assert len(inner.stream) < len(big) + 1000, cut  # what reached the stream reader: all but marked payloads
+        await conn._ps.parse(bytes(inner.stream))
+        assert conn.got == want, cut
+
+
+def test_payloads_read_ahead_of_the_parser_pause_the_socket_until_it_takes_them():
+    class Parser:
+        bulk_subjects = {b"big"}
+        bodies: collections.deque = collections.deque()
+
+    socket, big = _Socket(), b"\x01" * natspy_bulk.BULK_BYTES
+    direct = natspy_bulk._SocketToBody(Parser(), socket, _Inner())  # type: ignore[arg-type]
+    frame = f"MSG big 1 {len(big)}\r\n".encode() + big + b"\r\n"
+    for held in range(1, natspy_bulk._BODIES_HELD + 1):
+        assert socket.reading
+        _feed(direct, frame, 1 << 20)
+        assert len(Parser.bodies) == held
+    assert not socket.reading  # held to _BODIES_HELD payloads however fast the socket is
+    direct.taken(Parser.bodies)
+    assert socket.reading

@@ -3,8 +3,8 @@
 An upload (`FileSink`, `TreeSink`) writes to a temporary name in the target's directory and
 only `commit` renames it into place (a tree replacing what was there by an atomic exchange),
 so nobody sees it half done; `abort` removes whatever it wrote. A download (`FileSource`,
-`TreeSource`) reads a file, or packs a tree into a tar stream, a chunk at a time. Each hashes
-what passed (sha256). A tree's tar runs in a thread of its own joined to the chunks by a
+`TreeSource`) reads a file, or packs a tree into a tar stream, a chunk at a time. The bytes'
+end-to-end check is the caller's (the launcher's, the transfer protocol's). A tree's tar runs in a thread of its own joined to the chunks by a
 bounded pipe, so a slow or vanished peer holds a few chunks, never the tree. Methods block
 (disk I/O): the caller runs them off its event loop, one at a time per transfer.
 """
@@ -12,7 +12,6 @@ bounded pipe, so a slow or vanished peer holds a few chunks, never the tree. Met
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import queue
 import secrets
@@ -111,12 +110,8 @@ class _Upload:
         self.id_host = sandbox_root_id(init)  # what is made is made as the sandbox's root
         self.parent, self.name = open_parent(init, self.path)
         self.temp = f".{self.name[:200]}.sandfleet-{secrets.token_hex(6)}.part"
-        self.hash = hashlib.sha256()
         self.size = 0
         self.done = False
-
-    def digest(self) -> str:
-        return self.hash.hexdigest()
 
     def _exists(self) -> os.stat_result | None:
         try:
@@ -149,7 +144,6 @@ class FileSink(_Upload):
         view = memoryview(data)
         while view:
             view = view[os.write(self.fd, view):]
-        self.hash.update(data)
         self.size += len(data)
 
     def commit(self) -> None:
@@ -199,7 +193,6 @@ class TreeSink(_Upload):
                 self.thread.join()
                 self.thread.raise_error()
                 raise
-        self.hash.update(data)
         self.size += len(data)
 
     def commit(self) -> None:
@@ -240,24 +233,15 @@ class TreeSink(_Upload):
         self._close_parent()
 
 
-class _Download:
-    hash: hashlib._Hash
-
-    def digest(self) -> str:
-        return self.hash.hexdigest()
-
-
-class FileSource(_Download):
+class FileSource:
     kind = "file"
 
     def __init__(self, fd: int, st: os.stat_result, chunk: int) -> None:
         self.fd, self.size, self.mode, self.chunk = fd, st.st_size, st.st_mode & 0o7777, chunk
-        self.hash = hashlib.sha256()
         self.sent = 0
 
     def read(self) -> bytes:
         data = os.read(self.fd, self.chunk)
-        self.hash.update(data)
         self.sent += len(data)
         return data
 
@@ -267,12 +251,11 @@ class FileSource(_Download):
             self.fd = -1
 
 
-class TreeSource(_Download):
+class TreeSource:
     kind = "dir"
 
     def __init__(self, fd: int, st: os.stat_result, chunk: int, depth: int) -> None:
         self.fd, self.size, self.mode = fd, -1, st.st_mode & 0o7777
-        self.hash = hashlib.sha256()
         self.sent = 0
         self.pipe = _Pipe(depth)
         self.writer = _ChunkWriter(self.pipe, chunk)
@@ -292,7 +275,6 @@ class TreeSource(_Download):
         if not data:
             self.thread.join()
             self.thread.raise_error()
-        self.hash.update(data)
         self.sent += len(data)
         return data
 

@@ -1,232 +1,39 @@
-"""A tree upload's tar stream unpacked under a directory fd of a sandbox, read without tarfile.
-
-tarfile costs ~60 us a member here (a TarInfo, a checksum by struct, an ExFileObject and its
-buffers per file): the whole of a 50K-file upload's node CPU. This reader parses the header
-blocks itself (ustar, with pax `x` records and GNU long names, which is what sandfleet's
-client and tarfile write) and writes each file's bytes to its fd straight from the chunks
-that came over the bus, so a member costs little more than its syscalls. The rules are
-tree.py's and its helpers are used: nothing followed through a symlink (each member created
-relative to its parent's fd, opened beneath the top with no symlinks), only directories,
-regular files, symlinks and hard links, setuid/setgid dropped, directory modes set last.
-A malformed stream (a bad checksum, a truncated member, a number that is not one) is a
-ValueError, so the caller answers it as a bad request.
+"""A tree upload's tar stream unpacked under a directory fd of a sandbox: formats/ustar.py's
+reader (the client's too), with tree.py's rules for where a member may go. Each member's
+parent is opened beneath the top by openat2 with no symlinks at all (`RESOLVE_NO_SYMLINKS`),
+so a symlink the stream planted is never written through, and a name that climbs is `Escapes`.
 """
 
 from __future__ import annotations
 
 import os
-import stat
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 
+from formats import ustar
 from linuxnode.process.resolve import INSIDE_TREE, openat
-from linuxnode.process.tree import DROPPED_MODES, Parents, member_parts, parent_dir
-
-BLOCK = 512
-_REGULAR = (b"0", b"\0", b"7")  # 7: contiguous, a regular file to everyone but its maker
-_KINDS = {b"5": "dir", b"2": "symlink", b"1": "link", **{t: "file" for t in _REGULAR}}
-_PAX_KEYS = {"path", "linkpath", "size", "mtime"}
+from linuxnode.process.tree import Parents, member_parts
 
 
-@dataclass
-class Member:
-    name: str
-    kind: str  # "file", "dir", "symlink", "link", or "other" (a device, a fifo: refused)
-    mode: int
-    mtime: float
-    size: int  # of its data in the stream (a file's; 0 for the others)
-    linkname: str = ""
+class _InsideTree:
+    """formats.ustar.Beneath by openat2 (RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)."""
 
+    def __init__(self, top: int) -> None:
+        self._top, self._parents = top, Parents(top)
 
-def _number(field: bytes) -> int:
-    if field[:1] in (b"\x80", b"\xff"):  # base-256 (GNU), for what octal cannot hold
-        value = int.from_bytes(field[1:], "big")
-        return value - (1 << (8 * len(field) - 8)) if field[:1] == b"\xff" else value
-    text = field.split(b"\0", 1)[0].strip()
-    try:
-        return int(text, 8) if text else 0
-    except ValueError:
-        raise ValueError(f"a tar header field is not a number: {field!r}") from None
+    def parts(self, name: str) -> list[str]:
+        return member_parts(name)
 
+    def parent(self, parts: list[str]) -> int:
+        return self._parents.of(parts)
 
-def _text(field: bytes) -> str:
-    return field.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+    def open_dir(self, parts: list[str]) -> int:
+        return openat(self._top, "/".join(parts) or ".", os.O_RDONLY | os.O_DIRECTORY, INSIDE_TREE)
 
-
-class Reader:
-    """The members of a tar stream given as chunks by `next_chunk` (b"" at its end)."""
-
-    def __init__(self, next_chunk: Callable[[], bytes | bytearray]) -> None:
-        self._next = next_chunk
-        self._chunk = memoryview(b"")
-        self.ended = False  # next_chunk said b""
-
-    def _more(self) -> bool:
-        if self.ended:
-            return False
-        data = self._next()
-        if not data:
-            self.ended = True
-            return False
-        self._chunk = memoryview(data)
-        return True
-
-    def take(self, n: int) -> bytes:
-        """The next `n` bytes of the stream; ValueError if it ends before."""
-        if len(self._chunk) >= n:
-            data, self._chunk = self._chunk[:n], self._chunk[n:]
-            return bytes(data)
-        parts, left = [bytes(self._chunk)], n - len(self._chunk)
-        self._chunk = memoryview(b"")
-        while left:
-            if not self._more():
-                raise ValueError("the tar stream ends inside a member")
-            piece, self._chunk = self._chunk[:left], self._chunk[left:]
-            parts.append(bytes(piece))
-            left -= len(piece)
-        return b"".join(parts)
-
-    def copy_to(self, fd: int, size: int) -> None:
-        """The next `size` bytes written to `fd` (straight from the chunks), then the padding skipped."""
-        left = size
-        while left:
-            if not self._chunk and not self._more():
-                raise ValueError("the tar stream ends inside a file")
-            piece = self._chunk[:left]
-            self._chunk = self._chunk[len(piece):]
-            left -= len(piece)
-            while piece:
-                piece = piece[os.write(fd, piece):]
-        self.skip(-size % BLOCK)
-
-    def skip(self, n: int) -> None:
-        while n:
-            if not self._chunk and not self._more():
-                raise ValueError("the tar stream ends inside a member")
-            step = min(n, len(self._chunk))
-            self._chunk = self._chunk[step:]
-            n -= step
-
-    def drain(self) -> None:
-        """Read to the stream's end (the tar's padding after its end blocks)."""
-        self._chunk = memoryview(b"")
-        while self._more():
-            pass
-
-    def members(self) -> Iterator[Member]:
-        """Each member, its data next in the stream (read it with copy_to, or skip it); ends at
-        the first zero block (or a stream that ends between members)."""
-        pax: dict[str, str] = {}
-        long_name = long_link = None
-        while True:
-            if not self._chunk and not self._more():
-                return
-            block = self.take(BLOCK)
-            if block.count(0) == BLOCK:
-                return
-            if _number(block[148:156]) != sum(block) - sum(block[148:156]) + 8 * 32:
-                raise ValueError("a tar header's checksum does not match (not a tar stream?)")
-            kind, size = block[156:157], _number(block[124:136])
-            if kind in (b"x", b"g", b"L", b"K"):
-                data = self.take(size)
-                self.skip(-size % BLOCK)
-                if kind == b"x":
-                    pax = _pax_records(data)
-                elif kind == b"L":
-                    long_name = _text(data)
-                elif kind == b"K":
-                    long_link = _text(data)
-                continue  # b"g": global records, nothing of ours
-            name = _text(block[0:100])
-            if block[257:263] == b"ustar\0" and block[345]:  # POSIX ustar: a long name's directory part
-                name = _text(block[345:500]) + "/" + name
-            name = pax.get("path", long_name or name)
-            member_kind = _KINDS.get(kind, "other")
-            if member_kind == "file" and kind == b"\0" and name.endswith("/"):
-                member_kind = "dir"  # an old tar's directory
-            size = int(pax.get("size", size))
-            member = Member(name=name, kind=member_kind, mode=_number(block[100:108]),
-                            mtime=float(pax["mtime"]) if "mtime" in pax else _number(block[136:148]),
-                            size=size if member_kind in ("file", "other") else 0,
-                            linkname=pax.get("linkpath", long_link or _text(block[157:257])))
-            pax, long_name, long_link = {}, None, None
-            yield member
-
-
-def _pax_records(data: bytes) -> dict[str, str]:
-    """pax extended header records ("<length> <key>=<value>\\n"), the ones a member needs."""
-    found: dict[str, str] = {}
-    at = 0
-    while at < len(data):
-        space = data.find(b" ", at)
-        if space < 0 or not data[at:space].isdigit():
-            break
-        length = int(data[at:space])
-        if length <= space - at:
-            raise ValueError("a malformed pax record in the tar stream")
-        key, _, value = data[space + 1:at + length - 1].partition(b"=")
-        text_key = key.decode("ascii", "replace")
-        if text_key in _PAX_KEYS:
-            found[text_key] = value.decode("utf-8", "surrogateescape")
-        at += length
-    return found
+    def close(self) -> None:
+        self._parents.close()
 
 
 def unpack(next_chunk: Callable[[], bytes | bytearray], top: int) -> None:
     """Every member of the tar stream given by `next_chunk` under the directory `top` (empty,
     made by the caller), then the stream read to its end."""
-    reader = Reader(next_chunk)
-    dir_modes: list[tuple[list[str], int, float]] = []
-    parents = Parents(top)
-    try:
-        for member in reader.members():
-            parts = member_parts(member.name)
-            mode = member.mode & 0o7777 & ~DROPPED_MODES
-            if not parts:  # the top itself
-                dir_modes.append((parts, mode, member.mtime))
-                reader.skip(member.size + -member.size % BLOCK)
-                continue
-            parent = parents.of(parts)
-            name = parts[-1]
-            if member.kind == "dir":
-                try:
-                    os.mkdir(name, 0o700, dir_fd=parent)
-                except FileExistsError:
-                    if not stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
-                        raise
-                dir_modes.append((parts, mode, member.mtime))
-            elif member.kind == "file":
-                _unpack_file(reader, member, parent, name, mode)
-            elif member.kind == "symlink":
-                os.symlink(member.linkname, name, dir_fd=parent)
-            elif member.kind == "link":
-                source = member_parts(member.linkname)
-                if not source:
-                    raise ValueError(f"tar member {member.name!r}: a hard link to the top")
-                src_parent = parent_dir(top, source)
-                try:
-                    os.link(source[-1], name, src_dir_fd=src_parent, dst_dir_fd=parent, follow_symlinks=False)
-                finally:
-                    os.close(src_parent)
-            else:
-                raise ValueError(f"tar member {member.name!r}: only files, directories and links travel")
-    finally:
-        parents.close()
-    for parts, mode, mtime in reversed(dir_modes):  # last: a read-only directory must not stop its children
-        fd = openat(top, "/".join(parts) or ".", os.O_RDONLY | os.O_DIRECTORY, INSIDE_TREE)
-        try:
-            os.fchmod(fd, mode)
-            os.utime(fd, (mtime, mtime))
-        finally:
-            os.close(fd)
-    reader.drain()
-
-
-def _unpack_file(reader: Reader, member: Member, parent: int, name: str, mode: int) -> None:
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent)
-    try:
-        reader.copy_to(fd, member.size)
-        os.fchmod(fd, mode)
-        os.utime(fd, (member.mtime, member.mtime))
-    finally:
-        os.close(fd)
+    ustar.unpack(next_chunk, top, _InsideTree(top))

@@ -73,8 +73,8 @@ async def upload(launcher: Launcher, req: wire.UploadRequest) -> wire.Transfer:
     except DRIVER_ERRORS as exc:
         raise _error(exc, req.path) from None
     await _still_live(launcher, live, sink.abort)
-    transfer = table.add(sink, req.idle_s, req.path)
-    return wire.Transfer(transfer_id=transfer.id, kind=req.kind, mode=req.mode)
+    transfer = table.add(sink, req.check, req.idle_s, req.path)
+    return wire.Transfer(transfer_id=transfer.id, kind=req.kind, mode=req.mode, check=req.check)
 
 
 async def upload_chunk(launcher: Launcher, req: wire.UploadChunk, data: bytes) -> wire.ChunkAck:
@@ -88,7 +88,7 @@ async def upload_chunk(launcher: Launcher, req: wire.UploadChunk, data: bytes) -
             data = transfer.held.pop(transfer.next_seq)
             transfer.next_seq += 1
             try:
-                await transfer.run(transfer.end.write, data)  # type: ignore[union-attr]
+                await transfer.run(transfer.write, data)
             except DRIVER_ERRORS as exc:
                 transfer.failed = _error(exc, transfer.path)
         failed = transfer.failed
@@ -109,9 +109,9 @@ async def upload_end(launcher: Launcher, req: wire.UploadEnd) -> wire.TransferDo
             why = (f"{path}: the node has {transfer.next_seq} chunks ({sink.size} bytes) of the "  # type: ignore[union-attr]
                    f"{req.chunks} ({req.size} bytes) sent; nothing was kept")
             failure: Exception = ServiceError(ErrorCode.INVALID_REQUEST, why)
-        elif sink.digest() != req.sha256:  # type: ignore[union-attr]
-            failure = ServiceError(ErrorCode.INVALID_REQUEST, f"{path}: sha256 {sink.digest()} on the node, "  # type: ignore[union-attr]
-                                                              f"{req.sha256} sent; nothing was kept")
+        elif (digest := transfer.digest.hexdigest()) != req.digest:
+            failure = ServiceError(ErrorCode.INVALID_REQUEST, f"{path}: digest {digest} on the node, "
+                                                              f"{req.digest} sent; nothing was kept")
         else:
             try:
                 await transfer.run(sink.commit)  # type: ignore[union-attr]
@@ -120,7 +120,7 @@ async def upload_end(launcher: Launcher, req: wire.UploadEnd) -> wire.TransferDo
             else:
                 table.live.pop(transfer.id, None)
                 transfer.closed = True
-                return wire.TransferDone(size=req.size, sha256=req.sha256)
+                return wire.TransferDone(size=req.size, digest=req.digest, check=transfer.check)
     raise await _fail(table, transfer, failure, path)
 
 
@@ -135,8 +135,9 @@ async def download(launcher: Launcher, req: wire.DownloadRequest) -> wire.Transf
     except DRIVER_ERRORS as exc:
         raise _error(exc, req.path) from None
     await _still_live(launcher, live, source.close)
-    transfer = table.add(source, req.idle_s, req.path)
-    return wire.Transfer(transfer_id=transfer.id, kind=source.kind, size=source.size, mode=source.mode)  # type: ignore[arg-type]
+    transfer = table.add(source, req.check, req.idle_s, req.path)
+    return wire.Transfer(transfer_id=transfer.id, kind=source.kind, size=source.size, mode=source.mode,  # type: ignore[arg-type]
+                         check=req.check)
 
 
 async def download_chunk(launcher: Launcher, req: wire.DownloadChunkRequest) -> Raw:
@@ -149,7 +150,7 @@ async def download_chunk(launcher: Launcher, req: wire.DownloadChunkRequest) -> 
     async with transfer.lock:  # chunks are read in order, ahead of the one asked for if need be
         while transfer.next_seq <= req.seq and transfer.eof_seq < 0:
             try:
-                data = await transfer.run(source.read)  # type: ignore[union-attr]
+                data = await transfer.run(transfer.read)
             except DRIVER_ERRORS as exc:
                 raise await _fail_unlocked(table, transfer, exc) from None
             transfer.held[transfer.next_seq] = data
@@ -160,7 +161,7 @@ async def download_chunk(launcher: Launcher, req: wire.DownloadChunkRequest) -> 
     if transfer.eof_seq >= 0 and req.seq >= transfer.eof_seq:
         transfer.held.pop(req.seq, None)
         return Raw(wire.DownloadChunk(seq=req.seq, eof=True, size=source.sent,  # type: ignore[union-attr]
-                                      sha256=source.digest()))  # type: ignore[union-attr]
+                                      digest=transfer.digest.hexdigest()))
     data = transfer.held.pop(req.seq, None)
     if data is None:
         raise ServiceError(ErrorCode.INVALID_REQUEST, f"chunk {req.seq} was already sent")

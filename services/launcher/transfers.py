@@ -1,5 +1,6 @@
-"""The uploads and downloads in progress for one sandbox: chunks put back in order, a window
-bounding what the node holds per transfer, and an idle sweep that removes a transfer whose
+"""The uploads and downloads in progress for one sandbox: chunks put back in order and checked
+(the running digest of the transfer's check), a window bounding what the node holds per
+transfer, and an idle sweep that removes a transfer whose
 client vanished (with whatever it wrote). Attached to the sandbox's `Live`, so the sandbox's
 end ends them too. Blocking disk work runs off the event loop, one call at a time per transfer.
 """
@@ -13,8 +14,9 @@ import time
 from dataclasses import dataclass, field
 
 from sandfleet.errors import ServiceError
+from sandfleet.stream_check import RunningDigest, digest
 from schemas.errors import ErrorCode
-from schemas.files import WINDOW
+from schemas.files import WINDOW, Check
 from services.launcher.drivers.base import DownloadSource, UploadSink
 
 NAME = "files"  # its key in Live.attached
@@ -25,8 +27,10 @@ _FAILURES_KEPT = 16
 class Transfer:
     id: str
     end: UploadSink | DownloadSource
+    check: Check
     idle_s: float
     path: str = ""
+    digest: RunningDigest = field(init=False)  # of the bytes written (upload) or read (download) so far, in order
     touched: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     next_seq: int = 0  # upload: the next chunk to write; download: the next to read
@@ -36,11 +40,25 @@ class Transfer:
     failed: ServiceError | None = None
     closed: bool = False
 
+    def __post_init__(self) -> None:
+        self.digest = digest(self.check)
+
     async def run(self, blocking, *args):
         """One blocking call on this transfer's end, off the loop; refused once it is closed."""
         if self.closed:
             raise ServiceError(ErrorCode.NOT_FOUND, f"transfer {self.id} has ended")
         return await asyncio.to_thread(blocking, *args)
+
+    def write(self, data: bytes) -> None:
+        """The upload's next chunk written and hashed (blocking: through `run`)."""
+        self.end.write(data)  # type: ignore[union-attr]
+        self.digest.update(data)
+
+    def read(self) -> bytes:
+        """The download's next chunk read and hashed (blocking: through `run`)."""
+        data = self.end.read()  # type: ignore[union-attr]
+        self.digest.update(data)
+        return data
 
     async def close(self) -> None:
         """Abort an upload (what it wrote goes) or close a download; waits for the call in progress."""
@@ -61,8 +79,8 @@ class Transfers:
     failures: dict[str, ServiceError] = field(default_factory=dict)
     sweeper: asyncio.Task | None = None
 
-    def add(self, end: UploadSink | DownloadSource, idle_s: float, path: str) -> Transfer:
-        transfer = Transfer(id=secrets.token_hex(12), end=end, idle_s=idle_s, path=path)
+    def add(self, end: UploadSink | DownloadSource, check: Check, idle_s: float, path: str) -> Transfer:
+        transfer = Transfer(id=secrets.token_hex(12), end=end, check=check, idle_s=idle_s, path=path)
         self.live[transfer.id] = transfer
         if self.sweeper is None or self.sweeper.done():
             self.sweeper = asyncio.get_running_loop().create_task(self._sweep())
