@@ -20,7 +20,7 @@ Where the time goes (perf and py-spy of a 1 GiB transfer): per GiB nats-server ~
 forwarding; the launcher ~1.0 up (the kernel's copies off the socket, straight into the chunk's
 buffer, and into tmpfs; xxh3 ~0.1) and ~0.6 down; the client ~0.6 up (the file read, the send)
 and ~1.6 down (its write to the host's disk, which the direct tar pays too). A tree adds the one
-ustar module (formats/ustar.py) at both ends, ~26 us a member, and the filesystem's file creation.
+ustar module (schemas/ustar.py) at both ends, ~26 us a member, and the filesystem's file creation.
 """
 
 from __future__ import annotations

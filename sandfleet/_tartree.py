@@ -1,5 +1,5 @@
 """A directory as a tar stream, on the client: packed in a thread into chunks for an upload
-(headers written here), and unpacked in a thread from a download's chunks by formats/ustar.py,
+(headers written here), and unpacked in a thread from a download's chunks by schemas/ustar.py,
 the node's reader too. Pure Python.
 
 A tree from a sandbox is untrusted: its members are unpacked only below the destination, never
@@ -23,7 +23,7 @@ import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from formats import ustar
+import schemas.ustar as ustar
 from schemas import files as wire
 
 
@@ -138,7 +138,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class _OneAtATime:
-    """formats.ustar.Beneath on any POSIX system: each directory on a member's way opened from
+    """schemas.ustar.Beneath on any POSIX system: each directory on a member's way opened from
     its parent's fd with O_NOFOLLOW, so a symlink (one the tree itself planted) is never followed
     and nothing lands outside the top."""
 

@@ -1,4 +1,4 @@
-"""The one tar reader (formats/ustar.py), as the node unpacks an upload with it
+"""The one tar reader (schemas/ustar.py), as the node unpacks an upload with it
 (linuxnode/process/ustar.py: openat2 beneath the top) and as the client unpacks a download
 (sandfleet/_tartree.py: a component at a time, O_NOFOLLOW): each unpacks what tarfile writes, in
 every format, exactly as tarfile would, from chunks cut anywhere; and refuses what tree.py's
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from formats import ustar as formats_ustar
+import schemas.ustar as formats_ustar
 from linuxnode.process import ustar
 from linuxnode.process.resolve import Escapes
 from sandfleet import _tartree

@@ -15,7 +15,7 @@ import stat
 import tarfile
 from typing import BinaryIO
 
-from formats import ustar
+import schemas.ustar as ustar  # the one module of schemas/ the node library reads: the wire format of a tree
 from linuxnode.process.resolve import INSIDE_TREE, Escapes, openat
 
 MAX_DEPTH = 256  # each level holds a directory fd while it is packed
@@ -55,7 +55,7 @@ class Parents:
 
 def pack(top: int, out: BinaryIO) -> None:
     """The tree under the directory fd `top` as a tar stream written to `out` (names relative),
-    headers by formats/ustar.py (tarfile's TarFile.addfile cost ~70 us a member)."""
+    headers by schemas/ustar.py (tarfile's TarFile.addfile cost ~70 us a member)."""
     written = _write(out, ustar.header(_info(".", os.fstat(top), tarfile.DIRTYPE)))
     written += _pack_dir(out, top, "", 0)
     out.write(ustar.end(written))

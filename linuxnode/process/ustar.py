@@ -1,4 +1,4 @@
-"""A tree upload's tar stream unpacked under a directory fd of a sandbox: formats/ustar.py's
+"""A tree upload's tar stream unpacked under a directory fd of a sandbox: schemas/ustar.py's
 reader (the client's too), with tree.py's rules for where a member may go. Each member's
 parent is opened beneath the top by openat2 with no symlinks at all (`RESOLVE_NO_SYMLINKS`),
 so a symlink the stream planted is never written through, and a name that climbs is `Escapes`.
@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from formats import ustar
+import schemas.ustar as ustar  # the one module of schemas/ the node library reads: the wire format of a tree
 from linuxnode.process.resolve import INSIDE_TREE, openat
 from linuxnode.process.tree import Parents, member_parts
 
 
 class _InsideTree:
-    """formats.ustar.Beneath by openat2 (RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)."""
+    """schemas.ustar.Beneath by openat2 (RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)."""
 
     def __init__(self, top: int) -> None:
         self._top, self._parents = top, Parents(top)
