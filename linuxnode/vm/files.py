@@ -4,13 +4,13 @@ does each step in a child chrooted into the sandbox's root, so a path resolves a
 the sandbox would resolve it (the guest is the sandbox: there is no host tree to escape to).
 
 These run on the launcher's worker threads (its transfer and file-tree calls block); `call`
-runs one of the channel's coroutines on the event loop and waits for it. The node hashes what it
-sends and what it receives itself: nothing of the guest's word is trusted for a digest.
+runs one of the channel's coroutines on the event loop and waits for it. The launcher hashes what it
+sends and what it receives itself (services/launcher/transfers.py): nothing of the guest's word is
+trusted for a digest.
 """
 
 from __future__ import annotations
 
-import hashlib
 import posixpath
 import secrets
 import tarfile
@@ -81,7 +81,6 @@ class FileSink:
         parent, name = posixpath.split(self.path)
         self.temp = posixpath.join(parent, f".{name[:200]}.sandfleet-{secrets.token_hex(6)}.part")
         self.mode = mode & 0o777  # no set-id bits from an upload, as at the other levels
-        self.hash = hashlib.sha256()
         self.size = 0
         self.done = False
         try:
@@ -93,11 +92,8 @@ class FileSink:
 
     def write(self, data: bytes) -> None:
         self.call(lambda: self.channel.write_file(self.temp, data, self.mode, append=True))
-        self.hash.update(data)
         self.size += len(data)
 
-    def digest(self) -> str:
-        return self.hash.hexdigest()
 
     def commit(self) -> None:
         rename(self.channel, self.call, self.temp, self.path)
@@ -124,7 +120,6 @@ class FileSource:
         if entry["kind"] == "dir":
             raise IsADirectoryError(21, "Is a directory", path)
         self.size, self.mode, self.chunk = entry["size"], entry["mode"], max(chunk, 1)
-        self.hash = hashlib.sha256()
         self.sent = 0
         self.ended = False
 
@@ -134,12 +129,9 @@ class FileSource:
             want = min(self.chunk - len(out), frames.MAX_READ)
             data, self.ended = self.call(lambda: self.channel.read_at(self.path, self.sent + len(out), want))
             out += data
-        self.hash.update(out)
         self.sent += len(out)
         return bytes(out)
 
-    def digest(self) -> str:
-        return self.hash.hexdigest()
 
     def close(self) -> None:
         self.ended = True
@@ -163,7 +155,6 @@ class TreeSource:
         if truncated:
             raise ValueError(f"{path} holds more than {frames.MAX_LISTED} entries: download its parts")
         self.entries = entries
-        self.hash = hashlib.sha256()
         self.sent = 0
         self._stream = self._tar()
         self._pending = bytearray()
@@ -213,12 +204,9 @@ class TreeSource:
             self._pending += piece
         out = bytes(self._pending[:self.chunk])
         del self._pending[:self.chunk]
-        self.hash.update(out)
         self.sent += len(out)
         return out
 
-    def digest(self) -> str:
-        return self.hash.hexdigest()
 
     def close(self) -> None:
         self._stream.close()
