@@ -23,6 +23,7 @@ import subprocess
 
 import pytest
 
+from linuxnode import mount_api
 from linuxnode import seccomp
 from linuxnode.seccomp_allowlist import ALLOWED, ARGUMENT_CHECKED
 from tests.kernel import require
@@ -329,7 +330,11 @@ async def test_the_walk_under_the_filter_crun_compiles_from_the_oci_section(tmp_
     bundle = crun.bundles / spec.sandbox_id
     bundle.mkdir(parents=True)
     try:
-        await crun._run_bundle(spec.sandbox_id, bundle, config, str(root), None, [])
+        tree = mount_api.clone_tree(str(root), recursive=True)  # crun's root: a detached tree, as start() gives it
+        try:
+            await crun._run_bundle(spec.sandbox_id, bundle, config, tree, None, [])
+        finally:
+            os.close(tree)
         pid = int((bundle / "init.pid").read_text())
         for _ in range(1200):  # a bound on the wait, not a timing check: the walk takes well under a second
             if _exited(pid):
