@@ -74,6 +74,22 @@ class Shape:
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+async def _save_state(run_dir: Path, partial: Path, then_run: bool) -> None:
+    """The machine of `run_dir` saved over its QMP socket into the file `partial` (the caller
+    renames it into place); `then_run`: the machine runs on afterwards (a save stops it)."""
+    qmp: Qmp = await _connect(run_dir, "qmp.sock", Qmp.connect)  # type: ignore[assignment]
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            await qmp.save_state(fd)
+        finally:
+            os.close(fd)
+        if then_run:
+            await qmp.execute("cont")
+    finally:
+        qmp.close()
+
+
 async def _connect(run_dir: Path, name: str, make: Callable[[str], object]) -> object:
     """`make(path)` with the socket's path made short through an O_PATH fd of run_dir."""
     fd = os.open(run_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -182,15 +198,7 @@ class MicroVMs:
                 await channel.hello(BOOT_TIMEOUT_S[self.accelerator.name])
             finally:
                 channel.close()
-            qmp: Qmp = await _connect(run_dir, "qmp.sock", Qmp.connect)  # type: ignore[assignment]
-            try:
-                fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-                try:
-                    await qmp.save_state(fd)
-                finally:
-                    os.close(fd)
-            finally:
-                qmp.close()
+            await _save_state(run_dir, partial, then_run=False)
             os.replace(partial, state)
             log.info("saved the machine state %s (%d MiB) for %d layer(s)", key, state.stat().st_size >> 20,
                      len(shape.layers))
@@ -212,17 +220,7 @@ class MicroVMs:
         await vm.channel.quiesce()
         partial = state.with_suffix(".part")
         try:
-            qmp: Qmp = await _connect(vm.run_dir, "qmp.sock", Qmp.connect)  # type: ignore[assignment]
-            try:
-                fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-                try:
-                    await qmp.save_state(fd)
-                finally:
-                    os.close(fd)
-                if not keep_paused:
-                    await qmp.execute("cont")
-            finally:
-                qmp.close()
+            await _save_state(vm.run_dir, partial, then_run=not keep_paused)
             os.replace(partial, state)
         except (QmpError, OSError, TimeoutError) as exc:
             partial.unlink(missing_ok=True)
