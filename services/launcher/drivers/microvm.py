@@ -417,17 +417,38 @@ class MicroVMDriver:
         return GuestTerminal(sandbox.channel, running)
 
 
+@dataclass(frozen=True)
+class VMHost:
+    """What this node gives a VM level: QEMU, its built guest, the accelerator, the start path."""
+
+    qemu: str
+    guest: Any  # the level's guest (GuestImage, or the vm level's)
+    accelerator: machine.Accelerator
+    snapshots: bool
+
+    @property
+    def start(self) -> str:
+        return ("restored from saved machine states" if self.snapshots
+                else "cold-booted (SANDFLEET_MICROVM_SNAPSHOTS=0)")
+
+
+async def detect_vm_host(find_guest: Callable[[Path], Any]) -> VMHost | str:
+    """QEMU and a guest `find_guest` finds built in the guest directory, or why not (`off: ...`)."""
+    qemu = machine.qemu_binary()
+    if qemu is None:
+        return f"off: no {machine.QEMU} (Debian's qemu-system-x86)"
+    guest = await asyncio.to_thread(find_guest, default_dir())
+    if isinstance(guest, str):
+        return f"off: {guest}"
+    accelerator = await asyncio.to_thread(machine.detect_accelerator)
+    return VMHost(qemu, guest, accelerator, os.environ.get("SANDFLEET_MICROVM_SNAPSHOTS", "1") != "0")
+
+
 async def detect_microvm(state_dir: Path) -> tuple[MicroVMDriver | None, str]:
     """The driver, if QEMU and a built guest are here, and the node's status line for the level
     (`on: tcg (no usable KVM: ...)`, `off: <why>`)."""
-    qemu = machine.qemu_binary()
-    if qemu is None:
-        return None, f"off: no {machine.QEMU} (Debian's qemu-system-x86)"
-    guest = await asyncio.to_thread(GuestImage.find, default_dir())
-    if isinstance(guest, str):
-        return None, f"off: {guest}"
-    accelerator = await asyncio.to_thread(machine.detect_accelerator)
-    snapshots = os.environ.get("SANDFLEET_MICROVM_SNAPSHOTS", "1") != "0"
-    vms = MicroVMs(guest, accelerator, qemu, state_dir / "microvm", snapshots=snapshots)
-    start = "restored from saved machine states" if snapshots else "cold-booted (SANDFLEET_MICROVM_SNAPSHOTS=0)"
-    return MicroVMDriver(vms), f"on: {accelerator.describe()}, guest {guest.release}, {start}"
+    host = await detect_vm_host(GuestImage.find)
+    if isinstance(host, str):
+        return None, host
+    vms = MicroVMs(host.guest, host.accelerator, host.qemu, state_dir / "microvm", snapshots=host.snapshots)
+    return MicroVMDriver(vms), f"on: {host.accelerator.describe()}, guest {host.guest.release}, {host.start}"

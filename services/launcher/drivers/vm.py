@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +29,6 @@ from pathlib import Path
 from linuxnode.vm import machine, vm_guest
 from linuxnode.vm.display import MonitorScreen, qcodes, typed
 from linuxnode.vm.full_machine import DEFAULT_SCREEN, FIRMWARE, VM_DESKTOP_PACKAGES, FullMachines, screen_size
-from linuxnode.vm.guest_image import default_dir
 from linuxnode.vm.qmp import QmpError
 from sandfleet.errors import ServiceError
 from schemas import desktop as wire
@@ -48,7 +46,7 @@ from services.launcher.drivers.base import (
     SandboxGone,
     Unsupported,
 )
-from services.launcher.drivers.microvm import MicroVMDriver, VMSandbox, _own
+from services.launcher.drivers.microvm import MicroVMDriver, VMSandbox, _own, detect_vm_host
 from services.launcher.keys import LOGGER, about
 
 log = logging.getLogger(LOGGER)
@@ -323,16 +321,11 @@ class VMDriver(MicroVMDriver):
 
 async def detect_vm(state_dir: Path) -> tuple[VMDriver | None, str]:
     """The driver, if QEMU, SeaBIOS and a built vm guest are here, and the node's status line."""
-    qemu = machine.qemu_binary()
-    if qemu is None:
-        return None, f"off: no {machine.QEMU} (Debian's qemu-system-x86)"
     if not SEABIOS.is_file():
         return None, f"off: no {SEABIOS} (Debian's seabios)"
-    guest = await asyncio.to_thread(vm_guest.find, default_dir())
-    if isinstance(guest, str):
-        return None, f"off: {guest}"
-    accelerator = await asyncio.to_thread(machine.detect_accelerator)
-    snapshots = os.environ.get("SANDFLEET_MICROVM_SNAPSHOTS", "1") != "0"
-    vms = FullMachines(guest, accelerator, qemu, state_dir / "vm", snapshots=snapshots)
-    start = "restored from saved machine states" if snapshots else "cold-booted (SANDFLEET_MICROVM_SNAPSHOTS=0)"
-    return VMDriver(vms), f"on: {accelerator.describe()}, q35 + {FIRMWARE}, guest {guest.release}, {start}"
+    host = await detect_vm_host(vm_guest.find)
+    if isinstance(host, str):
+        return None, host
+    vms = FullMachines(host.guest, host.accelerator, host.qemu, state_dir / "vm", snapshots=host.snapshots)
+    return VMDriver(vms), (f"on: {host.accelerator.describe()}, q35 + {FIRMWARE}, guest {host.guest.release}, "
+                           f"{host.start}")
