@@ -134,6 +134,8 @@ class PoolBook:
         """A spare claimed for this create, admitted by the quotas as a cold create is. Else None
         and, if the create was admitted here, its quota keys: the cold create that follows takes
         them over instead of being admitted twice (a rate quota's token is not given back)."""
+        if not any(info.warm for info in view.nodes.values()):
+            return None, None  # no node keeps spares (no pools): a plain create pays nothing more
         spec = with_tenant(spec, tenant)
         if not pools_schema.poolable(spec) or not warm_order(view, self.taken, pools_schema.pool_key(spec),
                                                              spec.isolation, time.time(), node):
