@@ -13,9 +13,9 @@ from nats.js.kv import KeyValue
 
 from sandfleet.bus import Bus, decode, encode, kv_values
 from sandfleet.errors import ServiceError
-from schemas import sandbox, security
+from sandfleet.store import SandboxStore
+from schemas import security
 from schemas.errors import ErrorCode
-from schemas.sandbox import SandboxRecord
 from schemas.security import Policy, SandboxSecurity
 from services.security_monitor.policy import default_policy
 
@@ -55,26 +55,27 @@ class Policies:
 
 class Owners:
     """Sandbox id → the tenant its record names ("": none, or no record any more). A sandbox's
-    owner never changes, so each is read once (and forgotten wholesale past MAX_REMEMBERED)."""
+    owner never changes, so each is read once (and forgotten wholesale past MAX_REMEMBERED).
+    Read through the store, which knows a sandbox still spoken for by its batch record."""
 
     MAX_REMEMBERED = 100_000
 
-    def __init__(self, kv: KeyValue) -> None:
-        self.kv = kv
+    def __init__(self, store: SandboxStore) -> None:
+        self.store = store
         self._known: dict[str, str] = {}
 
     @classmethod
     async def open(cls, bus: Bus) -> Owners:
-        return cls(await bus.js.key_value(sandbox.KV_BUCKET))
+        return cls(await SandboxStore.open(bus))
 
     async def of(self, sandbox_id: str) -> str:
         owner = self._known.get(sandbox_id)
         if owner is None:
             try:
-                entry = await self.kv.get(sandbox_id)
-            except (nats.js.errors.KeyNotFoundError, nats.js.errors.InvalidKeyError):
+                record, _ = await self.store.get(sandbox_id)
+            except ServiceError:
                 return ""  # not remembered: a record may yet be read (a violation racing its create)
-            owner = decode(entry.value, SandboxRecord).tenant if entry.value else ""
+            owner = record.tenant
             if len(self._known) >= self.MAX_REMEMBERED:
                 self._known.clear()
             self._known[sandbox_id] = owner
