@@ -187,8 +187,9 @@ async def test_network_bytes_grow_after_loopback_traffic(make):
     sb = await make()
     before = await sb.metrics()
     assert "lo" in {i.name for i in before.interfaces}
-    # busybox nc ends when its stdin does: the listener's stays open until the sender has closed
-    await _ok(sb, "busybox sleep 30 2>/dev/null | busybox nc -l -p 9000 > /dev/null & s=$!; busybox sleep 0.3; "
+    # busybox nc ends when its stdin does: the listener's stays open long enough for the sender's
+    # MiB (a loopback transfer of milliseconds), and no longer, for the test's sake
+    await _ok(sb, "busybox sleep 3 2>/dev/null | busybox nc -l -p 9000 > /dev/null & s=$!; busybox sleep 0.3; "
                   "busybox dd if=/dev/zero bs=1024 count=1024 2>/dev/null | busybox nc 127.0.0.1 9000; wait $s")
     after = await sb.metrics()
     lo_before = next(i for i in before.interfaces if i.name == "lo")
