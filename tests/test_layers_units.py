@@ -12,7 +12,7 @@ import pytest
 
 from schemas import layers as schema
 from services.layer_cache import lazy, mounts, recovery, unpack
-from services.layer_cache.build import apt_archive, tree_stats
+from services.layer_cache.build import apt_archive, prune_debs, tree_stats
 from services.layer_cache.cache import CachedImage, ImageCache, choose_victims
 from services.layer_cache.handlers import catalogue
 from services.layer_cache.mounts import MountEntry, overlay_options, parse_mountinfo
@@ -424,3 +424,17 @@ def test_an_overlays_lower_layers_read_alike_from_either_way_of_mounting_it():
     listed = parse_options("rw,lowerdir=/m/c:/m/b:/m/a,upperdir=/s/upper,workdir=/s/work")
     one_by_one = parse_options("rw,lowerdir+=/m/c,lowerdir+=/m/b,lowerdir+=/m/a,upperdir=/s/upper,workdir=/s/work")
     assert listed == one_by_one and one_by_one["lowerdir"] == "/m/c:/m/b:/m/a"
+
+
+# -- the fetched packages a node keeps ----------------------------------------------------
+
+def test_the_package_cache_drops_its_oldest_packages_down_to_its_bound(tmp_path):
+    for age, name in enumerate(["newest", "middle", "oldest"]):
+        deb = tmp_path / f"{name}.deb"
+        deb.write_bytes(b"x" * 100)
+        os.utime(deb, (1000 - age, 1000 - age))
+    (tmp_path / "partial.txt").write_bytes(b"y" * 1000)  # not a package: never counted nor removed
+    assert prune_debs(tmp_path, keep_bytes=250) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["middle.deb", "newest.deb", "partial.txt"]
+    assert prune_debs(tmp_path, keep_bytes=250) == 0
+    assert prune_debs(tmp_path, keep_bytes=0) == 2 and [p.name for p in tmp_path.iterdir()] == ["partial.txt"]

@@ -51,6 +51,7 @@ log = logging.getLogger("sandfleet.layer_cache")
 FIXED_UUID = "5a4df1ee-0000-4000-8000-000000000000"
 CLUSTER_BYTES = 65536
 DEBOOTSTRAP_TIMEOUT_S = 1800.0
+DEB_CACHE_BYTES = 2 << 30  # the fetched packages a node keeps for its next Debian build (a desktop's are ~600 MB)
 PIP_TIMEOUT_S = 1800.0
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -169,17 +170,37 @@ def node_suite() -> str:
     return "stable"
 
 
-async def debootstrap(root: Path, source: DebianSource) -> str:
+def prune_debs(cache: Path, keep_bytes: int = DEB_CACHE_BYTES) -> int:
+    """Remove the oldest fetched packages until the cache holds at most `keep_bytes`; returns how
+    many went. A package removed is fetched again by the build that needs it, nothing more."""
+    debs = sorted((p.stat().st_mtime, p.stat().st_size, p) for p in cache.glob("*.deb"))
+    total, removed = sum(size for _, size, _ in debs), 0
+    for _, size, deb in debs:
+        if total <= keep_bytes:
+            break
+        deb.unlink(missing_ok=True)
+        total, removed = total - size, removed + 1
+    return removed
+
+
+async def debootstrap(root: Path, source: DebianSource, cache: Path) -> str:
     mirror = os.environ.get("SANDFLEET_DEBIAN_MIRROR") or apt_archive(read_apt_sources())
     if not mirror:
         raise ServiceError(ErrorCode.UNSUPPORTED, "this node has no Debian archive in its apt sources")
     suite = source.suite or node_suite()
-    argv = ["unshare", "--mount", "--propagation", "private", "debootstrap", f"--variant={source.variant}"]
+    # The packages stay in `cache` for the next build (most builds share the whole base system):
+    # debootstrap checks each one found there against the archive's signed indexes before use.
+    cache.mkdir(parents=True, exist_ok=True)
+    argv = ["unshare", "--mount", "--propagation", "private", "debootstrap", f"--variant={source.variant}",
+            f"--cache-dir={cache}"]
     if source.packages:
         argv.append("--include=" + ",".join(source.packages))
     argv += [suite, str(root), mirror]
     # A failure is nearly always a package the archive does not have: the caller's to fix.
-    await run(argv, "debootstrap", timeout=DEBOOTSTRAP_TIMEOUT_S, failure=ErrorCode.INVALID_REQUEST)
+    try:
+        await run(argv, "debootstrap", timeout=DEBOOTSTRAP_TIMEOUT_S, failure=ErrorCode.INVALID_REQUEST)
+    finally:
+        await asyncio.to_thread(prune_debs, cache)
     for leftover in [*root.glob("var/cache/apt/archives/*.deb"), *root.glob("var/lib/apt/lists/*_*")]:
         leftover.unlink(missing_ok=True)
     return f"debian {suite} {source.variant}" + (f": {' '.join(source.packages)}" if source.packages else "")
@@ -257,7 +278,7 @@ class LayerBuilder:
     async def _unpack_source(self, req: BuildRequest, work: Path, root: Path) -> str:
         source = req.source
         if isinstance(source, DebianSource):
-            return await debootstrap(root, source)
+            return await debootstrap(root, source, self.layout.debs)
         if isinstance(source, PipSource):
             return await self._pip(source, req.on or "", work, root)
         archive = work / "source.tar"

@@ -41,6 +41,11 @@ class Layout:
         return self.root / "build"
 
     @property
+    def debs(self) -> Path:
+        """The packages Debian builds fetched (debootstrap's --cache-dir), kept for the next build."""
+        return self.root / "debs"
+
+    @property
     def lazy(self) -> Path:
         """The FUSE daemon's mount (`daemon.py` owns it; recovery leaves it alone)."""
         return self.root / "lazy"
