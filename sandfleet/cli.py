@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 
 from sandfleet import cli_files, cli_fusion, cli_gateway, cli_health, cli_layers, cli_ports, cli_processes, cli_rollout, client, errors
-from sandfleet import cli_desktop, cli_pools, cli_shell, cli_tenants
+from sandfleet import cli_desktop, cli_pools, cli_remotes, cli_shell, cli_tenants
 from sandfleet.config import DEFAULT_PORT, default_data_dir, free_port, nats_url, node_id
 from sandfleet.extras import MissingExtra, require
 from sandfleet.supervisor import Supervisor, plan_nodes, read_state, stop_unsupervised
@@ -135,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     cli_shell.register(sub)
     cli_desktop.register(sub)
     cli_tenants.register(sub)
+    cli_remotes.register(sub)
     cli_pools.register(sub)
     return p
 

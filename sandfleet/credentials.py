@@ -133,11 +133,31 @@ def connect_options(url: str, creds: str | Path | None = None) -> dict[str, Any]
     """What to hand `nats.connect` so it signs in with the credentials found for `url`, and
     verifies the server's certificate against the CA found for it (for a caller that opens its
     own nats-py connection)."""
+    return _options(find_creds(url, creds), find_ca(url))
+
+
+def remote_file(data_dir: Path, url: str, kind: str) -> Path:
+    """Where `sandfleet remote add` files what another platform's bus at `url` takes: `creds` or
+    `ca`, under the data dir of the machine whose layer-cache connects to it."""
+    return data_dir / "remotes" / f"{_address(url)}.{kind}"
+
+
+def remote_options(url: str, data_dir: Path) -> dict[str, Any]:
+    """What to hand `nats.connect` for another platform's bus (a layer push or pull): what the
+    operator filed for its address (`sandfleet remote add`), else what a platform on this machine
+    registered for it. Never this process's own credentials: SANDFLEET_CREDS is who it is on its
+    own bus, and no other bus should see that seed's signature."""
+    def filed(kind: str) -> Path | None:
+        path = remote_file(data_dir, url, kind)
+        return path if path.exists() else None
+
+    return _options(filed("creds") or local_creds(url), filed("ca") or _local_note(url, "ca"))
+
+
+def _options(path: Path | None, ca: Path | None) -> dict[str, Any]:
     options: dict[str, Any] = {}
-    ca = find_ca(url)
     if ca is not None:
         options["tls"] = client_context(ca)
-    path = find_creds(url, creds)
     if path is None:
         return options
     import nkeys  # only a client that signs in needs it

@@ -22,10 +22,13 @@ import pytest
 
 import sandfleet
 from sandfleet import errors
+from sandfleet.bus_accounts import AuthDir, new_seed, write_accounts
 from sandfleet.cli_layers import pip_arguments
+from sandfleet.credentials import creds_text, remote_options
 from sandfleet.layers_client import Layers
 from sandfleet.config import free_port
-from sandfleet.supervisor import nats_server_binary
+from sandfleet.supervisor import nats_server_binary, write_nats_config
+from sandfleet.tls import TlsDir
 from schemas.layers import KV_BUCKET, OBJECT_BUCKET
 from services.layer_cache.store import object_digest
 from tests.conftest import NODE_ID, start_platform, stop_platform
@@ -245,6 +248,65 @@ async def test_push_to_an_unreachable_store_fails_cleanly(layers, chain):
         await layers.push("tx-top", f"nats://127.0.0.1:{free_port()}")
     with pytest.raises(errors.InvalidRequest):
         await layers.push("tx-top", "http://127.0.0.1:1")
+
+
+@pytest.fixture(scope="module")
+def signed_in_store(tmp_path_factory):
+    """Another platform's bus as `up --tls` makes one: TLS only, accounts and nkey users (a node
+    of its own among them), and nothing registered for this machine's clients, so a layer-cache
+    has only what is filed for it."""
+    data = tmp_path_factory.mktemp("signed-in-store")
+    auth, tls = AuthDir.of(data), TlsDir.of(data).ensure(())
+    auth.platform(["store-node"])
+    write_accounts(data, auth)
+    port = free_port()
+    conf = write_nats_config(data, port, auth=auth, tls=tls)
+    proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        yield f"tls://127.0.0.1:{port}", auth, tls
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+async def test_push_signs_in_to_another_platforms_bus_with_what_was_filed_for_it(layers, chain, signed_in_store,
+                                                                                   platform, tmp_path):
+    url, auth, tls = signed_in_store
+    base, top = chain
+    filed = ("--data-dir", str(platform.data_dir))
+    try:
+        with pytest.raises(errors.NotFound, match="certificate verify failed"):
+            await layers.push("tx-top", url)  # nothing filed: its certificate is of a CA nobody here trusts
+        stranger = tmp_path / "stranger.creds"
+        stranger.write_text(creds_text(new_seed(), "a user that bus has never heard of"))
+        platform.cli("remote", "add", url, "--creds", str(stranger), "--ca", str(tls.ca), *filed)
+        with pytest.raises(errors.Forbidden, match="refused the credentials"):
+            await layers.push("tx-top", url)
+        platform.cli("remote", "add", url, "--creds", str(auth.node("store-node")), "--ca", str(tls.ca), *filed)
+        assert platform.cli("remote", "list", *filed).stdout.decode().split() == [url.removeprefix("tls://"), "ca", "creds"]
+        reply = await layers.push("tx-top", url)
+        assert reply.copied == [base.digest, top.digest] and reply.bytes == base.size + top.size
+        nc = await nats.connect(url, **remote_options(url, platform.data_dir))
+        try:
+            assert b'"digest":"' + top.digest.encode() in (await (await nc.jetstream().key_value(KV_BUCKET)).get("tx-top")).value
+        finally:
+            await nc.close()
+        assert (await layers.pull("tx-top", url)).present == [base.digest, top.digest]
+    finally:
+        platform.cli("remote", "remove", url, *filed, check=False)
+    assert not list((platform.data_dir / "remotes").glob("*"))
+
+
+def test_remote_add_refuses_a_file_without_a_seed_and_a_ca_that_is_no_certificate(platform, tmp_path):
+    junk = tmp_path / "junk"
+    junk.write_text("not credentials")
+    good = tmp_path / "good.creds"
+    good.write_text(creds_text(new_seed(), "test"))
+    for args in (["--creds", str(junk)], ["--creds", str(good), "--ca", str(junk)]):
+        out = platform.cli("remote", "add", "nats://127.0.0.1:1", *args, "--data-dir", str(tmp_path), check=False)
+        assert out.returncode == 2 and b"sandfleet remote add:" in out.stderr and b"Traceback" not in out.stderr
+    assert not (tmp_path / "remotes").exists()
 
 
 # -- default layers -------------------------------------------------------------------------

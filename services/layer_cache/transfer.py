@@ -10,6 +10,12 @@ so an image whose bytes do not match its digest never lands. An image's OCI diff
 it into the receiving store's map, unless that store maps them already. The receiving store's name
 (and tags) point at the copied build; the names of the layers under it are added only where
 the receiving store has no layer of that name (a copy never moves someone else's name).
+
+Another platform's bus takes credentials (and may present a certificate of its own CA): the
+layer-cache signs in with what the operator filed for that address on this machine (`sandfleet
+remote add URL --creds FILE [--ca FILE]`, under the data dir), else what a platform on this
+machine registered for it, never with its own node's seed (sandfleet.credentials.remote_options).
+A bus that refuses them is `forbidden`, not "cannot reach".
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ import msgspec
 import nats
 import nats.errors
 import nats.js.errors
+from nats.protocol.parser import AUTHORIZATION_VIOLATION
 
+from sandfleet.credentials import CredentialsError, remote_options
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
 from schemas.layers import KV_BUCKET, MAX_LAYERS, OBJECT_BUCKET, Layer, TransferReply, TransferRequest
@@ -39,21 +47,29 @@ CONNECT_TIMEOUT_S = 5.0
 class Remote:
     """A connection to the other store, closed when the copy is done."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, data_dir: Path) -> None:
+        self.url, self.data_dir = url, data_dir
         self.nc: nats.NATS | None = None
 
     async def __aenter__(self) -> Remote:
         async def quiet(exc: Exception) -> None:  # nats-py logs a traceback per failed try otherwise
             log.debug("transfer connection to %s: %s", self.url, exc)
 
+        try:
+            options = remote_options(self.url, self.data_dir)
+        except (OSError, CredentialsError) as exc:  # a filed credentials file that is unreadable or holds no seed
+            raise ServiceError(ErrorCode.INVALID_REQUEST, f"the credentials filed for {self.url}: {exc}") from None
         try:  # nats-py retries a refused first connect forever: bound it
             self.nc = await asyncio.wait_for(
                 nats.connect(self.url, connect_timeout=CONNECT_TIMEOUT_S, allow_reconnect=False,
-                             max_reconnect_attempts=1, error_cb=quiet, name="sandfleet-layer-transfer"),
+                             max_reconnect_attempts=1, error_cb=quiet, name="sandfleet-layer-transfer", **options),
                 CONNECT_TIMEOUT_S,
             )
         except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+            # nats-py raises the server's -ERR at connect as a plain Error, AuthorizationError later
+            if isinstance(exc, nats.errors.AuthorizationError) or AUTHORIZATION_VIOLATION in str(exc).lower():
+                raise ServiceError(ErrorCode.FORBIDDEN, f"the bus at {self.url} refused the credentials this node has "
+                                   f"for it (`sandfleet remote add {self.url} --creds FILE` here)") from None
             why = str(exc) or type(exc).__name__
             raise ServiceError(ErrorCode.NOT_FOUND, f"cannot reach the store at {self.url}: {why}") from None
         return self
@@ -75,13 +91,13 @@ class Remote:
             raise ServiceError(ErrorCode.UNSUPPORTED, f"the server at {self.url} has no usable JetStream: {exc}") from None
 
 
-async def push(store: LayerStore, workdir: Path, req: TransferRequest) -> TransferReply:
-    async with Remote(req.url) as remote:
+async def push(store: LayerStore, workdir: Path, data_dir: Path, req: TransferRequest) -> TransferReply:
+    async with Remote(req.url, data_dir) as remote:
         return await copy(store, await remote.store(create=True), req.ref, workdir)
 
 
-async def pull(store: LayerStore, workdir: Path, req: TransferRequest) -> TransferReply:
-    async with Remote(req.url) as remote:
+async def pull(store: LayerStore, workdir: Path, data_dir: Path, req: TransferRequest) -> TransferReply:
+    async with Remote(req.url, data_dir) as remote:
         return await copy(await remote.store(create=False), store, req.ref, workdir)
 
 
