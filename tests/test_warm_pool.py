@@ -145,6 +145,22 @@ async def test_concurrent_creates_never_get_the_same_spare(fleet, platform, proc
         await asyncio.gather(*(sb.destroy() for sb in made))
 
 
+async def test_a_batch_takes_the_spares_of_its_shape_and_builds_the_rest_cold(fleet, platform, process_pool):
+    await warm(fleet, process_pool, platform.node_id, 2)
+    ready = await spares(fleet, platform.node_id)
+    made = await fleet.create_many(4, **PROCESS, labels={"task": "wp-batch"})
+    try:
+        ids = {sb.id for sb in made}
+        assert len(ids) == 4 and len(ids & ready) >= 2, (ids, ready)  # both spares, then two built cold
+        assert len({(await fleet.get(i)).init_pid for i in ids}) == 4
+        for sb in made:
+            record = await fleet.get(sb.id)
+            assert record.state is State.RUNNING and record.spec.labels == {"task": "wp-batch"}
+            assert (await sb.exec(["echo", sb.id])).stdout == sb.id.encode() + b"\n"
+    finally:
+        await asyncio.gather(*(sb.destroy() for sb in made))
+
+
 async def test_the_pool_refills_and_a_mismatch_is_built_cold(fleet, platform, process_pool):
     await warm(fleet, process_pool, platform.node_id, 2)
     ready = await spares(fleet, platform.node_id)

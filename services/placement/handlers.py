@@ -223,16 +223,27 @@ async def create(deps: Deps, req: CreateRequest) -> CreateReply:
 
 async def create_many(deps: Deps, req: CreateManyRequest) -> CreateManyReply:
     started = time.monotonic()
+    claimed, admitted = [], None  # spares of a warm pool of the batch's shape go first; the rest is built cold
+    if deps.pools is not None:
+        _check_allow(req.spec)
+        claimed, admitted = await deps.pools.claim_many_admitted(deps.nodes, deps.quotas, req.spec,
+                                                                 CALLER_TENANT.get() or "", req.count)
+        for _ in claimed:
+            metrics.CREATES.observe(time.monotonic() - started, isolation=req.spec.isolation, outcome="ok")
+    rest = req.count - len(claimed)
     # A large gang batch is answered once its records are stored: its events follow them
     # (before any launch), instead of sharing the server with them while the caller waits.
-    placed, announce = await _place(deps, req.spec, req.count, announce_later=not req.wait and req.count > LAUNCH_CHUNK)
+    placed, announce = await _place(deps, req.spec, rest, announce_later=not req.wait and rest > LAUNCH_CHUNK,
+                                    admitted=admitted) if rest else ([], None)
     launches = [(p.batch.node, _launch_on(deps, p, waited=req.wait)) for p in placed]
     if not req.wait:
         task = asyncio.create_task(_launch_after_reply(deps, [coro for _, coro in launches],
-                                                       flush_first=req.count > LAUNCH_CHUNK, announce=announce))
+                                                       flush_first=rest > LAUNCH_CHUNK, announce=announce))
         deps.launches.add(task)
         task.add_done_callback(deps.launches.discard)
         by_node: dict[str, list[str]] = {}
+        for sandbox_id, node_id in claimed:
+            by_node.setdefault(node_id, []).append(sandbox_id)
         for p in placed:
             by_node.setdefault(p.batch.node, []).extend(r.id for r, _ in p.members)
         return CreateManyReply(placements=[NodePlacement(node=n, ids=ids) for n, ids in by_node.items()])
@@ -241,7 +252,7 @@ async def create_many(deps: Deps, req: CreateManyRequest) -> CreateManyReply:
     for results in done:
         for result in results:
             metrics.CREATES.observe(seconds, isolation=req.spec.isolation, outcome="ok" if result.ok else "failed")
-    sandboxes, failures = [], []
+    sandboxes, failures = [CreateReply(id=i, node=n) for i, n in claimed], []
     for (node_id, _), results in zip(launches, done):
         for result in results:
             if result.ok:

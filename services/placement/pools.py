@@ -6,11 +6,13 @@ first to the fresh, calm node with the most spares of its shape left, counting t
 replica sent since that node's last heartbeat, so a burst spreads over the spares instead of
 asking one node for more than it has. A node that has none after all (another replica took it)
 answers an empty claim, and the create is booked cold as any other: a claim never fails a
-create that a cold one would start.
+create that a cold one would start. A batch (`create_many`) claims as many spares as are
+advertised, together, and the rest of it is booked cold.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -154,6 +156,34 @@ class PoolBook:
             # within moments of its start, keeps its quota slot (the ended-event consumer found no member).
             await quotas.remember([claimed[0]], quota_keys)
         return CreateReply(id=claimed[0], node=claimed[1]), None
+
+    async def claim_many_admitted(self, view: NodeView, quotas: Quotas | None, spec: SandboxSpec, tenant: str,
+                                  count: int) -> tuple[list[tuple[str, str]], list[str] | None]:
+        """Spares claimed for as many of a batch of `count` as the nodes have, (sandbox id, node)
+        each, admitted by the quotas as the whole batch; and, if the batch was admitted here, its
+        quota keys: the cold rest that follows takes them over instead of being admitted again."""
+        if not any(info.warm for info in view.nodes.values()):
+            return [], None
+        spec = with_tenant(spec, tenant)
+        if not pools_schema.poolable(spec):
+            return [], None
+        key, now = pools_schema.pool_key(spec), time.time()
+        left = sum(view.nodes[n].warm.get(key, 0) for n in warm_order(view, self.taken, key, spec.isolation, now))
+        if not left:
+            return [], None
+        quota_keys = await quotas.admit(spec, count, now) if quotas else []
+        # Each claim counts itself against its node before it is sent: together they spread.
+        tries = await asyncio.gather(*(self.claim(view, spec, tenant) for _ in range(min(count, left))),
+                                     return_exceptions=True)
+        claimed = [c for c in tries if isinstance(c, tuple)]
+        refused = next((c for c in tries if isinstance(c, BaseException)), None)
+        if refused is not None and not claimed:  # the node says the spec is wrong: nothing was made
+            if quotas and quota_keys:
+                await quotas.give_back(quota_keys, count)
+            raise refused
+        if quotas and quota_keys and claimed:
+            await quotas.remember([i for i, _ in claimed], quota_keys)
+        return claimed, quota_keys
 
     async def claim(self, view: NodeView, spec: SandboxSpec, tenant: str, node: str | None = None
                     ) -> tuple[str, str] | None:
