@@ -123,6 +123,11 @@ CAPACITY = Instrument("gauge", "sandfleet_node_capacity_sandboxes", "Sandboxes t
 LAUNCH_QUEUE = Instrument("gauge", "sandfleet_launch_queue_depth",
                           "Launches the node accepted and has not begun to build (waiting for a build slot)",
                           owner="launcher")
+WARM_SPARES = Instrument("gauge", "sandfleet_node_warm_spares",
+                         "Warm-pool spares built and waiting for a create on the node (all pools)", owner="launcher")
+WARM_CLAIMS = Instrument("counter", "sandfleet_warm_claims_total",
+                         "Claims of a spare the node answered: taken, or empty (none left: the create went cold)",
+                         ("result",), initial=({"result": "taken"}, {"result": "empty"}), owner="launcher")
 ERRORS = Instrument("counter", "sandfleet_errors_total", "Requests a service answered with an error, by error code",
                     ("code",))
 VIOLATIONS = Instrument("counter", "sandfleet_violations_total",
@@ -159,7 +164,7 @@ BUS_REQUESTS = Instrument("histogram", "sandfleet_bus_request_seconds",
                           "Bus requests, by subject family (a node's id is `*`) and side: `client` is the round "
                           "trip a caller waited, `server` the handling", ("family", "side"), BUS_BUCKETS)
 
-INSTRUMENTS = (CREATES, LAUNCHES, RUNNING, CAPACITY, LAUNCH_QUEUE, ERRORS, VIOLATIONS, POLICY_ACTIONS,
+INSTRUMENTS = (CREATES, LAUNCHES, RUNNING, CAPACITY, LAUNCH_QUEUE, WARM_SPARES, WARM_CLAIMS, ERRORS, VIOLATIONS, POLICY_ACTIONS,
                RECLAIM_ACTIONS, RECLAIMED, SANDBOX_MEMORY, MERGED, SWAPPED, LAYER_LOOKUPS, LAYER_FETCHED,
                LAYER_CACHE_BYTES, BUS_REQUESTS)
 

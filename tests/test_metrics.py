@@ -249,6 +249,17 @@ async def _until(check, what: str, deadline_s: float = 60.0):
         await asyncio.sleep(0.5)
 
 
+async def _has_spare(fleet, key: str) -> bool:
+    return any(info.warm.get(key) for info in await fleet.nodes())
+
+
+async def _until_async(check, what: str, deadline_s: float = 60.0):
+    deadline = time.monotonic() + deadline_s
+    while not await check():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 async def workload(pm_platform, tmp_path_factory):
     """What an operator's dashboards should show after a few minutes of a real fleet."""
@@ -266,6 +277,11 @@ async def workload(pm_platform, tmp_path_factory):
             assert (await sb.exec(["true"] if sb in on_host else ["/bin/sh", "-c", "cat /etc/hostname"])).exit_code == 0
         with pytest.raises(errors.NotFound):
             await fleet.get("sb-000000000000")
+        pooled = dict(memory_mb=72, host_view=True)  # a shape of its own: a warm pool, one spare, one claim
+        key = (await fleet.set_pool(size=1, **pooled)).key
+        await _until_async(lambda: _has_spare(fleet, key), "a warm spare")
+        on_host.append(await fleet.create(**pooled))
+        await fleet.clear_pool(**pooled)
         await fleet.set_policy(task="pm-cheat", action="kill", thresholds={"network": 1})
         cheat = await fleet.create(memory_mb=64, labels={"task": "pm-cheat"}, host_view=True)
         with contextlib.suppress(errors.SandboxEnded):  # the policy may kill it while the command runs
@@ -306,6 +322,7 @@ async def test_the_workload_is_counted_where_it_happened(pm_platform, workload):
         'sum(sandfleet_violations_total{kind="network.connect"})': 1,
         'sum(sandfleet_policy_actions_total{action="kill", outcome="done"})': 1,
         'sum(sandfleet_errors_total{code="not_found"})': 1,
+        'sum(sandfleet_warm_claims_total{result="taken"})': 1,
         'sum(sandfleet_layer_cache_lookups_total{result="miss"})': 1,
         'sum(sandfleet_layer_cache_lookups_total{result="hit"})': 1,
         'sum(sandfleet_layer_cache_bytes{kind="fetched"})': 1,

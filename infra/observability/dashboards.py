@@ -122,6 +122,10 @@ def fleet() -> dashboard.Dashboard:
                                      "{{isolation}} {{outcome}}")))
             .with_panel(series("Launch queue depth per node", "short",
                                Query(f"sum by (node) (sandfleet_launch_queue_depth{{{NODE}}})", "{{node}}")))
+            .with_panel(series("Warm-pool spares and claims", "short",
+                               Query(f"sum by (node) (sandfleet_node_warm_spares{{{NODE}}})", "spares {{node}}"),
+                               Query(f"sum by (result) (rate(sandfleet_warm_claims_total[{RATE}]))",
+                                     "claims {{result}} /s")))
             .with_panel(series("Errors by code", "ops",
                                Query(f"sum by (code, service) (rate(sandfleet_errors_total[{RATE}]))",
                                      "{{service}} {{code}}"))))

@@ -104,6 +104,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
             forwarding = tunnels.Tunnels(bus, launcher)
             await forwarding.listen()
             pools = pool.WarmPools(launcher, bus, config.capacity)
+            metrics.WARM_SPARES.set_function(lambda: sum(len(s) for s in pools.spares.values()))
             served = tenancy.guarded(endpoints(launcher, procs, forwarding, pools), tenancy.Owners(launcher.store))
             await bus.serve("launcher", served, queue_group=f"launcher-{config.node_id}")
             tasks = [asyncio.create_task(heartbeat.heartbeat(bus, launcher, config, criu_status, pools)),

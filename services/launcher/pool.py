@@ -34,7 +34,7 @@ import nats.errors
 import nats.js.errors
 
 from linuxnode import procfs
-from sandfleet import errors
+from sandfleet import errors, metrics
 from sandfleet.bus import Bus, decode
 from sandfleet.errors import ServiceError
 from schemas import pools as pools_schema
@@ -124,6 +124,7 @@ class WarmPools:
         key = pools_schema.pool_key(spec)
         spares = self.spares.get(key)
         if self.closing or not pools_schema.poolable(spec) or not spares:
+            metrics.WARM_CLAIMS.inc(result="empty")
             return ClaimReply()
         live = spares.pop(0)  # no await since the check: this spare is this claim's alone
         live.unwatch()
@@ -150,6 +151,7 @@ class WarmPools:
             await self.launcher.destroy(live.id, Reason.LAUNCH_FAILED, "its record changed while it was claimed")
             raise
         log.info("claimed spare %s of pool %s", live.id, key, extra=about(live.id))
+        metrics.WARM_CLAIMS.inc(result="taken")
         return ClaimReply(id=live.id)
 
     async def _apply(self, live: Live, spec: SandboxSpec) -> None:
