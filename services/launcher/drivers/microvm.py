@@ -10,8 +10,18 @@ every sandbox is not entered: its mounts only say which image files to attach
 does not allow or stops answering is killed on the spot; the launcher then sees QEMU end and
 fails the sandbox (`process_exited`), and the log says why.
 
+**Memory checkpoints** (`save_machine_state`, `machine_state`): the running machine's whole
+state (RAM, which holds the writable layer too, and devices) saved to a file with the needs of
+the QEMU that may restore it (`machine.json`), both packed by the launcher as one layer over
+the sandbox's layers; a spec with `machine_state` names that layer on top, and the VM starts
+from it, that layer never attached as a disk. The restoring node treats both files as hostile:
+needs this node does not meet, a file that is not a regular one or larger than the machine
+could make, a state QEMU refuses or a guest that does not answer from it are typed refusals,
+and nothing of the VM stays.
+
 Not yet at this level (each a typed Unsupported): a directory tree as one upload (files of any
-size, tree downloads and the tree's operations work), watches, checkpoints.
+size, tree downloads and the tree's operations work), watches, files-only checkpoints (the
+writable layer is in guest RAM: `checkpoint(memory=True)` keeps it with the processes).
 """
 
 from __future__ import annotations
@@ -20,12 +30,16 @@ import asyncio
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
+import stat
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+import msgspec
 
 from sandfleet import errors
 from linuxnode import cgroups, roots_ns
@@ -36,9 +50,9 @@ from linuxnode.vm import ports as vm_ports
 from linuxnode.vm.frames import window as frames_window
 from linuxnode.vm.channel import AgentChannel, CommandFailed, GuestBroken, GuestCommand
 from linuxnode.vm.guest_image import GuestImage, default_dir
-from linuxnode.vm.runtime import MicroVMs, RunningVM, Shape, VMStartError
+from linuxnode.vm.runtime import MachineNeeds, MicroVMs, RunningVM, Shape, VMStartError
 from schemas.layers import Rootfs
-from schemas.node import Confinement
+from schemas.node import Confinement, MachineState
 from schemas.sandbox import SandboxSpec
 from services.launcher.keys import LOGGER, about
 from services.launcher.drivers.guest_commands import GuestBackground, GuestTerminal, exit_code, loopback_is_ipv6
@@ -67,6 +81,13 @@ log = logging.getLogger(LOGGER)
 T = TypeVar("T")
 
 KILL_GRACE_S = 10.0  # a timed-out command's SIGKILL to its exit, in the guest
+# A memory checkpoint's layer: the saved machine and what restoring it needs.
+STATE_FILE, NEEDS_FILE = "machine.state", "machine.json"
+CHECKPOINT_DIR = "checkpoint"  # in the VM's own directory while its layer is built (gone with it)
+MAX_NEEDS_BYTES = 4096
+# A saved state holds at most the guest's RAM (its zero pages are not written) plus the devices'
+# (a `vm`'s card memory, up to 32 MiB at the largest screen): anything bigger is not one.
+STATE_SLACK_MB = 128
 
 
 @dataclass
@@ -137,18 +158,63 @@ class MicroVMDriver:
             images = await asyncio.to_thread(self._layer_images, rootfs.path)
         except layer_disks.NoLayerImages as exc:
             raise StartFailed(f"no layer images to attach: {exc}") from None
-        shape = Shape(vcpus=max(1, math.ceil(spec.cpu)), memory_mb=guest_mb, layers=tuple(rootfs.layers),
-                      network=network)
+        layers, state = list(rootfs.layers), None
+        if spec.machine_state:  # the top layer is the saved machine, not a disk
+            if len(images) != len(layers):
+                raise StartFailed(f"{len(images)} layer images for {len(layers)} layers")
+            images, layers = images[:-1], layers[:-1]
+            state = await asyncio.to_thread(self._machine_state, rootfs.path, guest_mb)
+        shape = Shape(vcpus=max(1, math.ceil(spec.cpu)), memory_mb=guest_mb, layers=tuple(layers), network=network)
         holder: list[VMSandbox] = []
         try:
             vm = await self.vms.start(sandbox_id, shape, images, spec.disk_mb, confinement.cgroup_procs,
-                                      confinement.netns, lambda why: self._broken(holder, sandbox_id, why))
+                                      confinement.netns, lambda why: self._broken(holder, sandbox_id, why),
+                                      from_state=state)
         except VMStartError as exc:
+            if state is not None:  # QEMU refused the state, or the guest in it never answered
+                raise LaunchRefused(f"the machine state was refused: {exc}") from None
             raise StartFailed(str(exc)) from None
         sandbox = VMSandbox(sandbox_id, vm, confinement, asyncio.get_running_loop())
         holder.append(sandbox)
         self.live[sandbox_id] = sandbox
         return sandbox
+
+    def _machine_state(self, root: str, guest_mb: int) -> Path:
+        """The saved machine in the top layer of the composed root `root`, checked before QEMU
+        sees it (blocking): its needs this node's, the state a regular file of a size the
+        machine could have written."""
+        def inside(name: str) -> Path:
+            path = f"{root.rstrip('/')}/{name}"
+            return Path(self.roots.path(path) if self.roots is not None else path)
+
+        try:
+            fd = os.open(inside(NEEDS_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                raw = f.read(MAX_NEEDS_BYTES + 1)
+            if len(raw) > MAX_NEEDS_BYTES:
+                raise LaunchRefused(f"the machine state's {NEEDS_FILE} is over {MAX_NEEDS_BYTES} bytes")
+            theirs = msgspec.json.decode(raw, type=MachineState)
+        except OSError as exc:
+            raise LaunchRefused(f"the top layer holds no machine state ({NEEDS_FILE}: {exc.strerror})") from None
+        except msgspec.MsgspecError as exc:
+            raise LaunchRefused(f"the machine state's {NEEDS_FILE} is not one: {exc}") from None
+        mine = self.vms.needs()
+        why = mine.mismatch(MachineNeeds(theirs.machine, theirs.accelerator, theirs.cpu, theirs.qemu, theirs.guest))
+        if theirs.level != self.LEVEL:
+            why = "; ".join(filter(None, [f"level {theirs.level!r} (this is {self.LEVEL!r})", why]))
+        if why:
+            raise errors.Unsupported(f"this node cannot restore the machine state: it was saved with {why}")
+        state = inside(STATE_FILE)
+        try:
+            found = os.lstat(state)
+        except OSError as exc:
+            raise LaunchRefused(f"the top layer holds no machine state ({STATE_FILE}: {exc.strerror})") from None
+        if not stat.S_ISREG(found.st_mode):
+            raise LaunchRefused(f"the machine state {STATE_FILE} is not a regular file")
+        if found.st_size > (guest_mb + STATE_SLACK_MB) << 20:
+            raise LaunchRefused(f"the machine state is {found.st_size >> 20} MiB: more than a machine of "
+                                f"{guest_mb} MiB writes")
+        return state
 
     def _broken(self, holder: list[VMSandbox], sandbox_id: str, why: str) -> None:
         """The guest broke the protocol or went silent: kill it; the watch fails the sandbox."""
@@ -323,20 +389,38 @@ class MicroVMDriver:
             raise Unsupported(f"sandbox {sandbox.sandbox_id} has no cpu.weight or cpu.shares to change")
         return CpuWeight(file=found.path, value=found.write(idle))
 
-    async def save_machine(self, instance: Instance, state: Path, keep_paused: bool = False) -> None:
-        """The whole running machine (its processes too) into `state`, for a VM restored from it
-        (linuxnode/vm/runtime.py save_running; `checkpoint(memory=True)` is not wired to it yet)."""
+    async def save_machine_state(self, instance: Instance) -> tuple[Path, MachineState]:
+        """The whole running machine (its processes, and its writable layer in RAM) saved into a
+        new directory beside the VM's sockets, with the needs of a node that may restore it: what
+        the launcher packs as a memory checkpoint's layer (and removes, `drop_machine_state`).
+        The machine runs on afterwards."""
         sandbox = self._usable(instance)
+        into = sandbox.vm.run_dir / CHECKPOINT_DIR
+        shutil.rmtree(into, ignore_errors=True)
+        into.mkdir(mode=0o700)  # root's: QEMU, once it has dropped root, cannot read it
         try:
-            await self.vms.save_running(sandbox.vm, state, keep_paused)
-        except VMStartError as exc:
-            raise DriverFailure(str(exc)) from None
-        except GuestBroken as exc:
-            raise SandboxGone(f"the microVM is gone: {exc}") from None
+            await self.vms.save_running(sandbox.vm, into / STATE_FILE)
+            needs = await asyncio.to_thread(self.vms.needs)
+            kept = MachineState(level=self.LEVEL, machine=needs.machine, accelerator=needs.accelerator,
+                                cpu=needs.cpu, qemu=needs.qemu, guest=needs.guest,
+                                size=(into / STATE_FILE).stat().st_size)
+            (into / NEEDS_FILE).write_bytes(msgspec.json.encode(kept))
+        except BaseException as exc:
+            shutil.rmtree(into, ignore_errors=True)
+            if isinstance(exc, VMStartError):
+                raise DriverFailure(str(exc)) from None
+            if isinstance(exc, GuestBroken):
+                raise SandboxGone(f"the microVM is gone: {exc}") from None
+            raise
+        return into, kept
+
+    @staticmethod
+    def drop_machine_state(into: Path) -> None:
+        shutil.rmtree(into, ignore_errors=True)
 
     def writable_layer(self, instance: Instance) -> Path:
-        raise NoWritableLayer(f"sandbox {_own(instance).sandbox_id} is a microvm: its writable layer is in guest "
-                              "RAM, and checkpoints of microvms are not supported yet")
+        raise NoWritableLayer(f"sandbox {_own(instance).sandbox_id} is a {self.LEVEL}: its writable layer is in "
+                              "guest RAM, kept by checkpoint(memory=True) with its processes")
 
     async def usage(self, instance: Instance) -> Usage:
         """QEMU's cgroup (guest RAM and QEMU together); what the guest does inside is not read yet."""
