@@ -9,8 +9,11 @@ one restored from it; the forged states are refused before or by QEMU.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import json
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -18,6 +21,7 @@ import msgspec
 import pytest
 
 from sandfleet import errors
+from sandfleet.config import DEFAULT_EGRESS_SUBNET
 from sandfleet.layers_client import Layers
 from linuxnode.vm.guest_image import GuestImage, default_dir
 from schemas.node import Checkpoint, MachineState
@@ -228,3 +232,73 @@ async def test_memory_checkpoints_are_for_vms_only(fleet, platform, guest, isola
     with pytest.raises(msgspec.ValidationError, match="VM level"):
         msgspec.json.decode(b'{"isolation": "process", "layers": ["a", "b"], "machine_state": true}',
                             type=CreateRequest)
+
+
+# -- on a second node ------------------------------------------------------------------------------
+
+@pytest.fixture
+def second_node(platform, tmp_path):
+    """A node of its own joining the session's bus (`sandfleet node --nats URL`, as a node on
+    another machine joins; here the same machine, so the same CPU), brought down after."""
+    from tests.conftest import CLI, NODE_ID, ROOT, assert_nothing_left
+    from tests.leaks import Snapshot
+
+    before = Snapshot.take()
+    joined, data = f"{NODE_ID}j", tmp_path / "node"
+    # The upper half of the session's subnet: its node hands out /30s from the bottom, and the
+    # stub addresses (each subnet's first) differ.
+    session = ipaddress.IPv4Network(platform.env.get("SANDFLEET_EGRESS_SUBNET") or DEFAULT_EGRESS_SUBNET)
+    subnet = list(session.subnets(prefixlen_diff=1))[1]
+    out = subprocess.run([*CLI, "node", "--detach", "--nats", platform.url, "--node-id", joined, "--data-dir",
+                          str(data), "--egress-subnet", str(subnet)],
+                         env=platform.env, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    try:
+        yield joined, data
+    finally:
+        state = json.loads((data / "supervisor.json").read_text())
+        subprocess.run([*CLI, "down", "--data-dir", str(data)], env=platform.env, timeout=150, check=True, cwd=ROOT)
+        try:
+            os.waitpid(state["pid"], 0)
+        except ChildProcessError:
+            pass
+    assert_nothing_left(before, data, [joined])
+
+
+async def test_a_memory_checkpoint_restores_on_another_node(fleet, platform, guest, second_node):
+    joined, data = second_node
+    dirs = {platform.node_id: str(platform.data_dir), joined: str(data)}
+    deadline = time.monotonic() + 60
+    while not any(n.id == joined and n.microvm.startswith("on") for n in await fleet.nodes()):
+        assert time.monotonic() < deadline, "the joined node never offered microvm"
+        await asyncio.sleep(0.5)
+    for attempt in range(3):  # placed on the joined node, it boots the shape there first
+        try:
+            sb = await fleet.create(isolation="microvm", layers=[LAYER], memory_mb=MEMORY_MB, timeout_s=600,
+                                    request_timeout_s=300)
+            break
+        except (errors.InternalError, errors.Timeout):
+            if attempt == 2:
+                raise
+            await asyncio.sleep(20)
+    other = joined if sb.node == platform.node_id else platform.node_id
+    try:
+        await sb.spawn(["sh", "-c", COUNTER])
+        await _until_lines(sb, 3)
+        ck = await sb.checkpoint(memory=True)
+        before = await _lines(sb)
+    finally:
+        await sb.destroy()
+    restored = await fleet.restore(ck, node=other, request_timeout_s=300)
+    try:
+        assert restored.node == other != ck.node
+        assert await _until_lines(restored, before + 3) > before  # its counter goes on, on the other node
+        assert (await restored.exec(["uname", "-r"])).stdout.decode().strip() == guest.release
+    finally:
+        await restored.destroy()
+        await Layers(fleet.bus).remove(ck.name)
+    for node, sandbox_id in ((ck.node, sb.id), (other, restored.id)):
+        deadline = time.monotonic() + 10
+        while (left := microvm_left(dirs[node], sandbox_id)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert left == []

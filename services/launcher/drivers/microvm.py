@@ -10,14 +10,10 @@ every sandbox is not entered: its mounts only say which image files to attach
 does not allow or stops answering is killed on the spot; the launcher then sees QEMU end and
 fails the sandbox (`process_exited`), and the log says why.
 
-**Memory checkpoints** (`save_machine_state`, `machine_state`): the running machine's whole
-state (RAM, which holds the writable layer too, and devices) saved to a file with the needs of
-the QEMU that may restore it (`machine.json`), both packed by the launcher as one layer over
-the sandbox's layers; a spec with `machine_state` names that layer on top, and the VM starts
-from it, that layer never attached as a disk. The restoring node treats both files as hostile:
-needs this node does not meet, a file that is not a regular one or larger than the machine
-could make, a state QEMU refuses or a guest that does not answer from it are typed refusals,
-and nothing of the VM stays.
+**Memory checkpoints** (`save_machine_state`; a spec's `machine_state`): the running machine's
+whole state (RAM, which holds the writable layer too, and devices) and the needs of a node that
+may restore it, packed by the launcher as one layer over the sandbox's; a VM started from such
+a layer never attaches it as a disk, and checks it as hostile input first (machine_state.py).
 
 Not yet at this level (each a typed Unsupported): a directory tree as one upload (files of any
 size, tree downloads and the tree's operations work), watches, files-only checkpoints (the
@@ -33,13 +29,10 @@ import os
 import shutil
 import signal
 import socket
-import stat
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
-
-import msgspec
 
 from sandfleet import errors
 from linuxnode import cgroups, roots_ns
@@ -50,11 +43,12 @@ from linuxnode.vm import ports as vm_ports
 from linuxnode.vm.frames import window as frames_window
 from linuxnode.vm.channel import AgentChannel, CommandFailed, GuestBroken, GuestCommand
 from linuxnode.vm.guest_image import GuestImage, default_dir
-from linuxnode.vm.runtime import MachineNeeds, MicroVMs, RunningVM, Shape, VMStartError
+from linuxnode.vm.runtime import MicroVMs, RunningVM, Shape, VMStartError
 from schemas.layers import Rootfs
 from schemas.node import Confinement, MachineState
 from schemas.sandbox import SandboxSpec
 from services.launcher.keys import LOGGER, about
+from services.launcher.drivers import machine_state
 from services.launcher.drivers.guest_commands import GuestBackground, GuestTerminal, exit_code, loopback_is_ipv6
 from services.launcher.drivers.base import (
     Anchor,
@@ -81,13 +75,6 @@ log = logging.getLogger(LOGGER)
 T = TypeVar("T")
 
 KILL_GRACE_S = 10.0  # a timed-out command's SIGKILL to its exit, in the guest
-# A memory checkpoint's layer: the saved machine and what restoring it needs.
-STATE_FILE, NEEDS_FILE = "machine.state", "machine.json"
-CHECKPOINT_DIR = "checkpoint"  # in the VM's own directory while its layer is built (gone with it)
-MAX_NEEDS_BYTES = 4096
-# A saved state holds at most the guest's RAM (its zero pages are not written) plus the devices'
-# (a `vm`'s card memory, up to 32 MiB at the largest screen): anything bigger is not one.
-STATE_SLACK_MB = 128
 
 
 @dataclass
@@ -128,6 +115,13 @@ class MicroVMDriver:
         self.vms = vms
         self.live: dict[str, VMSandbox] = {}
 
+    def _in_roots(self, root: str) -> Callable[[str], Path]:
+        """A name in the composed root `root` as a path this process (and QEMU) opens."""
+        def inside(name: str) -> Path:
+            path = f"{root.rstrip('/')}/{name}"
+            return Path(self.roots.path(path) if self.roots is not None else path)
+        return inside
+
     def _layer_images(self, rootfs: str) -> list[Path]:
         """The image files under a composed root, read from the roots namespace's table, as QEMU
         (our child) opens them: a file on the data disk where it is, a lazy layer's FUSE file
@@ -163,7 +157,8 @@ class MicroVMDriver:
             if len(images) != len(layers):
                 raise StartFailed(f"{len(images)} layer images for {len(layers)} layers")
             images, layers = images[:-1], layers[:-1]
-            state = await asyncio.to_thread(self._machine_state, rootfs.path, guest_mb)
+            state = await asyncio.to_thread(machine_state.checked, self._in_roots(rootfs.path), self.LEVEL,
+                                            self.vms.needs, guest_mb)
         shape = Shape(vcpus=max(1, math.ceil(spec.cpu)), memory_mb=guest_mb, layers=tuple(layers), network=network)
         holder: list[VMSandbox] = []
         try:
@@ -178,43 +173,6 @@ class MicroVMDriver:
         holder.append(sandbox)
         self.live[sandbox_id] = sandbox
         return sandbox
-
-    def _machine_state(self, root: str, guest_mb: int) -> Path:
-        """The saved machine in the top layer of the composed root `root`, checked before QEMU
-        sees it (blocking): its needs this node's, the state a regular file of a size the
-        machine could have written."""
-        def inside(name: str) -> Path:
-            path = f"{root.rstrip('/')}/{name}"
-            return Path(self.roots.path(path) if self.roots is not None else path)
-
-        try:
-            fd = os.open(inside(NEEDS_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as f:
-                raw = f.read(MAX_NEEDS_BYTES + 1)
-            if len(raw) > MAX_NEEDS_BYTES:
-                raise LaunchRefused(f"the machine state's {NEEDS_FILE} is over {MAX_NEEDS_BYTES} bytes")
-            theirs = msgspec.json.decode(raw, type=MachineState)
-        except OSError as exc:
-            raise LaunchRefused(f"the top layer holds no machine state ({NEEDS_FILE}: {exc.strerror})") from None
-        except msgspec.MsgspecError as exc:
-            raise LaunchRefused(f"the machine state's {NEEDS_FILE} is not one: {exc}") from None
-        mine = self.vms.needs()
-        why = mine.mismatch(MachineNeeds(theirs.machine, theirs.accelerator, theirs.cpu, theirs.qemu, theirs.guest))
-        if theirs.level != self.LEVEL:
-            why = "; ".join(filter(None, [f"level {theirs.level!r} (this is {self.LEVEL!r})", why]))
-        if why:
-            raise errors.Unsupported(f"this node cannot restore the machine state: it was saved with {why}")
-        state = inside(STATE_FILE)
-        try:
-            found = os.lstat(state)
-        except OSError as exc:
-            raise LaunchRefused(f"the top layer holds no machine state ({STATE_FILE}: {exc.strerror})") from None
-        if not stat.S_ISREG(found.st_mode):
-            raise LaunchRefused(f"the machine state {STATE_FILE} is not a regular file")
-        if found.st_size > (guest_mb + STATE_SLACK_MB) << 20:
-            raise LaunchRefused(f"the machine state is {found.st_size >> 20} MiB: more than a machine of "
-                                f"{guest_mb} MiB writes")
-        return state
 
     def _broken(self, holder: list[VMSandbox], sandbox_id: str, why: str) -> None:
         """The guest broke the protocol or went silent: kill it; the watch fails the sandbox."""
@@ -390,29 +348,17 @@ class MicroVMDriver:
         return CpuWeight(file=found.path, value=found.write(idle))
 
     async def save_machine_state(self, instance: Instance) -> tuple[Path, MachineState]:
-        """The whole running machine (its processes, and its writable layer in RAM) saved into a
-        new directory beside the VM's sockets, with the needs of a node that may restore it: what
-        the launcher packs as a memory checkpoint's layer (and removes, `drop_machine_state`).
+        """The whole running machine (its processes, and its writable layer in RAM) saved, with
+        what a node restoring it needs, into a new directory beside the VM's sockets: what the
+        launcher packs as a memory checkpoint's layer, then removes (`drop_machine_state`).
         The machine runs on afterwards."""
         sandbox = self._usable(instance)
-        into = sandbox.vm.run_dir / CHECKPOINT_DIR
-        shutil.rmtree(into, ignore_errors=True)
-        into.mkdir(mode=0o700)  # root's: QEMU, once it has dropped root, cannot read it
         try:
-            await self.vms.save_running(sandbox.vm, into / STATE_FILE)
-            needs = await asyncio.to_thread(self.vms.needs)
-            kept = MachineState(level=self.LEVEL, machine=needs.machine, accelerator=needs.accelerator,
-                                cpu=needs.cpu, qemu=needs.qemu, guest=needs.guest,
-                                size=(into / STATE_FILE).stat().st_size)
-            (into / NEEDS_FILE).write_bytes(msgspec.json.encode(kept))
-        except BaseException as exc:
-            shutil.rmtree(into, ignore_errors=True)
-            if isinstance(exc, VMStartError):
-                raise DriverFailure(str(exc)) from None
-            if isinstance(exc, GuestBroken):
-                raise SandboxGone(f"the microVM is gone: {exc}") from None
-            raise
-        return into, kept
+            return await machine_state.save(self.vms, sandbox.vm, self.LEVEL)
+        except VMStartError as exc:
+            raise DriverFailure(str(exc)) from None
+        except GuestBroken as exc:
+            raise SandboxGone(f"the microVM is gone: {exc}") from None
 
     @staticmethod
     def drop_machine_state(into: Path) -> None:
