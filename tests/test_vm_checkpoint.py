@@ -285,7 +285,9 @@ async def test_a_memory_checkpoint_restores_on_another_node(fleet, platform, gue
     try:
         await sb.spawn(["sh", "-c", COUNTER])
         await _until_lines(sb, 3)
-        ck = await sb.checkpoint(memory=True)
+        ck = await sb.checkpoint(memory=True, keep_paused=True)  # a migration: the original stops
+        assert ck.paused and (await sb.info()).state == "paused"
+        await sb.resume()  # and thawed, goes on from where it stood
         before = await _lines(sb)
     finally:
         await sb.destroy()
@@ -302,3 +304,45 @@ async def test_a_memory_checkpoint_restores_on_another_node(fleet, platform, gue
         while (left := microvm_left(dirs[node], sandbox_id)) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert left == []
+
+
+def test_a_state_layer_is_checked_before_qemu_sees_it(tmp_path):
+    """The restoring node's checks of the layer's two files, on files made here (no VM)."""
+    from linuxnode.vm.runtime import MachineNeeds
+    from services.launcher.drivers import machine_state
+    from services.launcher.drivers.base import LaunchRefused
+
+    mine = MachineNeeds("pc-i440fx-7.2", "tcg", "qemu64", "QEMU 7.2", "g")
+    needs = MachineState(level="microvm", machine="pc-i440fx-7.2", accelerator="tcg", cpu="qemu64",
+                         qemu="QEMU 7.2", guest="g")
+
+    def check(state_size: int | None = 1 << 20, raw: bytes = msgspec.json.encode(needs), link: bool = False,
+              guest_mb: int = 352) -> Path:
+        layer = tmp_path / f"layer{len(list(tmp_path.iterdir()))}"
+        layer.mkdir()
+        (layer / "machine.json").write_bytes(raw)
+        if link:
+            (layer / "machine.state").symlink_to("/etc/passwd")
+        elif state_size is not None:
+            with open(layer / "machine.state", "wb") as f:
+                f.truncate(state_size)  # sparse: its size is what is checked
+        return machine_state.checked(lambda name: layer / name, "microvm", lambda: mine, guest_mb)
+
+    assert check().name == "machine.state"
+    with pytest.raises(LaunchRefused, match="more than a machine of 352 MiB"):
+        check(state_size=(352 + 129) << 20)
+    with pytest.raises(LaunchRefused, match="not a regular file"):
+        check(link=True)
+    with pytest.raises(LaunchRefused, match="over 4096 bytes"):
+        check(raw=b" " * 5000)
+    with pytest.raises(LaunchRefused, match="no machine state"):
+        check(state_size=None)
+    with pytest.raises(errors.Unsupported, match="qemu 'QEMU 9.0'.*this node: 'QEMU 7.2'"):
+        check(raw=msgspec.json.encode(msgspec.structs.replace(needs, qemu="QEMU 9.0")))
+    with pytest.raises(errors.Unsupported, match="guest 'other'"):
+        check(raw=msgspec.json.encode(msgspec.structs.replace(needs, guest="other")))
+    layer = tmp_path / "json-link"
+    layer.mkdir()
+    (layer / "machine.json").symlink_to("/etc/hostname")  # a needs file is read only as itself
+    with pytest.raises(LaunchRefused, match="no machine state"):
+        machine_state.checked(lambda name: layer / name, "microvm", lambda: mine, 352)
