@@ -69,7 +69,7 @@ async def checkpoint(launcher: Launcher, req: CheckpointRequest) -> Checkpoint:
             driver.drop_machine_state(into)
         if req.keep_paused:  # saved running; frozen after, so the original does not go on (a migration)
             with translated(f"freeze {req.sandbox_id}", path=False):
-                await driver.freeze(live.instance)  # type: ignore[attr-defined]
+                await live.driver.freeze(live.instance)
             live.paused = True
     if req.keep_paused:
         await records.paused(launcher.store, req.sandbox_id, Reason.REQUESTED, f"checkpoint {req.name}")
