@@ -59,11 +59,13 @@ class _FleetRollout:
 
     async def restore(self, checkpoint: node.Checkpoint, node: str | None = None, *,
                       request_timeout_s: float = 120.0) -> Sandbox:
-        """Start a new sandbox from a checkpoint: its spec, with layers base + the checkpoint layer.
+        """Start a new sandbox from a checkpoint: its spec, with layers base + the checkpoint layer
+        (a memory checkpoint's: the VM goes on from its saved machine, processes running).
         Placement picks the node (preferring one that caches the layers) unless `node` names one:
         then only that node (migration to a chosen node); `NotFound` if no such node is registered,
         `Capacity` if it has no room."""
-        spec = msgspec.structs.replace(checkpoint.spec, layers=[*checkpoint.base, checkpoint.digest], host_view=False)
+        spec = msgspec.structs.replace(checkpoint.spec, layers=[*checkpoint.base, checkpoint.digest], host_view=False,
+                                       machine_state=checkpoint.machine is not None)
         req = _convert({**msgspec.to_builtins(spec), "node": node}, sandbox.CreateRequest)
         reply = await self.bus.request(sandbox.CREATE, req, sandbox.CreateReply, timeout=request_timeout_s)
         return Sandbox(self, reply.id, reply.node)

@@ -100,12 +100,16 @@ class Sandbox:
         req = _convert(dict(sandbox_id=self.id, hint=hint), node.HintRequest)
         return await self._fleet.bus.request(self._subject(node.HINT), req, node.HintReply, timeout=30)
 
-    async def checkpoint(self, name: str | None = None, *, keep_paused: bool = False,
+    async def checkpoint(self, name: str | None = None, *, keep_paused: bool = False, memory: bool = False,
                          timeout_s: float = 600.0) -> node.Checkpoint:
         """Pack the sandbox's files (its writable layer, /workspace included) into layer `name`
-        over its layers; pass the result to `Fleet.restore`. Processes are not captured."""
+        over its layers; pass the result to `Fleet.restore`. Processes are not captured, unless
+        `memory`: a VM's (microvm, vm) whole running machine is saved, and the restored VM's
+        processes go on where they were, on any node with the same QEMU, CPU model and
+        accelerator (`handle.machine` says which); other levels raise `Unsupported`."""
         name = name or f"ckpt-{self.id[:40]}-{secrets.token_hex(4)}"
-        req = _convert(dict(sandbox_id=self.id, name=name, keep_paused=keep_paused), node.CheckpointRequest)
+        req = _convert(dict(sandbox_id=self.id, name=name, keep_paused=keep_paused, memory=memory),
+                       node.CheckpointRequest)
         return await self._fleet.bus.request(self._subject(node.CHECKPOINT), req, node.Checkpoint,
                                              timeout=timeout_s + 10)
 

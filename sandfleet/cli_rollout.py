@@ -39,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ck.add_argument("id")
     ck.add_argument("--name", default=None, help="the layer's name (default ckpt-<id>-<random>)")
     ck.add_argument("--keep-paused", action="store_true", help="leave the sandbox frozen afterwards")
+    ck.add_argument("--memory", action="store_true", help="a VM's whole running machine: its processes go on "
+                                                          "when restored")
     ck.add_argument("--out", type=Path, default=None, help="write the handle here instead of stdout")
     ck.set_defaults(func=_sync(_checkpoint))
 
@@ -95,7 +97,8 @@ async def _hint(fleet: client.Fleet, args: argparse.Namespace) -> int:
 
 
 async def _checkpoint(fleet: client.Fleet, args: argparse.Namespace) -> int:
-    handle = await (await fleet.sandbox(args.id)).checkpoint(args.name, keep_paused=args.keep_paused)
+    handle = await (await fleet.sandbox(args.id)).checkpoint(args.name, keep_paused=args.keep_paused,
+                                                               memory=args.memory)
     text = json.dumps(msgspec.to_builtins(handle), indent=2)
     if args.out:
         args.out.write_text(text + "\n")

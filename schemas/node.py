@@ -270,12 +270,31 @@ class CheckpointRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     sandbox_id: SandboxId
     name: Annotated[str, Meta(min_length=1, max_length=63, pattern=r"^(?!sha256$)[a-z0-9][a-z0-9_\-]*$")]
     keep_paused: bool = False  # true: leave it frozen afterwards (a migration stops the original)
+    # True: the whole running machine (RAM, devices, its processes and the writable layer it
+    # holds in RAM) of a VM level (microvm, vm); the other levels answer `unsupported`.
+    memory: bool = False
+
+
+class MachineState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a saved running machine needs of the node that restores it (any other refuses it,
+    typed, before QEMU starts). Kept in the state's layer too, as `machine.json`, which is what
+    the restoring node reads (the handle is the client's, the layer is the store's)."""
+
+    level: Annotated[str, Meta(max_length=16)]  # microvm or vm
+    machine: Annotated[str, Meta(max_length=64)]  # QEMU's machine type, as QEMU resolves it
+    accelerator: Annotated[str, Meta(max_length=8)]  # tcg or kvm
+    cpu: Annotated[str, Meta(max_length=128)]  # the guest's CPU: TCG's fixed model, or the host's under KVM
+    qemu: Annotated[str, Meta(max_length=64)]  # QEMU's version
+    guest: Annotated[str, Meta(max_length=128)]  # the guest kernel + initramfs (digest): its agent is in RAM
+    size: Annotated[int, Meta(ge=0)] = 0  # bytes of the state file
 
 
 class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):
     """A sandbox's files at one moment: its writable layer, packed as layer `name` (`digest`) in
     the store on top of `base` (digests, bottom first). `fleet.restore` starts a sandbox with
-    layers base + [digest] and the same spec. Processes are not captured (`processes` false)."""
+    layers base + [digest] and the same spec. Processes are not captured (`processes` false)...
+    unless it is a memory checkpoint of a VM (`machine` set, `processes` true): then the layer
+    holds the machine's saved state, never a disk, and the restored VM goes on from it."""
 
     sandbox_id: str
     node: str
@@ -287,6 +306,7 @@ class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):
     paused: bool = False  # the original was left frozen
     created_at: float
     seconds: float = 0.0
+    machine: MachineState | None = None
 
 
 class ConfineRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -66,8 +66,15 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # `process` and `container` on a node whose roots run in user namespaces; asked for by the
     # platform's own account only: a tenant's create of one fails with `invalid_request`.
     build: bool = False
+    # True: the top layer is a running VM's saved machine state (`checkpoint(memory=True)`), not
+    # a disk: the VM starts from it, its processes going on (`fleet.restore` sets it).
+    machine_state: bool = False
 
     def __post_init__(self) -> None:
+        if self.machine_state and self.isolation not in ("microvm", "vm"):
+            raise ValueError("a machine state restores only into a VM level (microvm, vm)")
+        if self.machine_state and len(self.layers) < 2:
+            raise ValueError("machine_state=True needs the VM's layers and the state's layer on top")
         if self.host_view and self.build:
             raise ValueError("a build sandbox writes its own root: host_view=True cannot build")
         if self.host_view and self.layers:

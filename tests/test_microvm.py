@@ -394,7 +394,7 @@ def test_requests_the_node_cannot_frame_are_refused_and_shapes_key_their_states(
 
 
 async def test_a_running_machines_state_restores_into_a_new_vm_with_its_processes(tmp_path):
-    """The node library's memory checkpoint (not yet wired to `checkpoint(memory=True)`): the agent
+    """The node library's memory checkpoint (under `checkpoint(memory=True)`: test_vm_checkpoint.py): the agent
     goes quiet, QMP saves the whole machine, the original runs on; a new QEMU restored from that
     state has the guest's files and its running processes, its agent detached from the old node's
     commands (their output and exits go nowhere) and answering the new one."""

@@ -97,6 +97,8 @@ class FullMachines(MicroVMs):
     screen is what the driver put in `screens` for that sandbox (the default otherwise): the
     microVM's start path above it stays one, whatever the level."""
 
+    MACHINE = MACHINE.partition(",")[0]
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.screens: dict[str, tuple[int, int]] = {}

@@ -20,7 +20,9 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import shutil
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +76,39 @@ class Shape:
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+@dataclass(frozen=True)
+class MachineNeeds:
+    """What a running machine's saved state needs of the QEMU that restores it, beside its shape
+    (which the sandbox's spec gives both ends): a restore into anything else fails in QEMU, or
+    worse, loads and runs a guest on a CPU it did not see."""
+
+    machine: str  # the machine type as this QEMU resolves its alias (pc → pc-i440fx-7.2)
+    accelerator: str
+    cpu: str  # TCG's fixed model, or under KVM the host's (`host` passes it through)
+    qemu: str  # QEMU's version line
+    guest: str  # the guest image's digest: its kernel and agent are in the saved RAM
+
+    def mismatch(self, theirs: MachineNeeds) -> str:
+        """Why a state saved with `theirs` cannot be restored here ("" if it can)."""
+        differ = [f"{name} {getattr(theirs, name)!r} (this node: {getattr(self, name)!r})"
+                  for name in ("accelerator", "cpu", "machine", "qemu", "guest")
+                  if getattr(theirs, name) != getattr(self, name)]
+        return "; ".join(differ)
+
+
+def _qemu_facts(qemu: str, alias: str) -> tuple[str, str]:
+    """(QEMU's version line, what machine alias `alias` resolves to) from QEMU itself."""
+    version = subprocess.run([qemu, "--version"], capture_output=True, text=True, timeout=30).stdout
+    machines = subprocess.run([qemu, "-machine", "help"], capture_output=True, text=True, timeout=30).stdout
+    found = re.search(rf"^{re.escape(alias)}\s.*\(alias of ([\w.\-]+)\)", machines, re.M)
+    return (version.splitlines() or ["unknown"])[0].strip(), found.group(1) if found else alias
+
+
+def _host_cpu() -> str:
+    found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+    return f"host: {found.group(1).strip() if found else 'unknown'}"
+
+
 async def _save_state(run_dir: Path, partial: Path, then_run: bool) -> None:
     """The machine of `run_dir` saved over its QMP socket into the file `partial` (the caller
     renames it into place); `then_run`: the machine runs on afterwards (a save stops it)."""
@@ -100,6 +135,8 @@ async def _connect(run_dir: Path, name: str, make: Callable[[str], object]) -> o
 
 
 class MicroVMs:
+    MACHINE = "pc"  # the machine's alias on QEMU's command line (machine.py); a full machine's is q35
+
     def __init__(self, guest: GuestImage, accelerator: Accelerator, qemu: str, state_dir: Path,
                  snapshots: bool = True) -> None:
         self.guest, self.accelerator, self.qemu = guest, accelerator, qemu
@@ -108,6 +145,15 @@ class MicroVMs:
         self.vms_dir.mkdir(parents=True, exist_ok=True)
         self.states_dir.mkdir(parents=True, exist_ok=True)
         self._saving: dict[str, asyncio.Lock] = {}
+        self._needs: MachineNeeds | None = None
+
+    def needs(self) -> MachineNeeds:
+        """What a state this node saves needs (blocking: asks QEMU once)."""
+        if self._needs is None:
+            version, resolved = _qemu_facts(self.qemu, self.MACHINE)
+            cpu = _host_cpu() if self.accelerator.name == "kvm" else machine.TCG_CPU
+            self._needs = MachineNeeds(resolved, self.accelerator.name, cpu, version, self.guest.digest)
+        return self._needs
 
     # -- start ------------------------------------------------------------------------------
 

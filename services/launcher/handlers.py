@@ -35,7 +35,7 @@ from schemas.node import (
     WriteFileReply,
     WriteFileRequest,
 )
-from services.launcher import decisions, image_config, pausing
+from services.launcher import decisions, image_config, machine_checkpoints, pausing
 from services.launcher.driver_errors import DRIVER_ERRORS, service_error, translated
 from services.launcher.drivers.base import Command
 from services.launcher.keys import tag
@@ -170,6 +170,8 @@ async def hint(launcher: Launcher, req: HintRequest) -> HintReply:
 async def checkpoint(launcher: Launcher, req: CheckpointRequest) -> Checkpoint:
     tag(launcher.node_id, req.sandbox_id)
     with _freezing(f"checkpoint {req.sandbox_id}"):
+        if req.memory:
+            return await machine_checkpoints.checkpoint(launcher, req)
         return await pausing.checkpoint(launcher, req)
 
 

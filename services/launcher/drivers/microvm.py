@@ -10,8 +10,14 @@ every sandbox is not entered: its mounts only say which image files to attach
 does not allow or stops answering is killed on the spot; the launcher then sees QEMU end and
 fails the sandbox (`process_exited`), and the log says why.
 
+**Memory checkpoints** (`save_machine_state`; a spec's `machine_state`): the running machine's
+whole state (RAM, which holds the writable layer too, and devices) and the needs of a node that
+may restore it, packed by the launcher as one layer over the sandbox's; a VM started from such
+a layer never attaches it as a disk, and checks it as hostile input first (machine_state.py).
+
 Not yet at this level (each a typed Unsupported): a directory tree as one upload (files of any
-size, tree downloads and the tree's operations work), watches, checkpoints.
+size, tree downloads and the tree's operations work), watches, files-only checkpoints (the
+writable layer is in guest RAM: `checkpoint(memory=True)` keeps it with the processes).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import asyncio
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 from collections.abc import Callable, Coroutine
@@ -38,9 +45,10 @@ from linuxnode.vm.channel import AgentChannel, CommandFailed, GuestBroken, Guest
 from linuxnode.vm.guest_image import GuestImage, default_dir
 from linuxnode.vm.runtime import MicroVMs, RunningVM, Shape, VMStartError
 from schemas.layers import Rootfs
-from schemas.node import Confinement
+from schemas.node import Confinement, MachineState
 from schemas.sandbox import SandboxSpec
 from services.launcher.keys import LOGGER, about
+from services.launcher.drivers import machine_state
 from services.launcher.drivers.guest_commands import GuestBackground, GuestTerminal, exit_code, loopback_is_ipv6
 from services.launcher.drivers.base import (
     Anchor,
@@ -107,6 +115,13 @@ class MicroVMDriver:
         self.vms = vms
         self.live: dict[str, VMSandbox] = {}
 
+    def _in_roots(self, root: str) -> Callable[[str], Path]:
+        """A name in the composed root `root` as a path this process (and QEMU) opens."""
+        def inside(name: str) -> Path:
+            path = f"{root.rstrip('/')}/{name}"
+            return Path(self.roots.path(path) if self.roots is not None else path)
+        return inside
+
     def _layer_images(self, rootfs: str) -> list[Path]:
         """The image files under a composed root, read from the roots namespace's table, as QEMU
         (our child) opens them: a file on the data disk where it is, a lazy layer's FUSE file
@@ -137,13 +152,22 @@ class MicroVMDriver:
             images = await asyncio.to_thread(self._layer_images, rootfs.path)
         except layer_disks.NoLayerImages as exc:
             raise StartFailed(f"no layer images to attach: {exc}") from None
-        shape = Shape(vcpus=max(1, math.ceil(spec.cpu)), memory_mb=guest_mb, layers=tuple(rootfs.layers),
-                      network=network)
+        layers, state = list(rootfs.layers), None
+        if spec.machine_state:  # the top layer is the saved machine, not a disk
+            if len(images) != len(layers):
+                raise StartFailed(f"{len(images)} layer images for {len(layers)} layers")
+            images, layers = images[:-1], layers[:-1]
+            state = await asyncio.to_thread(machine_state.checked, self._in_roots(rootfs.path), self.LEVEL,
+                                            self.vms.needs, guest_mb)
+        shape = Shape(vcpus=max(1, math.ceil(spec.cpu)), memory_mb=guest_mb, layers=tuple(layers), network=network)
         holder: list[VMSandbox] = []
         try:
             vm = await self.vms.start(sandbox_id, shape, images, spec.disk_mb, confinement.cgroup_procs,
-                                      confinement.netns, lambda why: self._broken(holder, sandbox_id, why))
+                                      confinement.netns, lambda why: self._broken(holder, sandbox_id, why),
+                                      from_state=state)
         except VMStartError as exc:
+            if state is not None:  # QEMU refused the state, or the guest in it never answered
+                raise LaunchRefused(f"the machine state was refused: {exc}") from None
             raise StartFailed(str(exc)) from None
         sandbox = VMSandbox(sandbox_id, vm, confinement, asyncio.get_running_loop())
         holder.append(sandbox)
@@ -323,20 +347,26 @@ class MicroVMDriver:
             raise Unsupported(f"sandbox {sandbox.sandbox_id} has no cpu.weight or cpu.shares to change")
         return CpuWeight(file=found.path, value=found.write(idle))
 
-    async def save_machine(self, instance: Instance, state: Path, keep_paused: bool = False) -> None:
-        """The whole running machine (its processes too) into `state`, for a VM restored from it
-        (linuxnode/vm/runtime.py save_running; `checkpoint(memory=True)` is not wired to it yet)."""
+    async def save_machine_state(self, instance: Instance) -> tuple[Path, MachineState]:
+        """The whole running machine (its processes, and its writable layer in RAM) saved, with
+        what a node restoring it needs, into a new directory beside the VM's sockets: what the
+        launcher packs as a memory checkpoint's layer, then removes (`drop_machine_state`).
+        The machine runs on afterwards."""
         sandbox = self._usable(instance)
         try:
-            await self.vms.save_running(sandbox.vm, state, keep_paused)
+            return await machine_state.save(self.vms, sandbox.vm, self.LEVEL)
         except VMStartError as exc:
             raise DriverFailure(str(exc)) from None
         except GuestBroken as exc:
             raise SandboxGone(f"the microVM is gone: {exc}") from None
 
+    @staticmethod
+    def drop_machine_state(into: Path) -> None:
+        shutil.rmtree(into, ignore_errors=True)
+
     def writable_layer(self, instance: Instance) -> Path:
-        raise NoWritableLayer(f"sandbox {_own(instance).sandbox_id} is a microvm: its writable layer is in guest "
-                              "RAM, and checkpoints of microvms are not supported yet")
+        raise NoWritableLayer(f"sandbox {_own(instance).sandbox_id} is a {self.LEVEL}: its writable layer is in "
+                              "guest RAM, kept by checkpoint(memory=True) with its processes")
 
     async def usage(self, instance: Instance) -> Usage:
         """QEMU's cgroup (guest RAM and QEMU together); what the guest does inside is not read yet."""
