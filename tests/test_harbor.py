@@ -2,8 +2,9 @@
 Python 3.13 tree Harbor needs (tests/trixie_python.py: this node's Debian 12 has 3.11), runs a
 job of two tasks it reads from a directory this test writes, with `--env
 sandfleet.integrations.harbor:SandfleetEnvironment` against the session's platform and Harbor's
-`oracle` agent (it runs the task's solution; no model). Each task's Dockerfile FROMs a layer of
-ours, adds a WORKDIR, a COPY and a RUN; its verifier checks what the solution made and writes the
+`oracle` agent (it runs the task's solution; no model). One task's Dockerfile FROMs a layer of
+ours, the other's an image reference the job maps to that layer (`--ek images=...`); each adds a
+WORKDIR, a COPY and a RUN, built by sandfleet's Dockerfile builder; its verifier checks what the solution made and writes the
 reward. The right solution must earn 1 and the wrong one 0, read from Harbor's own result files,
 so a broken exec, upload (the solution and tests directories) or download (the verifier's
 directory, the oracle's log) fails the test. Afterwards no sandbox, mount or process of the run
@@ -12,6 +13,7 @@ is left.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -53,7 +55,8 @@ build_timeout_sec = 300.0
 memory_mb = 256
 network_mode = "no-network"
 """
-DOCKERFILE = f"""FROM {BASE}
+IMAGE = "busybox:1.36"  # an image reference the job maps to our layer (--ek images=...)
+DOCKERFILE = """FROM {base}
 WORKDIR /app
 COPY numbers.txt /app/numbers.txt
 RUN echo "built by RUN" > /app/built.txt
@@ -78,14 +81,14 @@ echo "answer: $(cat /app/answer.txt)" > /logs/verifier/detail.txt
 """
 
 
-def write_task(root: Path, op: str) -> Path:
+def write_task(root: Path, op: str, base: str) -> Path:
     (root / "environment").mkdir(parents=True)
     (root / "solution").mkdir()
     (root / "tests" / "expected").mkdir(parents=True)
     (root / "task.toml").write_text(TASK_TOML)
     (root / "instruction.md").write_text("Multiply the two numbers in /app/numbers.txt; write the product to "
                                          "/app/answer.txt.\n")
-    (root / "environment" / "Dockerfile").write_text(DOCKERFILE)
+    (root / "environment" / "Dockerfile").write_text(DOCKERFILE.format(base=base))
     (root / "environment" / "numbers.txt").write_text("6 7\n")
     (root / "solution" / "solve.sh").write_text(SOLVE.format(op=op))
     (root / "tests" / "test.sh").write_text(TEST)
@@ -139,8 +142,8 @@ async def test_harbor_runs_tasks_on_sandfleet_and_its_verifier_grades_them(platf
                                                                               tmp_path, tmp_path_factory):
     await busybox_layer(fleet, tmp_path_factory, BASE, hostname="harbor", applets=APPLETS)
     job = tmp_path / "job"
-    write_task(job / "tasks" / "multiply", "*")
-    write_task(job / "tasks" / "add-instead", "+")  # 13: a wrong answer
+    write_task(job / "tasks" / "multiply", "*", BASE)  # FROM a layer of ours
+    write_task(job / "tasks" / "add-instead", "+", IMAGE)  # 13, a wrong answer; FROM an image we map
     creds = find_creds(platform.url)
     assert creds is not None, "the session's platform registered no credentials"
     shutil.copy(creds, job / "bus.creds")
@@ -151,7 +154,8 @@ async def test_harbor_runs_tasks_on_sandfleet_and_its_verifier_grades_them(platf
 
     out = client_tree.run(
         ["harbor", "run", "-p", f"{JOB}/tasks", "--agent", "oracle", "--env", ENVIRONMENT,
-         "--ek", f"url={platform.url}", "--ek", f"creds={JOB}/bus.creds", "-o", f"{JOB}/jobs", "--job-name", "run",
+         "--ek", f"url={platform.url}", "--ek", f"creds={JOB}/bus.creds",
+         "--ek", f"images={json.dumps({IMAGE: BASE})}", "-o", f"{JOB}/jobs", "--job-name", "run",
          "-n", "2", "--yes"],
         binds={JOB: (job, False)}, cwd=JOB, timeout=600,
         # No calls home from the client: Harbor's telemetry off, litellm's price list from its package
@@ -190,4 +194,4 @@ def test_on_python_3_11_the_import_says_what_it_needs():
     if sys.version_info >= (3, 12):
         pytest.skip("this interpreter is new enough for Harbor")  # the 3.11 host is what CI runs
     with pytest.raises(ImportError, match="needs Python >= 3.12"):
-        import sandfleet.integrations.harbor  # noqa: F401
+        importlib.import_module("sandfleet.integrations.harbor")
