@@ -54,6 +54,9 @@ timeout_sec = 120.0
 build_timeout_sec = 300.0
 memory_mb = 256
 network_mode = "no-network"
+
+[environment.env]
+TASK_GREETING = "hello from task.toml"
 """
 IMAGE = "busybox:1.36"  # an image reference the job maps to our layer (--ek images=...)
 DOCKERFILE = """FROM {base}
@@ -67,7 +70,7 @@ read a b < numbers.txt
 echo $(( a {op} b )) > /app/answer.txt
 mkdir -p /app/work/deep
 cat built.txt > /app/work/deep/seen.txt
-echo "solved in $(pwd) with {op}"
+echo "solved in $(pwd) with {op}: $TASK_GREETING"
 """
 TEST = """#!/bin/sh
 mkdir -p /logs/verifier
@@ -168,7 +171,8 @@ async def test_harbor_runs_tasks_on_sandfleet_and_its_verifier_grades_them(platf
                                                         f"\n{out.stdout[-3000:]}"
     for name, (trial_dir, r) in trials.items():
         assert r["exception_info"] is None, f"{name}: {r['exception_info']}"
-        assert (trial_dir / "agent" / "oracle.txt").read_text().startswith("solved in /app with")  # a file download
+        oracle_log = (trial_dir / "agent" / "oracle.txt").read_text()  # a file download
+        assert oracle_log.startswith("solved in /app with") and oracle_log.endswith(": hello from task.toml\n")
         assert (trial_dir / "verifier" / "detail.txt").exists()  # a directory download
     assert trials["multiply"][1]["verifier_result"]["rewards"] == {"reward": 1.0}
     assert trials["add-instead"][1]["verifier_result"]["rewards"] == {"reward": 0.0}

@@ -132,6 +132,9 @@ class SandfleetEnvironment(BaseEnvironment):
     def _validate_definition(self) -> None:
         if (self.environment_dir / COMPOSE_FILE_NAME).exists():
             raise ValueError(f"{COMPOSE_FILE_NAME}: sandfleet runs one sandbox per trial, not a compose project")
+        if self._host_mounts:  # a user's mounts (Harbor's own output dirs are made in the sandbox instead)
+            raise ValueError("mounts: sandfleet binds no host path into a sandbox (the node enters it from "
+                             "outside; Harbor's uploads and downloads move the files)")
         require_agent_environment_definition(self.environment_dir, docker_image=self.task_env_config.docker_image)
 
     @property
@@ -158,7 +161,7 @@ class SandfleetEnvironment(BaseEnvironment):
                 allow=self._allow(), labels={"harbor.session": self.session_id[:256]})
             has_bash = await self._sandbox.exec(["sh", "-c", "command -v bash"], cwd="/")
             self._shell = "bash" if has_bash.exit_code == 0 else "sh"  # Harbor's docker runs `bash -c`
-            await self.ensure_dirs(self._mount_targets(writable_only=True))
+            await self.ensure_dirs(self._mount_targets(writable_only=True))  # /logs/agent, /logs/verifier, ...
             await self._upload_environment_dir_after_start()
         except BaseException:
             await self.stop(delete=True)
@@ -276,7 +279,7 @@ class SandfleetEnvironment(BaseEnvironment):
         if (callback := self._output_callback()) is not None:
             streams = {"on_stdout": _emitter(callback, "stdout"), "on_stderr": _emitter(callback, "stderr")}
         r = await self.sandbox.exec([self._shell, "-c", command], cwd=cwd or self._workdir, timeout_s=timeout,
-                                    env={**self._startup_env(), **(self._merge_env(env) or {})}, **streams)
+                                    env=self._merge_env(env) or {}, **streams)  # the task's env is in it
         if r.timed_out:  # as Harbor's docker environment says it
             raise RuntimeError(f"Command timed out after {timeout_sec} seconds")
         if r.truncated:
