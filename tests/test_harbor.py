@@ -1,14 +1,15 @@
 """Harbor drives sandfleet: the `harbor` CLI from PyPI (pinned in the `harbor` extra), in the
 Python 3.13 tree Harbor needs (tests/trixie_python.py: this node's Debian 12 has 3.11), runs a
-job of two tasks it reads from a directory this test writes, with `--env
+job of three tasks it reads from a directory this test writes, with `--env
 sandfleet.integrations.harbor:SandfleetEnvironment` against the session's platform and Harbor's
 `oracle` agent (it runs the task's solution; no model). One task's Dockerfile FROMs a layer of
 ours, the other's an image reference the job maps to that layer (`--ek images=...`); each adds a
 WORKDIR, a COPY and a RUN, built by sandfleet's Dockerfile builder; its verifier checks what the solution made and writes the
 reward. The right solution must earn 1 and the wrong one 0, read from Harbor's own result files,
 so a broken exec, upload (the solution and tests directories) or download (the verifier's
-directory, the oracle's log) fails the test. Afterwards no sandbox, mount or process of the run
-is left.
+directory, the oracle's log) fails the test. A third task FROMs a registry image nobody imported:
+its trial fails as Harbor's non-retryable build error, saying what to import. Afterwards no
+sandbox, mount or process of the run is left.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ network_mode = "no-network"
 TASK_GREETING = "hello from task.toml"
 """
 IMAGE = "busybox:1.36"  # an image reference the job maps to our layer (--ek images=...)
+UNKNOWN = "registry.example/none:1"  # an image nobody imported: sandfleet pulls from no registry
 DOCKERFILE = """FROM {base}
 WORKDIR /app
 COPY numbers.txt /app/numbers.txt
@@ -147,6 +149,7 @@ async def test_harbor_runs_tasks_on_sandfleet_and_its_verifier_grades_them(platf
     job = tmp_path / "job"
     write_task(job / "tasks" / "multiply", "*", BASE)  # FROM a layer of ours
     write_task(job / "tasks" / "add-instead", "+", IMAGE)  # 13, a wrong answer; FROM an image we map
+    write_task(job / "tasks" / "from-a-registry", "*", UNKNOWN)  # no layer stands for it: not built
     creds = find_creds(platform.url)
     assert creds is not None, "the session's platform registered no credentials"
     shutil.copy(creds, job / "bus.creds")
@@ -159,7 +162,7 @@ async def test_harbor_runs_tasks_on_sandfleet_and_its_verifier_grades_them(platf
         ["harbor", "run", "-p", f"{JOB}/tasks", "--agent", "oracle", "--env", ENVIRONMENT,
          "--ek", f"url={platform.url}", "--ek", f"creds={JOB}/bus.creds",
          "--ek", f"images={json.dumps({IMAGE: BASE})}", "-o", f"{JOB}/jobs", "--job-name", "run",
-         "-n", "2", "--yes"],
+         "-n", "3", "--yes"],
         binds={JOB: (job, False)}, cwd=JOB, timeout=600,
         # No calls home from the client: Harbor's telemetry off, litellm's price list from its package
         env={"HARBOR_TELEMETRY": "0", "LITELLM_LOCAL_MODEL_COST_MAP": "True", "HOME": f"{JOB}/home"})
@@ -167,8 +170,11 @@ async def test_harbor_runs_tasks_on_sandfleet_and_its_verifier_grades_them(platf
     for result in (job / "jobs" / "run").glob("*/result.json"):
         r = json.loads(result.read_text())
         trials[r["task_name"]] = (result.parent, r)
-    assert set(trials) == {"multiply", "add-instead"}, f"harbor exited {out.returncode}:\n{out.stderr[-6000:]}" \
+    assert set(trials) == {"multiply", "add-instead", "from-a-registry"}, f"harbor exited {out.returncode}:\n{out.stderr[-6000:]}" \
                                                         f"\n{out.stdout[-3000:]}"
+    refused = trials.pop("from-a-registry")[1]
+    assert refused["exception_info"]["exception_type"] == "SandboxBuildFailedError", refused["exception_info"]
+    assert "sandfleet layer import" in refused["exception_info"]["exception_message"]
     for name, (trial_dir, r) in trials.items():
         assert r["exception_info"] is None, f"{name}: {r['exception_info']}"
         oracle_log = (trial_dir / "agent" / "oracle.txt").read_text()  # a file download

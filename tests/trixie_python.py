@@ -163,8 +163,10 @@ def _build(final: Path, key: str, reqs: list[str], log) -> None:
                "PIP_DEFAULT_TIMEOUT": "180"}
     binds = {"/root/.cache/pip": (pip_cache, False)}
     _check(t.run(["python3.13", "-m", "venv", VENV], with_src=False, timeout=PIP_TIMEOUT_S), "python3.13 -m venv")
-    _check(t.run([t.python, "-m", "pip", "install", "-q", *reqs], binds=binds, env=pip_env, with_src=False,
-                 timeout=PIP_TIMEOUT_S), "pip install " + " ".join(reqs))
+    # --no-compile: byte-compiling every module of the requirements (litellm's thousands) took half
+    # of pip's time; Python compiles what a run imports, once (the tree is root's to write)
+    _check(t.run([t.python, "-m", "pip", "install", "-q", "--no-compile", *reqs], binds=binds, env=pip_env,
+                 with_src=False, timeout=PIP_TIMEOUT_S), "pip install " + " ".join(reqs))
     log(f"trixie tree: venv with {' '.join(reqs)} {time.monotonic() - started:.0f} s")
     version = t.run([t.python, "-c", "import sys; print(sys.version.split()[0])"], with_src=False)
     _check(version, "python3.13")

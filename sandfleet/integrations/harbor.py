@@ -210,21 +210,15 @@ class SandfleetEnvironment(BaseEnvironment):
         dockerfile = self.environment_dir / DOCKERFILE_NAME
         if not dockerfile.exists():
             reference = self._image(self.task_env_config.docker_image or "")
-            try:
-                await layers.get(reference)
-            except (errors.NotFound, errors.InvalidRequest):
-                raise SandboxBuildFailedError(
-                    f"docker_image {self.task_env_config.docker_image!r}: no sandfleet layer {reference!r} (sandfleet "
-                    "does not pull from registries: `sandfleet layer import NAME ARCHIVE`, then map it with "
-                    "--ek images='{\"<image>\": \"NAME\"}')") from None
+            await _base_layer(layers, reference, f"docker_image {self.task_env_config.docker_image!r}")
             return reference
         try:
             text, base = self._dockerfile(dockerfile.read_text())
-            archive = Path(base) if Path(base).is_absolute() else dockerfile.parent / base
-            # The base's build is part of the key: a layer name moved to a new build is a new image
-            base_digest = "" if archive.is_file() else (await layers.get(base)).digest
-        except (DockerfileError, errors.NotFound, errors.InvalidRequest) as exc:
+        except DockerfileError as exc:
             raise SandboxBuildFailedError(f"{dockerfile}: {exc}") from None
+        archive = Path(base) if Path(base).is_absolute() else dockerfile.parent / base
+        # The base's build is part of the key: a layer name moved to a new build is a new image
+        base_digest = "" if archive.is_file() else await _base_layer(layers, base, f"{dockerfile}: FROM {base}")
         name = f"harbor-image-{_digest(self.environment_id, text, base_digest, self.options.build_isolation)[:24]}"
         async with _BUILDS.setdefault(name, asyncio.Lock()):
             if force_build or not await _exists(layers, name):
@@ -337,6 +331,17 @@ async def _exists(layers: Layers, name: str) -> bool:
         return True
     except errors.NotFound:
         return False
+
+
+async def _base_layer(layers: Layers, reference: str, what: str) -> str:
+    """The digest of the layer `reference` names; a missing one is the task's build failing."""
+    try:
+        return (await layers.get(reference)).digest
+    except (errors.NotFound, errors.InvalidRequest):
+        raise SandboxBuildFailedError(
+            f"{what}: no sandfleet layer {reference!r} (sandfleet pulls from no registry: `sandfleet layer import "
+            "NAME ARCHIVE` makes one of an image archive; map the reference to it with "
+            "--ek images='{\"<image>\": \"NAME\"}')") from None
 
 
 async def _harbor_dirs(layers: Layers) -> str:
