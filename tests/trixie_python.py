@@ -12,7 +12,8 @@ little. sandfleet itself is not copied in: the venv's path names /src, where eac
 checkout read-only, so a tree serves every checkout and commit (a change of the SDK's code needs
 no rebuild; a change of its requirements is a new key).
 
-    python -m tests.trixie_python    # build (or find) the tree, print its root
+    python -m tests.trixie_python                  # build (or find) the tree, print its root
+    python -m tests.trixie_python harbor run ...   # run a client in it, here (at /job)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ RECIPE = 1  # bump when the steps below change what a tree holds
 VENV = "/opt/client"  # inside the tree
 SRC = "/src"  # inside: where runs bind the checkout (read-only)
 JOB = "/job"  # inside: where runs bind their own working dir
+CREDS = "/tmp/sandfleet.creds"  # inside, in a run's private /tmp: the bus credentials of a client run
 HOST_CA = Path("/etc/ssl/certs")  # the host's CA bundle (pip here trusts a proxy CA: `pip config list`)
 DEBOOTSTRAP_TIMEOUT_S = 1200
 PIP_TIMEOUT_S = 1200
@@ -82,13 +84,31 @@ class Tree:
         return f"{VENV}/bin/python"
 
     def run(self, argv: list[str], *, binds: Mapping[str, tuple[Path, bool]] = {}, env: Mapping[str, str] = {},
-            cwd: str = "/", timeout: float = 600, with_src: bool = True) -> subprocess.CompletedProcess:
+            cwd: str = "/", timeout: float | None = 600, with_src: bool = True,
+            capture: bool = True) -> subprocess.CompletedProcess:
         """`argv` in the tree as root, chrooted, with a clean environment (`env` added to a PATH
-        that starts with the venv) and these binds (path inside -> (host path, read-only)) on
-        top of /dev, /proc, a private /tmp, the host's resolv.conf and CA bundle, and the
-        checkout at /src (read-only). Output captured, as text."""
-        return subprocess.run(_chroot_argv(self.root, argv, binds, env, cwd, with_src), capture_output=True,
+        that starts with the venv) and these binds (path inside -> (host path, read-only); a
+        mount point under /tmp is made there) on top of /dev, /proc, a private /tmp, the host's
+        resolv.conf and CA bundle, and the checkout at /src (read-only). Output captured as
+        text, unless `capture` is false."""
+        return subprocess.run(_chroot_argv(self.root, argv, binds, env, cwd, with_src), capture_output=capture,
                               text=True, timeout=timeout)
+
+    def client(self, argv: list[str], *, workdir: Path, url: str, timeout: float | None = 600,
+               capture: bool = True) -> subprocess.CompletedProcess:
+        """`argv` run as a client of the platform at `url`: in `workdir` (bound at /job), with
+        the credentials this host's SDK would use for `url` (SANDFLEET_CREDS, else the local
+        platform's) bound read-only in the run's private /tmp, and no calls home (Harbor's
+        telemetry off, litellm's price list read from its package)."""
+        from sandfleet.credentials import CREDS_ENV, find_creds
+
+        binds = {JOB: (workdir, False)}
+        env = {"SANDFLEET_NATS_URL": url, "HOME": "/tmp/home", "HARBOR_TELEMETRY": "0",
+               "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+        if (creds := find_creds(url)) is not None:
+            binds[CREDS] = (creds, True)
+            env[CREDS_ENV] = CREDS
+        return self.run(argv, binds=binds, env=env, cwd=JOB, timeout=timeout, capture=capture)
 
 
 def _chroot_argv(root: Path, argv: list[str], binds: Mapping[str, tuple[Path, bool]], env: Mapping[str, str],
@@ -98,6 +118,8 @@ def _chroot_argv(root: Path, argv: list[str], binds: Mapping[str, tuple[Path, bo
              'mount -t tmpfs -o mode=1777 tmpfs "$R/tmp"', 'mount --bind /etc/resolv.conf "$R/etc/resolv.conf"']
     for inside, (host, read_only) in every.items():
         target = f'"$R"{shlex.quote(inside)}'
+        if inside.startswith("/tmp/"):  # the run's own tmpfs: the mount point goes with it
+            lines.append(f"{'mkdir -p' if host.is_dir() else 'touch'} {target}")
         lines.append(f"mount --bind {shlex.quote(str(host))} {target}")
         if read_only:
             lines.append(f"mount -o remount,bind,ro {target}")
@@ -177,8 +199,21 @@ def _build(final: Path, key: str, reqs: list[str], log) -> None:
     building.rename(final)
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> int:
+    """No arguments: build (or find) the tree and print its root. A command: run it in the tree
+    as a client of $SANDFLEET_NATS_URL's platform, in the current directory (at /job)."""
+    from sandfleet.config import nats_url
+
     try:
-        print(tree(log=lambda line: print(line, file=sys.stderr)).root)
+        found = tree(log=lambda line: print(line, file=sys.stderr))
     except TreeBuildError as exc:
-        sys.exit(str(exc))
+        print(exc, file=sys.stderr)
+        return 1
+    if not argv:
+        print(found.root)
+        return 0
+    return found.client(argv, workdir=Path.cwd(), url=nats_url(), timeout=None, capture=False).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
