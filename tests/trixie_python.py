@@ -7,8 +7,9 @@ private mount namespace of their own (so every bind goes away with the program).
 One tree per content (suite, Debian packages, pip requirements, this recipe's version), built
 once under CACHE/<key> and reused by every later run: made in a temp dir beside it and renamed
 into place, so no reader ever sees half a tree; builders of the same key wait on one lock. The
-.debs debootstrap fetched and pip's wheels stay under CACHE, so a tree for a new key downloads
-little. sandfleet itself is not copied in: the venv's path names /src, where each run binds the
+.debs debootstrap fetched (and pip's cache) stay under CACHE, so a tree for a new key downloads
+less. Runs write only Python's byte-code into it (compiled on first import, not at install: half
+of pip's time), through a private /tmp and HOME otherwise. sandfleet itself is not copied in: the venv's path names /src, where each run binds the
 checkout read-only, so a tree serves every checkout and commit (a change of the SDK's code needs
 no rebuild; a change of its requirements is a new key).
 
