@@ -20,6 +20,8 @@ The task's environment becomes a sandfleet layer:
 - a task with only `docker_image` runs over the layer that reference names (through `images`
   first), and Harbor uploads the environment dir into it after start, as for its other providers.
 - docker-compose environments are refused (one sandbox per trial).
+The trial's sandbox runs over that image and one more layer holding Harbor's top-level dirs
+(/logs, /tests, /solution, ...): a sandbox may not create entries at its root (linuxnode/landlock.py).
 
 Commands run as the sandbox's image User (sandfleet has no per-command user switch): an exec
 asking for another user is refused, so a task whose Dockerfile sets a non-root USER cannot run
@@ -272,7 +274,7 @@ class SandfleetEnvironment(BaseEnvironment):
         streams: dict[str, Any] = {}
         if (callback := self._output_callback()) is not None:
             streams = {"on_stdout": _emitter(callback, "stdout"), "on_stderr": _emitter(callback, "stderr")}
-        r = await self.sandbox.exec([self._shell, "-c", command], cwd=cwd or self._workdir, timeout_s=timeout,
+        r = await self.sandbox.exec([self._shell, "-c", command], cwd=self._path(cwd or "."), timeout_s=timeout,
                                     env=self._merge_env(env) or {}, **streams)  # the task's env is in it
         if r.timed_out:  # as Harbor's docker environment says it
             raise RuntimeError(f"Command timed out after {timeout_sec} seconds")
