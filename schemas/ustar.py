@@ -105,6 +105,13 @@ class Reader:
 
     def copy_to(self, fd: int, size: int) -> None:
         """The next `size` bytes written to `fd` (straight from the chunks), then the padding skipped."""
+        whole = size + -size % BLOCK
+        if len(self._chunk) >= whole:  # the common small file: in the chunk at hand, one write
+            piece = self._chunk[:size]
+            while piece:
+                piece = piece[os.write(fd, piece):]
+            self._chunk = self._chunk[whole:]
+            return
         left = size
         while left:
             if not self._chunk and not self._more():
