@@ -22,6 +22,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.transport import TcpTransport
 
@@ -54,16 +55,27 @@ class FileShrank(ValueError):
         super().__init__(f"the file ended {missing} bytes before the range being sent (it changed while it was sent)")
 
 
-class SendStalled(OSError):
-    """The peer took nothing for the whole deadline; the connection was aborted."""
+class SendFailed(nats.errors.TimeoutError):
+    """The frame could not go whole (the peer took nothing for the whole deadline, or the socket
+    failed): the connection is aborted, and the request ends as one nobody answered in time
+    (the bus's Timeout), as it did when asyncio's transport was left holding the bytes."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__()
+        self.why = why
+
+    def __str__(self) -> str:
+        return self.why
 
 
 _locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one frame writer at a time per socket
 
 
 def can_sendfile(transport: object) -> bool:
-    return (type(transport) is TcpTransport and transport._io_writer is not None  # type: ignore[attr-defined]
-            and transport._io_writer is transport._bare_io_writer)  # type: ignore[attr-defined]  # not upgraded to TLS
+    writer = getattr(transport, "_io_writer", None)
+    return (type(transport) is TcpTransport and writer is not None
+            and writer is transport._bare_io_writer  # type: ignore[attr-defined]  # not upgraded to TLS
+            and not writer.transport.is_closing() and writer.transport.get_extra_info("socket") is not None)
 
 
 async def send_frame(nc: Client, head: bytes, part: FileRange, tail: bytes, timeout: float) -> None:
@@ -74,8 +86,11 @@ async def send_frame(nc: Client, head: bytes, part: FileRange, tail: bytes, time
     if lock is None:
         lock = _locks[stream] = asyncio.Lock()
     async with lock:
+        deadline = time.monotonic() + timeout
         while stream.get_write_buffer_size():  # what asyncio holds must reach the socket before our frame
-            await asyncio.sleep(0.0005)  # (rare: our own frames never leave anything there)
+            if stream.is_closing() or time.monotonic() > deadline:  # (rare: our frames leave nothing there)
+                raise SendFailed("the bus took none of what was queued before a bulk message")
+            await asyncio.sleep(0.0005)
         fd = os.dup(stream.get_extra_info("socket").fileno())  # if nats-py closes its own meanwhile
         held = _Held(transport)
         thread = asyncio.ensure_future(asyncio.to_thread(_write_frame, fd, head, part, tail, timeout))
@@ -86,9 +101,9 @@ async def send_frame(nc: Client, head: bytes, part: FileRange, tail: bytes, time
             raise
         except FileShrank:  # the frame went whole (padded)
             raise
-        except BaseException:
+        except OSError as exc:
             stream.abort()  # a half-written frame: the server would misread all that follows
-            raise
+            raise exc if isinstance(exc, SendFailed) else SendFailed(f"a bulk message's send failed: {exc}") from exc
         finally:
             os.close(fd)
             held.release()
@@ -153,4 +168,4 @@ def _writable(fd: int, deadline: float) -> None:
     poller.register(fd, select.POLLOUT)
     left = deadline - time.monotonic()
     if left <= 0 or not poller.poll(left * 1000):
-        raise SendStalled("the bus took none of a bulk message's bytes before its deadline")
+        raise SendFailed("the bus took none of a bulk message's bytes before its deadline")
