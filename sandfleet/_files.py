@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sandfleet import _tartree, stream_check
+from sandfleet import _tartree, natspy_sendfile, stream_check
 from schemas import files as wire
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 Progress = Callable[[int, int], None]  # (bytes so far, total bytes or -1 when unknown)
 _TIMEOUT_S = 60.0
+_HASH_PIECE = 256 << 10  # read and hashed at a time: stays in a core's cache between the two
 
 
 # -- upload ---------------------------------------------------------------------------------
@@ -35,6 +36,12 @@ _TIMEOUT_S = 60.0
 async def upload(sb: Sandbox, src: str | os.PathLike | bytes, path: str, *, mode: int | None = None,
                  progress: Progress | None = None, idle_s: float = 60.0,
                  check: wire.Check = "xxh3-128") -> wire.TransferDone:
+    with contextlib.ExitStack() as opened:  # a file stays open until its last chunk is sent
+        return await _upload(sb, src, path, opened, mode=mode, progress=progress, idle_s=idle_s, check=check)
+
+
+async def _upload(sb: Sandbox, src: str | os.PathLike | bytes, path: str, opened: contextlib.ExitStack, *,
+                  mode: int | None, progress: Progress | None, idle_s: float, check: wire.Check) -> wire.TransferDone:
     bus = sb._fleet.bus
     digest = stream_check.digest(check)  # updated by whoever makes the chunks, off the loop
     if isinstance(src, (bytes, bytearray, memoryview)):
@@ -46,7 +53,8 @@ async def upload(sb: Sandbox, src: str | os.PathLike | bytes, path: str, *, mode
         if stat.S_ISDIR(st.st_mode):
             kind, total, chunks, file_mode = "dir", -1, _tartree.tar_chunks(local, digest), 0
         else:
-            kind, total, chunks = "file", st.st_size, _file_chunks(local, digest)
+            f = opened.enter_context(open(local, "rb", buffering=0))
+            kind, total, chunks = "file", st.st_size, _file_chunks(f.fileno(), digest)
             file_mode = stat.S_IMODE(st.st_mode) if mode is None else mode
     begin = wire.UploadRequest(sandbox_id=sb.id, path=path, kind=kind, mode=file_mode, idle_s=idle_s, check=check)
     transfer = await bus.request(sb._subject(wire.UPLOAD), begin, wire.Transfer, timeout=_TIMEOUT_S)
@@ -105,17 +113,27 @@ async def _bytes_chunks(data: bytes, digest) -> AsyncIterator[memoryview]:
         yield chunk
 
 
-def _read_hashed(f, digest) -> bytes:
-    """The next chunk of `f`, hashed here (a thread: hashlib and read release the GIL)."""
-    data = f.read(wire.CHUNK_BYTES)
-    digest.update(data)
-    return data
+def _hash_range(fd: int, offset: int, digest, scratch: bytearray) -> int:
+    """Hash the next chunk of the file from `offset` (a thread: the read and the hash release the
+    GIL); returns its length. Read in pieces of `scratch`'s size, each hashed while it is still
+    in the CPU's cache, into one buffer used again and again."""
+    view, got = memoryview(scratch), 0
+    while got < wire.CHUNK_BYTES:
+        n = os.preadv(fd, [view[:min(len(view), wire.CHUNK_BYTES - got)]], offset + got)
+        if n == 0:
+            break
+        digest.update(view[:n])
+        got += n
+    return got
 
 
-async def _file_chunks(local: Path, digest) -> AsyncIterator[bytes]:
-    with open(local, "rb", buffering=0) as f:
-        while data := await asyncio.to_thread(_read_hashed, f, digest):
-            yield data
+async def _file_chunks(fd: int, digest) -> AsyncIterator[natspy_sendfile.FileRange]:
+    """The open file's chunks as ranges of it, each hashed here and sent from the file itself (by
+    sendfile where the connection allows: natspy_sendfile.py), never copied into Python whole."""
+    offset, scratch = 0, bytearray(_HASH_PIECE)
+    while n := await asyncio.to_thread(_hash_range, fd, offset, digest, scratch):
+        yield natspy_sendfile.FileRange(fd, offset, n)
+        offset += n
 
 
 # -- download -------------------------------------------------------------------------------

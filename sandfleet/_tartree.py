@@ -91,11 +91,13 @@ def _pack_tree(out: ToLoop, top: Path) -> None:
         elif stat.S_ISREG(st.st_mode):
             if st.st_nlink > 1:
                 seen[(st.st_dev, st.st_ino)] = arc
-            with open(path, "rb", buffering=0) as f:
-                info.size = left = os.fstat(f.fileno()).st_size
+            # os.open, not open(): a file object and its fstat were ~11 us of a small member's ~40
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:
+                info.size = left = st.st_size  # as lstat saw it: what more it grew to since is not sent
                 parts.append(ustar.header(info))
                 while left:
-                    data = f.read(min(left, 1 << 20))
+                    data = os.read(fd, min(left, 1 << 20))
                     if not data:
                         raise OSError(f"{path} shrank while it was packed")
                     parts.append(data)
@@ -103,6 +105,8 @@ def _pack_tree(out: ToLoop, top: Path) -> None:
                     if left and len(parts) > 4:
                         written += out.write(b"".join(parts))
                         parts = []
+            finally:
+                os.close(fd)
             parts.append(ustar.padding(info.size))
         else:
             continue  # sockets, fifos and devices do not travel

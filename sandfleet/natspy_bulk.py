@@ -17,6 +17,8 @@ from nats.aio.msg import Msg
 from nats.aio.transport import TcpTransport
 from nats.protocol.parser import AWAITING_CONTROL_LINE, CRLF_SIZE, MAX_CONTROL_LINE_SIZE, Parser
 
+from sandfleet.natspy_sendfile import FileRange, can_sendfile, send_frame
+
 # -- bulk messages: fewer copies of a raw chunk's bytes ------------------------------------------
 #
 # A 4 MiB chunk received through nats-py is copied five times in Python (the stream reader's
@@ -39,7 +41,29 @@ def _unzeroed(size: int) -> bytearray:
     before anyone sees it, and `bytearray(size)`'s memset (and the page faults it takes) cost
     0.4 CPU-s a GiB of fresh 4 MiB buffers here. CPython's C API makes one uninitialised when
     given no bytes to copy; elsewhere it is bytearray(size)."""
+    if not _heap_kept:
+        _keep_heap()
     return _NEW_BYTEARRAY(None, size) if _NEW_BYTEARRAY is not None else bytearray(size)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_HEAP_KEPT = 64 << 20  # free memory glibc may keep at the top of the heap
+_heap_kept = False
+
+
+def _keep_heap() -> None:
+    """Let the payload buffers' memory be used again instead of returned to the kernel at each
+    free: by default glibc serves 4 MiB from the heap but trims anything over 8 MiB free at its
+    top, so with a window of chunks freed together every new buffer was fresh pages again, each
+    page a fault the kernel zeroes (148K faults and ~0.1 CPU-s a GiB in a launcher receiving
+    uploads; 5K with this). Done once, in a process that reads bulk payloads; what is kept is
+    bounded (`_HEAP_KEPT`); elsewhere than glibc, nothing."""
+    global _heap_kept
+    _heap_kept = True
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:  # both: setting one alone stops glibc adjusting the other itself
+        mallopt(_M_MMAP_THRESHOLD, 16 << 20)
+        mallopt(_M_TRIM_THRESHOLD, _HEAP_KEPT)
 
 
 def _bytearray_maker():
@@ -301,14 +325,17 @@ def header_block(headers: dict[str, str]) -> bytes:
 
 
 async def publish_bulk(nc: Client, subject: str, reply: str, headers: dict[str, str],
-                       payload: bytes | bytearray | memoryview) -> None:
+                       payload: bytes | bytearray | memoryview | FileRange, timeout: float = 60.0) -> None:
     """Publish without joining the payload to its frame: what nc has pending goes first, then
     the frame's line and headers, the payload and its end, each handed to the socket's writer
-    as it is (what the socket takes at once is never copied). Then wait for the writer to
-    drain, as nats-py's flusher does. While the connection is not plainly up (reconnecting,
-    draining, a websocket) it is nc.publish, with its buffering and refusals."""
+    as it is (what the socket takes at once is never copied; a `FileRange` goes from its file
+    by sendfile, natspy_sendfile.py, within `timeout`). Then wait for the writer to drain, as
+    nats-py's flusher does. While the connection is not plainly up (reconnecting, draining, a
+    websocket) it is nc.publish, with its buffering and refusals."""
     transport = nc._transport
     if not (nc.is_connected and not nc.is_draining_pubs and isinstance(transport, TcpTransport)):
+        if isinstance(payload, FileRange):
+            payload = await asyncio.to_thread(payload.read)
         await nc.publish(subject, bytes(payload), reply=reply, headers=headers)
         return
     if len(payload) > nc.max_payload:
@@ -320,6 +347,10 @@ async def publish_bulk(nc: Client, subject: str, reply: str, headers: dict[str, 
     if nc._pending:  # in order: a SUB queued before this request (its reply's) must reach the server first
         transport.writelines(nc._pending)
         nc._pending, nc._pending_data_size = [], 0
+    if isinstance(payload, FileRange):
+        if can_sendfile(transport):
+            return await send_frame(nc, line + head, payload, b"\r\n", timeout)
+        payload = await asyncio.to_thread(payload.read)  # TLS: its bytes, through the TLS transport
     transport.write(line + head)
     transport.write(payload)
     transport.write(b"\r\n")
@@ -328,8 +359,8 @@ async def publish_bulk(nc: Client, subject: str, reply: str, headers: dict[str, 
     await transport.drain()
 
 
-async def request_bulk(nc: Client, subject: str, headers: dict[str, str], payload: bytes | bytearray | memoryview,
-                       timeout: float) -> Msg:
+async def request_bulk(nc: Client, subject: str, headers: dict[str, str],
+                       payload: bytes | bytearray | memoryview | FileRange, timeout: float) -> Msg:
     """nc.request (its new style: one wildcard inbox subscription, a future per request in
     `Client._resp_map`, keyed by the token after `Client._resp_sub_prefix`), sent by
     `publish_bulk`, with the reply's inbox marked bulk while it is awaited."""
@@ -344,7 +375,7 @@ async def request_bulk(nc: Client, subject: str, headers: dict[str, str], payloa
     bulk = read_bulk_in_place(nc)
     bulk.add(inbox)
     try:
-        await publish_bulk(nc, subject, inbox.decode(), headers, payload)
+        await publish_bulk(nc, subject, inbox.decode(), headers, payload, timeout)
         try:
             msg = await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
