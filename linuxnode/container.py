@@ -52,6 +52,7 @@ from linuxnode import syscalls as linux
 from linuxnode.container_exec import (
     DetachedHelpers,
     detached_helpers,
+    last_pid,
     start_time_of as _start_time,
     enter_namespace,
     mount_sysfs_in,
@@ -223,7 +224,7 @@ class Crun:
             proc = subprocess.Popen(joined(run, [f"/proc/self/fd/{fd}" for fd in cgroup_fds]), pass_fds=cgroup_fds,
                                     **_DETACHED)
             code = proc.wait()
-            helpers = detached_helpers(proc.pid)
+            helpers = detached_helpers(proc.pid, last_pid())
         finally:
             linux.umount2(target, linux.MNT_DETACH)  # the container's namespace has its own copy now
             os.rmdir(target)
