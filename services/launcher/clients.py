@@ -203,9 +203,9 @@ class LayerCache:
             lambda: self.bus.request(self._release, request, ReleaseRootfsReply, timeout=LAYERS_TIMEOUT_S),
             LAYERS_TIMEOUT_S + RESTART_WAIT_S)
 
-    async def listing(self, timeout: float = LAYERS_TIMEOUT_S) -> CacheListing:
-        """The node's cached images and the roots it holds, by sandbox."""
-        return await self.bus.request(self._cache, CacheRequest(), CacheListing, timeout=timeout)
+    async def listing(self, timeout: float = LAYERS_TIMEOUT_S, roots: bool = True) -> CacheListing:
+        """The node's cached images and (unless not `roots`) the roots it holds, by sandbox."""
+        return await self.bus.request(self._cache, CacheRequest(roots=roots), CacheListing, timeout=timeout)
 
     async def build_from_dir(self, name: str, path: Path, on: str, timeout: float) -> BuildReply:
         """Layer `name` over `on` from a directory of this node: the same cluster build request a
