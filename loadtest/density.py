@@ -36,6 +36,7 @@ from loadtest.platform import leftovers, running_platform
 from loadtest.report import print_table, write_json
 
 KIB = 1024
+CPU = 0.1  # what each sandbox asks
 SLEEP = ["sh", "-c", "sleep 2147483647 </dev/null >/dev/null 2>&1 &"]
 
 
@@ -143,7 +144,7 @@ async def step_up(url: str, node_id: str, data_dir: Path, args: argparse.Namespa
                 t0 = time.perf_counter()
                 try:
                     made = await fleet.create_many(n, isolation="container", layers=[LAYER],
-                                                   memory_mb=args.memory_mb, cpu=0.1, pids=64)
+                                                   memory_mb=args.memory_mb, cpu=CPU, pids=64)
                 except sandfleet.errors.SandfleetError as exc:
                     boxes += getattr(exc, "created", [])
                     limit = f"a create failed at {len(boxes)}: {exc}"
@@ -207,8 +208,13 @@ def main() -> int:
     ap.add_argument("--node-id", default=os.environ.get("SANDFLEET_NODE_ID", "bench"))
     ap.add_argument("--out", type=Path, default=Path("results/density.json"))
     args = ap.parse_args()
-    # The node's sandbox capacity (2000 by default) must not be what stops the count.
-    capacity = {"SANDFLEET_CAPACITY": str(max(args.max, 2000)), "SANDFLEET_CPU_PSI_LIMIT": "0"}
+    # The node's sandbox capacity (2000 by default) must not be what stops the count, nor placement's
+    # overcommit of what the sandboxes ask (0.1 CPU and --memory-mb each: at the default 200x the
+    # cores and 10x the RAM, 2 cores and 24 GiB admit ~3,700): only the machine's memory may.
+    cores, ram_mb = os.cpu_count() or 1, meminfo()["MemTotal"] // KIB
+    capacity = {"SANDFLEET_CAPACITY": str(max(args.max, 2000)), "SANDFLEET_CPU_PSI_LIMIT": "0",
+                "SANDFLEET_CPU_OVERCOMMIT": str(max(200.0, 2 * args.max * CPU / cores)),
+                "SANDFLEET_MEMORY_OVERCOMMIT": str(max(10.0, 2 * args.max * args.memory_mb / ram_mb))}
     with running_platform(args.node_id, capacity) as (url, data_dir):
         results = asyncio.run(step_up(url, args.node_id, data_dir, args))
     per = results["per_sandbox_kib"]
