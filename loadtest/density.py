@@ -14,7 +14,9 @@ process of the node is left.
 Each batch also records the mount tables as the node fills: the host's (which roots no
 longer enter: linuxnode.roots_ns) and the node's roots namespace's, and what a new mount
 namespace costs on the host then (`unshare -m true`, median of 5: every namespace a tool or
-runtime makes on the host copies the host's table).
+runtime makes on the host copies the host's table), and the CPU the platform's processes
+used for the batch: on a machine others share, the batch's wall time mostly says how busy
+they are; a per-batch CPU that stays flat says no work per create grows with the node.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import time
 from pathlib import Path
 
 import sandfleet
-from linuxnode import cgroups, roots_ns
+from linuxnode import cgroups, procfs, roots_ns
 from loadtest.container_rate import LAYER, build_busybox_layer
 from loadtest.platform import leftovers, running_platform
 from loadtest.report import print_table, write_json
@@ -87,6 +89,19 @@ def platform_pss_kib(data_dir: Path) -> dict[str, int]:
     return found
 
 
+def platform_cpu_s(data_dir: Path) -> float:
+    """CPU seconds the platform's processes have used so far (user + system, with their reaped
+    children: crun and its prelude are the launcher's). Per batch it says whether the work per
+    sandbox grows as the node fills, which the batch's wall time on a shared machine cannot."""
+    state = json.loads((data_dir / "supervisor.json").read_text())
+    ticks = 0
+    for pid in (state["pid"], *state["services"].values()):
+        stat = procfs.read_stat(pid)
+        if stat is not None:
+            ticks += stat.utime + stat.stime + stat.children_time
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def sandbox_memory(node_id: str, sandbox_ids: list[str]) -> dict[str, float]:
     """Per sandbox (mean over the sample): the PSS of its processes and its cgroup's charge."""
     pss, charged, procs = [], [], []
@@ -141,7 +156,7 @@ async def step_up(url: str, node_id: str, data_dir: Path, args: argparse.Namespa
         try:
             while len(boxes) < args.max:
                 n = min(args.batch, args.max - len(boxes))
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), platform_cpu_s(data_dir)
                 try:
                     made = await fleet.create_many(n, isolation="container", layers=[LAYER],
                                                    memory_mb=args.memory_mb, cpu=CPU, pids=64)
@@ -151,12 +166,12 @@ async def step_up(url: str, node_id: str, data_dir: Path, args: argparse.Namespa
                     break
                 boxes += made
                 await _start_sleep(made, args.concurrency)
-                batch_s = time.perf_counter() - t0
+                batch_s, batch_cpu_s = time.perf_counter() - t0, platform_cpu_s(data_dir) - cpu0
                 m = meminfo()
-                steps.append({"sandboxes": len(boxes), "batch_s": round(batch_s, 2),
+                steps.append({"sandboxes": len(boxes), "batch_s": round(batch_s, 2), "platform_cpu_s": round(batch_cpu_s, 2),
                               "used_mib": round(used_kib(m) / KIB), "available_mib": round(m["MemAvailable"] / KIB),
                               **mount_tables(node_id)})
-                print(f"{len(boxes):6d} sandboxes  batch {steps[-1]['batch_s']:6.2f}s  "
+                print(f"{len(boxes):6d} sandboxes  batch {steps[-1]['batch_s']:6.2f}s  cpu {batch_cpu_s:5.2f}s  "
                       f"used {steps[-1]['used_mib']} MiB  available {steps[-1]['available_mib']} MiB  "
                       f"mounts host {steps[-1]['host_mounts']} roots {steps[-1]['roots_mounts']}  "
                       f"unshare -m {steps[-1]['unshare_ms']} ms", flush=True)
@@ -227,7 +242,8 @@ def main() -> int:
     )
     first, last = results["steps"][0], results["steps"][-1]
     print(f"batch of {args.batch}: first {first['batch_s']} s, last {last['batch_s']} s "
-          f"({last['batch_s'] / first['batch_s']:.2f}x); host mounts {first['host_mounts']} -> {last['host_mounts']}, "
+          f"({last['batch_s'] / first['batch_s']:.2f}x), platform CPU {first['platform_cpu_s']} -> {last['platform_cpu_s']} s "
+          f"({last['platform_cpu_s'] / max(first['platform_cpu_s'], 0.01):.2f}x); host mounts {first['host_mounts']} -> {last['host_mounts']}, "
           f"roots namespace {first['roots_mounts']} -> {last['roots_mounts']}; "
           f"unshare -m {first['unshare_ms']} -> {last['unshare_ms']} ms")
     print(f"fill {results['seconds_to_fill']} s, destroy all {results['seconds_to_destroy_all']} s; "
