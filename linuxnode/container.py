@@ -44,6 +44,7 @@ import secrets
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,7 @@ from linuxnode import cgroups, landlock, layered_root, mount_api, netns, procfs,
 from linuxnode import syscalls as linux
 from linuxnode.container_exec import (
     DetachedHelpers,
+    blank_sysfs,
     detached_helpers,
     last_pid,
     start_time_of as _start_time,
@@ -165,6 +167,10 @@ class Crun:
         os.makedirs(ROOTS_DIR, mode=0o755, exist_ok=True)
         self._crun_mnt = make_crun_namespace(hybrid_v2, prune=(str(state_dir.parent), netns.RUN_DIR), roots=ROOTS_DIR)
         self._helpers = DetachedHelpers()
+        # The clone source of containers' /sys and the network namespace it shows (blank_sysfs),
+        # made at the first container that needs it; a restarted launcher makes new ones.
+        self._sysfs = self._sysfs_netns = -1
+        self._sysfs_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="crun-run", initializer=enter_namespace, initargs=(self._crun_mnt,))
         self._landlock = landlock.abi()
@@ -176,6 +182,12 @@ class Crun:
                 self.shim = SHIM_EXPOSED
             except OSError as exc:
                 log.warning("container sandboxes run without Landlock: %s", exc.strerror)
+
+    def _shared_sysfs(self) -> int:
+        with self._sysfs_lock:
+            if self._sysfs < 0:
+                self._sysfs, self._sysfs_netns = blank_sysfs()
+            return self._sysfs
 
     def _confine(self, root_on_host: str, cgroup_procs: list[str]) -> list[str]:
         """The argv prefix that puts a command under the sandbox's Landlock policy (or nothing)."""
@@ -195,6 +207,9 @@ class Crun:
         self._pool.shutdown(wait=True)
         self._helpers.close()
         os.close(self._crun_mnt)
+        if self._sysfs >= 0:
+            os.close(self._sysfs)
+            os.close(self._sysfs_netns)
 
     def _crun(self, *args: str) -> list[str]:
         return [self.binary, "--root", str(self.root), "--cgroup-manager=disabled", *args]
@@ -276,7 +291,7 @@ class Crun:
                 raise ContainerError("the container's init vanished before it started")
             init = InitProcess(pid=pid, start_time=start_time)
             if spec.id_host:  # before start returns: nothing of the sandbox's has run yet
-                await asyncio.to_thread(mount_sysfs_in, pid, SYS_MASKED)
+                await asyncio.to_thread(mount_sysfs_in, pid, SYS_MASKED, self._shared_sysfs())
         except BaseException:
             await self.remove(spec.sandbox_id, None)
             raise
