@@ -132,14 +132,16 @@ async def _start_sleep(boxes: list[sandfleet.Sandbox], concurrency: int) -> None
     await asyncio.gather(*(one(sb) for sb in boxes))
 
 
-async def _destroy(boxes: list[sandfleet.Sandbox], concurrency: int) -> None:
+async def _destroy(boxes: list[sandfleet.Sandbox], concurrency: int) -> list[str]:
+    """Destroy them all; what failed, as text (it must not hide why the fill stopped, nor stop the rest)."""
     gate = asyncio.Semaphore(concurrency)
 
     async def one(sb: sandfleet.Sandbox) -> None:
         async with gate:
             await sb.destroy()
 
-    await asyncio.gather(*(one(sb) for sb in boxes))
+    done = await asyncio.gather(*(one(sb) for sb in boxes), return_exceptions=True)
+    return [f"{sb.id}: {r!r}" for sb, r in zip(boxes, done) if isinstance(r, BaseException)]
 
 
 async def step_up(url: str, node_id: str, data_dir: Path, args: argparse.Namespace) -> dict:
@@ -183,8 +185,10 @@ async def step_up(url: str, node_id: str, data_dir: Path, args: argparse.Namespa
             sample = sandbox_memory(node_id, [sb.id for sb in boxes[:: max(1, len(boxes) // 20)]])
         finally:
             t0 = time.perf_counter()
-            await _destroy(boxes, args.concurrency)
+            destroy_failed = await _destroy(boxes, args.concurrency)
             destroy_s = time.perf_counter() - t0
+            if destroy_failed:
+                print(f"{len(destroy_failed)} destroy(s) failed, e.g. {destroy_failed[:3]}", flush=True)
         await asyncio.sleep(1.0)
         n = max(1, len(boxes))
         platform_growth = sum(platform_after.values()) - sum(platform_before.values())
@@ -195,6 +199,7 @@ async def step_up(url: str, node_id: str, data_dir: Path, args: argparse.Namespa
             "limited_by": limit,
             "seconds_to_fill": round(held_s, 1),
             "seconds_to_destroy_all": round(destroy_s, 1),
+            "destroys_failed": destroy_failed[:20],
             "platform_pss_mib": {k: round(v / KIB, 1) for k, v in platform_after.items()},
             "platform_pss_mib_total": round(sum(platform_after.values()) / KIB, 1),
             "platform_pss_mib_total_idle": round(sum(platform_before.values()) / KIB, 1),
