@@ -224,12 +224,13 @@ class Crun:
 
     # -- run: in crun's own mount namespace ---------------------------------------------------
 
-    def _run_detached(self, sandbox_id: str, bundle: Path, cgroup_fds: list[int], tree: int) -> tuple[int, list[int]]:
+    def _run_detached(self, sandbox_id: str, bundle: Path, cgroup_fds: list[int],
+                      tree: int) -> tuple[int, list[int], tuple[int, int | None]]:
         """`crun run --detach` inside the sandbox's cgroups from its first instruction, from a
         pool thread (in crun's namespace), with the root's mount `tree` attached at
         `<bundle>/rootfs` meanwhile. The cgroup.procs files come as fds opened on the host: in
-        crun's namespace the v2 hierarchy is not mounted. Returns crun's exit code and the
-        helpers it left running."""
+        crun's namespace the v2 hierarchy is not mounted. Returns crun's exit code, the
+        helpers it left running and the pids given while it ran (crun's, the last one)."""
         target = f"{ROOTS_DIR}/{sandbox_id}"
         os.mkdir(target, 0o755)
         mount_api.attach(tree, target)
@@ -239,11 +240,12 @@ class Crun:
             proc = subprocess.Popen(joined(run, [f"/proc/self/fd/{fd}" for fd in cgroup_fds]), pass_fds=cgroup_fds,
                                     **_DETACHED)
             code = proc.wait()
-            helpers = detached_helpers(proc.pid, last_pid())
+            span = (proc.pid, last_pid())
+            helpers = detached_helpers(*span)
         finally:
             linux.umount2(target, linux.MNT_DETACH)  # the container's namespace has its own copy now
             os.rmdir(target)
-        return code, helpers
+        return code, helpers, span
 
     async def _run_bundle(self, sandbox_id: str, bundle: Path, config: dict, tree: int, netns_path: str | None,
                           cgroup_procs: list[str]) -> None:
@@ -259,9 +261,9 @@ class Crun:
                 config["linux"]["namespaces"][-1] = {"type": "network", "path": f"/proc/{os.getpid()}/fd/{netns_fd}"}
             (bundle / "config.json").write_text(json.dumps(config))
             loop = asyncio.get_running_loop()
-            code, helpers = await loop.run_in_executor(self._pool, self._run_detached, sandbox_id, bundle, cgroup_fds,
-                                                       tree)
-            self._helpers.watch(loop, helpers)
+            code, helpers, span = await loop.run_in_executor(self._pool, self._run_detached, sandbox_id, bundle,
+                                                             cgroup_fds, tree)
+            self._helpers.watch(loop, helpers, span)
             if code != 0:
                 raise ContainerError(f"crun run: {_tail(bundle / 'crun.log')}")
         finally:

@@ -77,21 +77,28 @@ def detached_helpers(crun_pid: int, last: int | None = None) -> list[int]:
     pids wrapping, pid_max is 32,768 on many hosts, "younger than crun" read about half the live
     inits per `crun run`: 70% of the launcher's CPU at 3,000 sandboxes; listing the children
     alone took ~8 ms there.)"""
+    return [pid for pid, _ in _helpers_between(crun_pid, last)]
+
+
+def _helpers_between(first: int, last: int | None) -> list[tuple[int, str]]:
+    """Our `crun` children outside our session and not leading their own, forked after `first`
+    and up to `last`, with their states."""
     ours, me = os.getsid(0), os.getpid()
-    span = (last - crun_pid) % _PID_MAX if last is not None else None
+    span = (last - first) % _PID_MAX if last is not None else None
     if span is not None and span <= SPAN_PROBED:
-        candidates = [(crun_pid + i) % _PID_MAX for i in range(1, span + 1)]
+        candidates = [(first + i) % _PID_MAX for i in range(1, span + 1)]
     else:
-        candidates = [child for child in _children() if forked_between(child, crun_pid, last)]
+        candidates = [child for child in _children() if forked_between(child, first, last)]
     found = []
     for pid in candidates:
         stat = procfs.read_stat(pid)
         if stat is not None and stat.ppid == me and stat.comm == "crun" and stat.session not in (pid, ours):
-            found.append(pid)
+            found.append((pid, stat.state))
     return found
 
 
 SWEEP_S = 10.0  # how often, at most, a launch also looks for helpers that escaped `detached_helpers`
+MISSED_KEEP_S = 60.0  # how long the pids of a run whose helper was not found yet are looked at again
 INIT_REAP_S = 60.0  # how long a killed init that is not ours yet is waited for
 
 
@@ -104,6 +111,8 @@ class DetachedHelpers:
         self.pending: dict[int, int] = {}  # pid -> pidfd
         self.swept_at = time.monotonic()
         self.inits: dict[int, tuple[int, float]] = {}  # killed inits not reaped yet: pid -> (start time, give up at)
+        # Runs whose helper was not ours yet when crun exited: (crun's pid, the last pid then, when).
+        self.missed: list[tuple[int, int | None, float]] = []
         self._retry: asyncio.TimerHandle | None = None
 
     def reap_later(self, loop: asyncio.AbstractEventLoop, pid: int, start_time: int) -> None:
@@ -128,7 +137,11 @@ class DetachedHelpers:
         if self.inits:
             self._retry = loop.call_later(1.0, self._reap_inits, loop)
 
-    def watch(self, loop: asyncio.AbstractEventLoop, pids: list[int]) -> None:
+    def watch(self, loop: asyncio.AbstractEventLoop, pids: list[int], span: tuple[int, int | None] | None = None) -> None:
+        """Reap `pids` (the helpers of one run, `span` its crun's pid and the last pid after) when they
+        end; with none found, the run's span is looked at again by the next sweeps."""
+        if not pids and span is not None:
+            self.missed.append((*span, time.monotonic()))
         self.sweep_when_due()
         for pid in pids:
             if pid in self.pending:
@@ -149,11 +162,33 @@ class DetachedHelpers:
 
     def sweep_when_due(self) -> None:
         if time.monotonic() - self.swept_at >= SWEEP_S:
-            self.sweep()
+            self.sweep_missed()
+
+    def sweep_missed(self) -> list[int]:
+        """Reap the helpers of the runs whose helper was not found at once (see sweep), looking
+        only at the pids handed out while each ran: every live init is our child too, and
+        reading all of them every SWEEP_S cost ~0.4 s a pass at 3,000 sandboxes. A run whose
+        last pid is unknown makes it a full sweep."""
+        self.swept_at = now = time.monotonic()
+        if any(last is None for _, last, _ in self.missed):
+            self.missed.clear()
+            return self.sweep()
+        reaped, kept = [], []
+        for first, last, at in self.missed:
+            found = _helpers_between(first, last)
+            for pid, state in found:
+                if state == "Z":
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, os.WNOHANG)
+                        reaped.append(pid)
+            if not found and now - at < MISSED_KEEP_S:
+                kept.append((first, last, at))
+        self.missed = kept
+        return reaped
 
     def sweep(self) -> list[int]:
-        """Reap helpers `detached_helpers` missed: one still a child of crun's session leader
-        when crun had exited is ours only later (about 1 in 400 under load). Only a zombie
+        """Reap helpers `detached_helpers` missed, among all our children: one still a child of
+        crun's session leader when crun had exited is ours only later (about 1 in 400 under load). Only a zombie
         `crun` child outside our session and not leading its own is taken: never one of our own
         `crun` commands, whose exit status their caller still waits for."""
         self.swept_at = time.monotonic()
