@@ -230,9 +230,12 @@ def main() -> int:
     args = ap.parse_args()
     # The node's sandbox capacity (2000 by default) must not be what stops the count, nor placement's
     # overcommit of what the sandboxes ask (0.1 CPU and --memory-mb each: at the default 200x the
-    # cores and 10x the RAM, 2 cores and 24 GiB admit ~3,700): only the machine's memory may.
+    # cores and 10x the RAM, 2 cores and 24 GiB admit ~3,700), nor the host's pressure (others'
+    # work on a shared machine stalls it too: 30% memory PSI stopped a fill at 5,800 with 10 GiB
+    # free): only the machine's memory may (--reserve-mb).
     cores, ram_mb = os.cpu_count() or 1, meminfo()["MemTotal"] // KIB
     capacity = {"SANDFLEET_CAPACITY": str(max(args.max, 2000)), "SANDFLEET_CPU_PSI_LIMIT": "0",
+                "SANDFLEET_MEMORY_PSI_LIMIT": "0",
                 "SANDFLEET_CPU_OVERCOMMIT": str(max(200.0, 2 * args.max * CPU / cores)),
                 "SANDFLEET_MEMORY_OVERCOMMIT": str(max(10.0, 2 * args.max * args.memory_mb / ram_mb))}
     with running_platform(args.node_id, capacity) as (url, data_dir):
