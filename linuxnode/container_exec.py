@@ -83,12 +83,14 @@ def detached_helpers(crun_pid: int, last: int | None = None) -> list[int]:
 def _helpers_between(first: int, last: int | None) -> list[tuple[int, str]]:
     """Our `crun` children outside our session and not leading their own, forked after `first`
     and up to `last`, with their states."""
-    ours, me = os.getsid(0), os.getpid()
     span = (last - first) % _PID_MAX if last is not None else None
     if span is not None and span <= SPAN_PROBED:
-        candidates = [(first + i) % _PID_MAX for i in range(1, span + 1)]
-    else:
-        candidates = [child for child in _children() if forked_between(child, first, last)]
+        return _helpers_among([(first + i) % _PID_MAX for i in range(1, span + 1)])
+    return _helpers_among([child for child in _children() if forked_between(child, first, last)])
+
+
+def _helpers_among(candidates: list[int]) -> list[tuple[int, str]]:
+    ours, me = os.getsid(0), os.getpid()
     found = []
     for pid in candidates:
         stat = procfs.read_stat(pid)
@@ -98,7 +100,7 @@ def _helpers_between(first: int, last: int | None) -> list[tuple[int, str]]:
 
 
 SWEEP_S = 10.0  # how often, at most, a launch also looks for helpers that escaped `detached_helpers`
-MISSED_KEEP_S = 60.0  # how long the pids of a run whose helper was not found yet are looked at again
+MISSED_KEEP_S = 2.5 * SWEEP_S  # how long the pids of a run whose helper was not found are looked at again
 INIT_REAP_S = 60.0  # how long a killed init that is not ours yet is waited for
 
 
@@ -173,17 +175,16 @@ class DetachedHelpers:
         if any(last is None for _, last, _ in self.missed):
             self.missed.clear()
             return self.sweep()
-        reaped, kept = [], []
-        for first, last, at in self.missed:
-            found = _helpers_between(first, last)
-            for pid, state in found:
-                if state == "Z":
-                    with contextlib.suppress(ChildProcessError):
-                        os.waitpid(pid, os.WNOHANG)
-                        reaped.append(pid)
-            if not found and now - at < MISSED_KEEP_S:
-                kept.append((first, last, at))
-        self.missed = kept
+        # Runs overlap (two crun workers, and many runs have no helper at all): each pid once.
+        pids = sorted({(first + i) % _PID_MAX for first, last, _ in self.missed
+                       for i in range(1, min((last - first) % _PID_MAX, SPAN_PROBED) + 1)})
+        self.missed = [m for m in self.missed if now - m[2] < MISSED_KEEP_S]
+        reaped = []
+        for pid, state in _helpers_among(pids):
+            if state == "Z":
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+                    reaped.append(pid)
         return reaped
 
     def sweep(self) -> list[int]:
