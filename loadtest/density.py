@@ -186,6 +186,11 @@ async def step_up(url: str, node_id: str, data_dir: Path, args: argparse.Namespa
         finally:
             t0 = time.perf_counter()
             destroy_failed = await _destroy(boxes, args.concurrency)
+            # A failed create_many names what had no outcome in time: the node may have made those
+            # since, and they are not in `boxes`.
+            known = {sb.id for sb in boxes}
+            late = [await fleet.sandbox(r.id) for r in await fleet.list() if r.id not in known]
+            destroy_failed += await _destroy(late, args.concurrency)
             destroy_s = time.perf_counter() - t0
             if destroy_failed:
                 print(f"{len(destroy_failed)} destroy(s) failed, e.g. {destroy_failed[:3]}", flush=True)
