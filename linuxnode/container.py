@@ -44,6 +44,7 @@ import secrets
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,9 @@ from linuxnode import cgroups, landlock, layered_root, mount_api, netns, procfs,
 from linuxnode import syscalls as linux
 from linuxnode.container_exec import (
     DetachedHelpers,
+    blank_sysfs,
     detached_helpers,
+    last_pid,
     start_time_of as _start_time,
     enter_namespace,
     mount_sysfs_in,
@@ -164,6 +167,10 @@ class Crun:
         os.makedirs(ROOTS_DIR, mode=0o755, exist_ok=True)
         self._crun_mnt = make_crun_namespace(hybrid_v2, prune=(str(state_dir.parent), netns.RUN_DIR), roots=ROOTS_DIR)
         self._helpers = DetachedHelpers()
+        # The clone source of containers' /sys and the network namespace it shows (blank_sysfs),
+        # made at the first container that needs it; a restarted launcher makes new ones.
+        self._sysfs = self._sysfs_netns = -1
+        self._sysfs_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="crun-run", initializer=enter_namespace, initargs=(self._crun_mnt,))
         self._landlock = landlock.abi()
@@ -175,6 +182,12 @@ class Crun:
                 self.shim = SHIM_EXPOSED
             except OSError as exc:
                 log.warning("container sandboxes run without Landlock: %s", exc.strerror)
+
+    def _shared_sysfs(self) -> int:
+        with self._sysfs_lock:
+            if self._sysfs < 0:
+                self._sysfs, self._sysfs_netns = blank_sysfs()
+            return self._sysfs
 
     def _confine(self, root_on_host: str, cgroup_procs: list[str]) -> list[str]:
         """The argv prefix that puts a command under the sandbox's Landlock policy (or nothing)."""
@@ -194,6 +207,9 @@ class Crun:
         self._pool.shutdown(wait=True)
         self._helpers.close()
         os.close(self._crun_mnt)
+        if self._sysfs >= 0:
+            os.close(self._sysfs)
+            os.close(self._sysfs_netns)
 
     def _crun(self, *args: str) -> list[str]:
         return [self.binary, "--root", str(self.root), "--cgroup-manager=disabled", *args]
@@ -208,12 +224,13 @@ class Crun:
 
     # -- run: in crun's own mount namespace ---------------------------------------------------
 
-    def _run_detached(self, sandbox_id: str, bundle: Path, cgroup_fds: list[int], tree: int) -> tuple[int, list[int]]:
+    def _run_detached(self, sandbox_id: str, bundle: Path, cgroup_fds: list[int],
+                      tree: int) -> tuple[int, list[int], tuple[int, int | None]]:
         """`crun run --detach` inside the sandbox's cgroups from its first instruction, from a
         pool thread (in crun's namespace), with the root's mount `tree` attached at
         `<bundle>/rootfs` meanwhile. The cgroup.procs files come as fds opened on the host: in
-        crun's namespace the v2 hierarchy is not mounted. Returns crun's exit code and the
-        helpers it left running."""
+        crun's namespace the v2 hierarchy is not mounted. Returns crun's exit code, the
+        helpers it left running and the pids given while it ran (crun's, the last one)."""
         target = f"{ROOTS_DIR}/{sandbox_id}"
         os.mkdir(target, 0o755)
         mount_api.attach(tree, target)
@@ -223,11 +240,12 @@ class Crun:
             proc = subprocess.Popen(joined(run, [f"/proc/self/fd/{fd}" for fd in cgroup_fds]), pass_fds=cgroup_fds,
                                     **_DETACHED)
             code = proc.wait()
-            helpers = detached_helpers(proc.pid)
+            span = (proc.pid, last_pid())
+            helpers = detached_helpers(*span)
         finally:
             linux.umount2(target, linux.MNT_DETACH)  # the container's namespace has its own copy now
             os.rmdir(target)
-        return code, helpers
+        return code, helpers, span
 
     async def _run_bundle(self, sandbox_id: str, bundle: Path, config: dict, tree: int, netns_path: str | None,
                           cgroup_procs: list[str]) -> None:
@@ -243,9 +261,9 @@ class Crun:
                 config["linux"]["namespaces"][-1] = {"type": "network", "path": f"/proc/{os.getpid()}/fd/{netns_fd}"}
             (bundle / "config.json").write_text(json.dumps(config))
             loop = asyncio.get_running_loop()
-            code, helpers = await loop.run_in_executor(self._pool, self._run_detached, sandbox_id, bundle, cgroup_fds,
-                                                       tree)
-            self._helpers.watch(loop, helpers)
+            code, helpers, span = await loop.run_in_executor(self._pool, self._run_detached, sandbox_id, bundle,
+                                                             cgroup_fds, tree)
+            self._helpers.watch(loop, helpers, span)
             if code != 0:
                 raise ContainerError(f"crun run: {_tail(bundle / 'crun.log')}")
         finally:
@@ -275,7 +293,7 @@ class Crun:
                 raise ContainerError("the container's init vanished before it started")
             init = InitProcess(pid=pid, start_time=start_time)
             if spec.id_host:  # before start returns: nothing of the sandbox's has run yet
-                await asyncio.to_thread(mount_sysfs_in, pid, SYS_MASKED)
+                await asyncio.to_thread(mount_sysfs_in, pid, SYS_MASKED, self._shared_sysfs())
         except BaseException:
             await self.remove(spec.sandbox_id, None)
             raise

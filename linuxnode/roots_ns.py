@@ -33,7 +33,7 @@ import fcntl
 import os
 import threading
 
-from linuxnode import mount_api, names
+from linuxnode import mount_api, names, netns
 from linuxnode import syscalls as linux
 
 RUN_DIR = "/run/sandfleet/roots"
@@ -134,8 +134,13 @@ def _new_namespace() -> int:
         linux.unshare(CLONE_FS | linux.CLONE_NEWNS)  # this thread only
         linux.mount(None, "/", None, linux.MS_REC | MS_SLAVE)  # the host's reach in, ours never out
         prune_copied_sandbox_mounts()  # other nodes' on this host, and what an older version left
+        # Not the network namespace names, though: as a slave of the host's /run/netns this copy got
+        # every name bound there later (+1 mount here per sandbox of every node on the host, each
+        # keeping its namespace alive here until the host's unmount reached it).
+        linux.mount(None, netns.RUN_DIR, None, linux.MS_PRIVATE)
         return os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
 
+    netns.ensure_run_dir()  # a mount point of the host's before the copy: else the first name comes in with it
     return _in_thread(make)
 
 

@@ -14,7 +14,9 @@ process of the node is left.
 Each batch also records the mount tables as the node fills: the host's (which roots no
 longer enter: linuxnode.roots_ns) and the node's roots namespace's, and what a new mount
 namespace costs on the host then (`unshare -m true`, median of 5: every namespace a tool or
-runtime makes on the host copies the host's table).
+runtime makes on the host copies the host's table), and the CPU the platform's processes
+used for the batch: on a machine others share, the batch's wall time mostly says how busy
+they are; a per-batch CPU that stays flat says no work per create grows with the node.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ import time
 from pathlib import Path
 
 import sandfleet
-from linuxnode import cgroups, roots_ns
+from linuxnode import cgroups, procfs, roots_ns
 from loadtest.container_rate import LAYER, build_busybox_layer
 from loadtest.platform import leftovers, running_platform
 from loadtest.report import print_table, write_json
 
 KIB = 1024
+CPU = 0.1  # what each sandbox asks
 SLEEP = ["sh", "-c", "sleep 2147483647 </dev/null >/dev/null 2>&1 &"]
 
 
@@ -86,6 +89,19 @@ def platform_pss_kib(data_dir: Path) -> dict[str, int]:
     return found
 
 
+def platform_cpu_s(data_dir: Path) -> float:
+    """CPU seconds the platform's processes have used so far (user + system, with their reaped
+    children: crun and its prelude are the launcher's). Per batch it says whether the work per
+    sandbox grows as the node fills, which the batch's wall time on a shared machine cannot."""
+    state = json.loads((data_dir / "supervisor.json").read_text())
+    ticks = 0
+    for pid in (state["pid"], *state["services"].values()):
+        stat = procfs.read_stat(pid)
+        if stat is not None:
+            ticks += stat.utime + stat.stime + stat.children_time
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def sandbox_memory(node_id: str, sandbox_ids: list[str]) -> dict[str, float]:
     """Per sandbox (mean over the sample): the PSS of its processes and its cgroup's charge."""
     pss, charged, procs = [], [], []
@@ -116,14 +132,16 @@ async def _start_sleep(boxes: list[sandfleet.Sandbox], concurrency: int) -> None
     await asyncio.gather(*(one(sb) for sb in boxes))
 
 
-async def _destroy(boxes: list[sandfleet.Sandbox], concurrency: int) -> None:
+async def _destroy(boxes: list[sandfleet.Sandbox], concurrency: int) -> list[str]:
+    """Destroy them all; what failed, as text (it must not hide why the fill stopped, nor stop the rest)."""
     gate = asyncio.Semaphore(concurrency)
 
     async def one(sb: sandfleet.Sandbox) -> None:
         async with gate:
             await sb.destroy()
 
-    await asyncio.gather(*(one(sb) for sb in boxes))
+    done = await asyncio.gather(*(one(sb) for sb in boxes), return_exceptions=True)
+    return [f"{sb.id}: {r!r}" for sb, r in zip(boxes, done) if isinstance(r, BaseException)]
 
 
 async def step_up(url: str, node_id: str, data_dir: Path, args: argparse.Namespace) -> dict:
@@ -140,22 +158,22 @@ async def step_up(url: str, node_id: str, data_dir: Path, args: argparse.Namespa
         try:
             while len(boxes) < args.max:
                 n = min(args.batch, args.max - len(boxes))
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), platform_cpu_s(data_dir)
                 try:
                     made = await fleet.create_many(n, isolation="container", layers=[LAYER],
-                                                   memory_mb=args.memory_mb, cpu=0.1, pids=64)
+                                                   memory_mb=args.memory_mb, cpu=CPU, pids=64)
                 except sandfleet.errors.SandfleetError as exc:
                     boxes += getattr(exc, "created", [])
                     limit = f"a create failed at {len(boxes)}: {exc}"
                     break
                 boxes += made
                 await _start_sleep(made, args.concurrency)
-                batch_s = time.perf_counter() - t0
+                batch_s, batch_cpu_s = time.perf_counter() - t0, platform_cpu_s(data_dir) - cpu0
                 m = meminfo()
-                steps.append({"sandboxes": len(boxes), "batch_s": round(batch_s, 2),
+                steps.append({"sandboxes": len(boxes), "batch_s": round(batch_s, 2), "platform_cpu_s": round(batch_cpu_s, 2),
                               "used_mib": round(used_kib(m) / KIB), "available_mib": round(m["MemAvailable"] / KIB),
                               **mount_tables(node_id)})
-                print(f"{len(boxes):6d} sandboxes  batch {steps[-1]['batch_s']:6.2f}s  "
+                print(f"{len(boxes):6d} sandboxes  batch {steps[-1]['batch_s']:6.2f}s  cpu {batch_cpu_s:5.2f}s  "
                       f"used {steps[-1]['used_mib']} MiB  available {steps[-1]['available_mib']} MiB  "
                       f"mounts host {steps[-1]['host_mounts']} roots {steps[-1]['roots_mounts']}  "
                       f"unshare -m {steps[-1]['unshare_ms']} ms", flush=True)
@@ -167,8 +185,15 @@ async def step_up(url: str, node_id: str, data_dir: Path, args: argparse.Namespa
             sample = sandbox_memory(node_id, [sb.id for sb in boxes[:: max(1, len(boxes) // 20)]])
         finally:
             t0 = time.perf_counter()
-            await _destroy(boxes, args.concurrency)
+            destroy_failed = await _destroy(boxes, args.concurrency)
+            # A failed create_many names what had no outcome in time: the node may have made those
+            # since, and they are not in `boxes`.
+            known = {sb.id for sb in boxes}
+            late = [await fleet.sandbox(r.id) for r in await fleet.list() if r.id not in known]
+            destroy_failed += await _destroy(late, args.concurrency)
             destroy_s = time.perf_counter() - t0
+            if destroy_failed:
+                print(f"{len(destroy_failed)} destroy(s) failed, e.g. {destroy_failed[:3]}", flush=True)
         await asyncio.sleep(1.0)
         n = max(1, len(boxes))
         platform_growth = sum(platform_after.values()) - sum(platform_before.values())
@@ -179,6 +204,7 @@ async def step_up(url: str, node_id: str, data_dir: Path, args: argparse.Namespa
             "limited_by": limit,
             "seconds_to_fill": round(held_s, 1),
             "seconds_to_destroy_all": round(destroy_s, 1),
+            "destroys_failed": destroy_failed[:20],
             "platform_pss_mib": {k: round(v / KIB, 1) for k, v in platform_after.items()},
             "platform_pss_mib_total": round(sum(platform_after.values()) / KIB, 1),
             "platform_pss_mib_total_idle": round(sum(platform_before.values()) / KIB, 1),
@@ -207,8 +233,16 @@ def main() -> int:
     ap.add_argument("--node-id", default=os.environ.get("SANDFLEET_NODE_ID", "bench"))
     ap.add_argument("--out", type=Path, default=Path("results/density.json"))
     args = ap.parse_args()
-    # The node's sandbox capacity (2000 by default) must not be what stops the count.
-    capacity = {"SANDFLEET_CAPACITY": str(max(args.max, 2000)), "SANDFLEET_CPU_PSI_LIMIT": "0"}
+    # The node's sandbox capacity (2000 by default) must not be what stops the count, nor placement's
+    # overcommit of what the sandboxes ask (0.1 CPU and --memory-mb each: at the default 200x the
+    # cores and 10x the RAM, 2 cores and 24 GiB admit ~3,700), nor the host's pressure (others'
+    # work on a shared machine stalls it too: 30% memory PSI stopped a fill at 5,800 with 10 GiB
+    # free): only the machine's memory may (--reserve-mb).
+    cores, ram_mb = os.cpu_count() or 1, meminfo()["MemTotal"] // KIB
+    capacity = {"SANDFLEET_CAPACITY": str(max(args.max, 2000)), "SANDFLEET_CPU_PSI_LIMIT": "0",
+                "SANDFLEET_MEMORY_PSI_LIMIT": "0",
+                "SANDFLEET_CPU_OVERCOMMIT": str(max(200.0, 2 * args.max * CPU / cores)),
+                "SANDFLEET_MEMORY_OVERCOMMIT": str(max(10.0, 2 * args.max * args.memory_mb / ram_mb))}
     with running_platform(args.node_id, capacity) as (url, data_dir):
         results = asyncio.run(step_up(url, args.node_id, data_dir, args))
     per = results["per_sandbox_kib"]
@@ -221,7 +255,8 @@ def main() -> int:
     )
     first, last = results["steps"][0], results["steps"][-1]
     print(f"batch of {args.batch}: first {first['batch_s']} s, last {last['batch_s']} s "
-          f"({last['batch_s'] / first['batch_s']:.2f}x); host mounts {first['host_mounts']} -> {last['host_mounts']}, "
+          f"({last['batch_s'] / first['batch_s']:.2f}x), platform CPU {first['platform_cpu_s']} -> {last['platform_cpu_s']} s "
+          f"({last['platform_cpu_s'] / max(first['platform_cpu_s'], 0.01):.2f}x); host mounts {first['host_mounts']} -> {last['host_mounts']}, "
           f"roots namespace {first['roots_mounts']} -> {last['roots_mounts']}; "
           f"unshare -m {first['unshare_ms']} -> {last['unshare_ms']} ms")
     print(f"fill {results['seconds_to_fill']} s, destroy all {results['seconds_to_destroy_all']} s; "

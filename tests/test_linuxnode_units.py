@@ -7,6 +7,7 @@ import os
 import msgspec
 
 from linuxnode import cgroups, names, procfs
+from linuxnode.container_exec import forked_between
 from schemas import sandbox
 
 HYBRID = cgroups.CgroupLayout(mode="hybrid", v2="/sys/fs/cgroup/unified",
@@ -78,3 +79,16 @@ def test_every_root_masks_the_same_host_proc_files():
     linux = container.bundle_config(spec)["linux"]
     assert {f"/proc/{p}" for p in (*procfs.MASKED_FILES, *procfs.MASKED_DIRS)} <= set(linux["maskedPaths"])
     assert {f"/proc/{p}" for p in procfs.READONLY} == set(linux["readonlyPaths"])
+
+
+def test_a_crun_helper_is_looked_for_only_among_pids_handed_out_while_crun_ran():
+    """Pids go round in a circle: a helper forked after the wrap (100, crun was 32,000) is found,
+    and the live inits of earlier sandboxes (every pid outside crun's span) are never read, whether
+    their numbers are larger than crun's (31,000 after crun 30,000) or not."""
+    assert forked_between(30_050, 30_000, 30_100, pid_max=32_768)
+    assert forked_between(100, 32_000, 200, pid_max=32_768)  # forked after the wrap
+    assert not forked_between(31_000, 30_000, 30_100, pid_max=32_768)  # an older init, larger number
+    assert not forked_between(29_000, 30_000, 30_100, pid_max=32_768)
+    assert not forked_between(30_000, 30_000, 30_100, pid_max=32_768)  # crun itself
+    assert forked_between(30_100, 30_000, 30_100, pid_max=32_768)  # the last pid given
+    assert forked_between(40_000, 30_000, None, pid_max=1 << 22)  # no last pid known: a wide span ahead

@@ -122,3 +122,15 @@ def test_a_new_namespace_leaves_the_hosts_sandbox_mounts_behind(tmp_path):
             roots_ns.remove(NODE)
     finally:
         linux.umount2(str(held), linux.MNT_DETACH)
+
+
+def test_network_namespace_names_bound_on_the_host_later_stay_out_of_the_namespace(pinned):
+    """The copy's /run/netns is its own: a name bound on the host after it was made (one per
+    sandbox) is not copied in, where it would grow this table and keep that namespace alive."""
+    from linuxnode import netns
+    sandbox = "sb-rootsns-name"
+    path = netns.create(NODE, sandbox)
+    try:
+        assert path in _host_points() and path not in _inside_points(NODE)
+    finally:
+        netns.remove(NODE, sandbox)

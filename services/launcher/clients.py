@@ -32,7 +32,7 @@ from schemas.layers import (
     ReleaseRootfsRequest,
     Rootfs,
 )
-from schemas.node import Confinement, ConfinedList, ConfineRequest, Empty, ReleaseReply, ReleaseRequest
+from schemas.node import Confinement, ConfinedList, ConfineRequest, Empty, NodeSecurity, ReleaseReply, ReleaseRequest
 from schemas.sandbox import SandboxSpec
 
 AGENT_TIMEOUT_S = 10.0
@@ -153,10 +153,13 @@ class NodeAgent:
         self.bus = bus
         self._confine = node_schema.subject(node_id, node_schema.CONFINE)
         self._release = node_schema.subject(node_id, node_schema.RELEASE)
-        self._listing = listing = node_schema.subject(node_id, node_schema.AGENT_LIST)  # its cheapest answer
+        self._listing = node_schema.subject(node_id, node_schema.AGENT_LIST)
+        # Its cheapest answer (made once at start), not the listing: that lists every sandbox's
+        # cgroups and names, and the probe asks twice a second while any call waits (a fill).
+        security = node_schema.subject(node_id, node_schema.SECURITY)
         self._service = RestartingService(
             f"the node agent of {node_id}",
-            probe=lambda: self.bus.request(listing, Empty(), ConfinedList, timeout=PROBE_EVERY_S * 2))
+            probe=lambda: self.bus.request(security, Empty(), NodeSecurity, timeout=PROBE_EVERY_S * 2))
 
     async def held(self) -> set[str]:
         """The sandbox ids the agent holds a confinement for."""
@@ -203,9 +206,9 @@ class LayerCache:
             lambda: self.bus.request(self._release, request, ReleaseRootfsReply, timeout=LAYERS_TIMEOUT_S),
             LAYERS_TIMEOUT_S + RESTART_WAIT_S)
 
-    async def listing(self, timeout: float = LAYERS_TIMEOUT_S) -> CacheListing:
-        """The node's cached images and the roots it holds, by sandbox."""
-        return await self.bus.request(self._cache, CacheRequest(), CacheListing, timeout=timeout)
+    async def listing(self, timeout: float = LAYERS_TIMEOUT_S, roots: bool = True) -> CacheListing:
+        """The node's cached images and (unless not `roots`) the roots it holds, by sandbox."""
+        return await self.bus.request(self._cache, CacheRequest(roots=roots), CacheListing, timeout=timeout)
 
     async def build_from_dir(self, name: str, path: Path, on: str, timeout: float) -> BuildReply:
         """Layer `name` over `on` from a directory of this node: the same cluster build request a

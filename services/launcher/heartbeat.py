@@ -30,7 +30,7 @@ WARM_BEAT_S = 0.2  # the soonest a change of the warm spares is beaten after the
 
 async def cached_layers(launcher: Launcher) -> list[str]:
     try:
-        listing = await launcher.layers.listing(timeout=HEARTBEAT_LISTING_TIMEOUT_S)
+        listing = await launcher.layers.listing(timeout=HEARTBEAT_LISTING_TIMEOUT_S, roots=False)
     except SandfleetError:
         return []  # no layer-cache on this node (yet): no locality to offer
     return sorted({ref for image in listing.images for ref in (image.digest, *image.names)})

@@ -135,7 +135,7 @@ async def cache(deps: Deps, req: CacheRequest) -> CacheListing:
     return CacheListing(
         node=deps.node_id, budget_bytes=deps.images.budget, used_bytes=deps.images.used, images=images,
         rootfs=[c.wire(composer.broken.get(c.sandbox_id, ""))
-                for c in sorted(composer.live.values(), key=lambda c: c.created_at)],
+                for c in sorted(composer.live.values(), key=lambda c: c.created_at)] if req.roots else [],
         fetch=deps.images.fetch_mode,
     )
 
