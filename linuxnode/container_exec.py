@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import os
 import re
-import threading
 import time
 
 from linuxnode import mount_api, procfs, roots_ns
@@ -240,32 +239,22 @@ def make_crun_namespace(hybrid_v2: str | None, prune: tuple[str, ...], roots: st
     without the mounts beneath the `prune` directories), with a tmpfs of its own on `roots`
     (where containers' roots are attached for `crun run`), made by a short-lived thread;
     returns an fd that keeps it."""
-    made: list[int | BaseException] = []
+    def make() -> int:
+        linux.unshare(linux.CLONE_NEWNS)  # this thread only: it also unshares its filesystem info
+        linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)  # nothing propagates either way
+        if hybrid_v2:
+            linux.umount2(hybrid_v2, linux.MNT_DETACH)
+        for point in _mounts_beneath(prune):
+            with contextlib.suppress(OSError):  # already gone with a parent
+                linux.umount2(point, linux.MNT_DETACH)
+        roots_ns.prune_copied_sandbox_mounts()  # other nodes' roots and layers: a copy keeps them alive
+        # crun resolves a root and its mount sources as the container's root once it has a
+        # user namespace: an unprivileged host id, which may not pass the node's data dir
+        # (under /root or pytest's 0700 directories). Here, every parent may be passed.
+        linux.mount("crun-roots", roots, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "size=64k,mode=0711")
+        return os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
 
-    def make() -> None:
-        try:
-            linux.unshare(linux.CLONE_NEWNS)  # this thread only: it also unshares its filesystem info
-            linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)  # nothing propagates either way
-            if hybrid_v2:
-                linux.umount2(hybrid_v2, linux.MNT_DETACH)
-            for point in _mounts_beneath(prune):
-                with contextlib.suppress(OSError):  # already gone with a parent
-                    linux.umount2(point, linux.MNT_DETACH)
-            roots_ns.prune_copied_sandbox_mounts()  # other nodes' roots and layers: a copy keeps them alive
-            # crun resolves a root and its mount sources as the container's root once it has a
-            # user namespace: an unprivileged host id, which may not pass the node's data dir
-            # (under /root or pytest's 0700 directories). Here, every parent may be passed.
-            linux.mount("crun-roots", roots, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "size=64k,mode=0711")
-            made.append(os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            made.append(exc)
-
-    thread = threading.Thread(target=make, name="crun-namespace")
-    thread.start()
-    thread.join()
-    if isinstance(made[0], BaseException):
-        raise made[0]
-    return made[0]
+    return linux.on_own_thread(make, "crun-namespace")
 
 
 def _mounts_beneath(roots: tuple[str, ...]) -> list[str]:
@@ -288,26 +277,16 @@ def blank_sysfs() -> tuple[int, int]:
     (mount_sysfs_in): a new sysfs per container is a new superblock, and the kernel looks a new
     one up among every sysfs superblock of the host (one per live container: ~0.5 ms each at
     4,000, growing with each), where a clone is one more mount of the same."""
-    made: list = []
-
-    def run() -> None:
+    def run() -> tuple[int, int]:
+        linux.unshare(linux.CLONE_NEWNET)  # this thread only, which ends here
+        net = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            linux.unshare(linux.CLONE_NEWNET)  # this thread only, which ends here
-            net = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                made.append((mount_api.new_mount("sysfs", [], _SYSFS_ATTRS, source="sysfs"), net))
-            except BaseException:
-                os.close(net)
-                raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            made.append(exc)
+            return mount_api.new_mount("sysfs", [], _SYSFS_ATTRS, source="sysfs"), net
+        except BaseException:
+            os.close(net)
+            raise
 
-    thread = threading.Thread(target=run, name="blank-sysfs")
-    thread.start()
-    thread.join()
-    if isinstance(made[0], BaseException):
-        raise made[0]
-    return made[0]
+    return linux.on_own_thread(run, "blank-sysfs")
 
 
 def mount_sysfs_in(pid: int, masked: tuple[str, ...], shared: int = -1) -> None:
@@ -318,39 +297,30 @@ def mount_sysfs_in(pid: int, masked: tuple[str, ...], shared: int = -1) -> None:
     no new sysfs be mounted in a mount namespace of a user namespace that has none visible
     (mount_too_revealing), and the container's is one. On a thread of its own that ends after
     (one that changed namespace is no use to anyone else); raises what the thread raised."""
-    failed: list[BaseException] = []
-
     def run() -> None:
+        mnt = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            mnt = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
-            net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            if shared >= 0:
+                sysfs = mount_api.clone_tree(shared)
+            else:
+                linux.setns(net, linux.CLONE_NEWNET)  # sysfs shows the mounter's network namespace
+                sysfs = mount_api.new_mount("sysfs", [], _SYSFS_ATTRS, source="sysfs")
             try:
-                if shared >= 0:
-                    sysfs = mount_api.clone_tree(shared)
-                else:
-                    linux.setns(net, linux.CLONE_NEWNET)  # sysfs shows the mounter's network namespace
-                    sysfs = mount_api.new_mount("sysfs", [], _SYSFS_ATTRS, source="sysfs")
-                try:
-                    linux.unshare(_CLONE_FS)
-                    linux.setns(mnt, linux.CLONE_NEWNS)
-                    mount_api.attach(sysfs, "/sys")
-                finally:
-                    os.close(sysfs)
+                linux.unshare(_CLONE_FS)
+                linux.setns(mnt, linux.CLONE_NEWNS)
+                mount_api.attach(sysfs, "/sys")
             finally:
-                os.close(mnt)
-                os.close(net)
-            for rel in masked:
-                if os.path.isdir(f"/sys/{rel}"):
-                    linux.mount("masked", f"/sys/{rel}", "tmpfs", linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
-                                | linux.MS_NOEXEC, "size=4k,mode=0555")
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            failed.append(exc)
+                os.close(sysfs)
+        finally:
+            os.close(mnt)
+            os.close(net)
+        for rel in masked:
+            if os.path.isdir(f"/sys/{rel}"):
+                linux.mount("masked", f"/sys/{rel}", "tmpfs", linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
+                            | linux.MS_NOEXEC, "size=4k,mode=0555")
 
-    thread = threading.Thread(target=run, name="container-sysfs")
-    thread.start()
-    thread.join()
-    if failed:
-        raise failed[0]
+    return linux.on_own_thread(run, "container-sysfs")
 
 
 def enter_namespace(mnt_fd: int) -> None:

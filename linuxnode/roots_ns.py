@@ -72,26 +72,6 @@ def open_pinned(node_id: str) -> int | None:
     return _open_ns(pin_path(node_id))
 
 
-def _in_thread(fn):
-    """Run `fn` on a short-lived thread of its own (which may change namespace; it ends after)
-    and return what it returned, or raise what it raised."""
-    done: list = []
-
-    def run() -> None:
-        try:
-            done.append((True, fn()))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            done.append((False, exc))
-
-    thread = threading.Thread(target=run, name="roots-ns")
-    thread.start()
-    thread.join()
-    ok, value = done[0]
-    if not ok:
-        raise value
-    return value
-
-
 # What sandbox platforms mount on a host: layers, roots, upper-dir tmpfs, namespace names, lazy
 # layers' FUSE files. A namespace copied from the host gets a copy of each, which would keep
 # its file system alive after the host unmounts it (where `/` is private nothing propagates).
@@ -141,7 +121,7 @@ def _new_namespace() -> int:
         return os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
 
     netns.ensure_run_dir()  # a mount point of the host's before the copy: else the first name comes in with it
-    return _in_thread(make)
+    return linux.on_own_thread(make, "roots-ns")
 
 
 def _make_unpropagated(directory: str) -> None:
@@ -192,7 +172,7 @@ def remove(node_id: str, host_ns: int = -1) -> None:
             enter(host_ns)
             remove(node_id)
 
-        return _in_thread(from_host)
+        return linux.on_own_thread(from_host, "roots-ns")
     pin = pin_path(node_id)
     while (fd := _open_ns(pin)) is not None:
         os.close(fd)
@@ -227,7 +207,7 @@ def read_mountinfo(node_id: str) -> str | None:
     if fd is None:
         return None
     try:
-        return _in_thread(lambda: _read_inside(fd))
+        return linux.on_own_thread(lambda: _read_inside(fd), "roots-ns")
     finally:
         os.close(fd)
 

@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
@@ -202,3 +207,24 @@ def install_seccomp(filter_bytes: bytes) -> None:
     program = ctypes.create_string_buffer(filter_bytes, len(filter_bytes))
     fprog = _SockFprog(len(filter_bytes) // 8, ctypes.addressof(program))
     _check(_prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0), "seccomp")
+
+
+def on_own_thread(fn: Callable[[], T], name: str) -> T:
+    """Run `fn` on a short-lived thread of its own, which may change namespace (unshare, setns:
+    per thread) and ends after, so no thread of a pool is ever left in one; returns what `fn`
+    returned or raises what it raised. The caller's thread never moves."""
+    done: list[tuple[bool, object]] = []
+
+    def run() -> None:
+        try:
+            done.append((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            done.append((False, exc))
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    ok, value = done[0]
+    if not ok:
+        raise value  # type: ignore[misc]
+    return value  # type: ignore[return-value]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -36,26 +35,15 @@ class Link:
 
 def in_netns(netns_path: str, fn: Callable[[], T]) -> T:
     """Run fn on a thread inside the namespace (the caller's thread never moves)."""
-    result: list = []
-    error: list[BaseException] = []
-
-    def main() -> None:
+    def inside() -> T:
+        fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                linux.setns(fd, linux.CLONE_NEWNET)  # this thread only; it ends here
-            finally:
-                os.close(fd)
-            result.append(fn())
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            error.append(exc)
+            linux.setns(fd, linux.CLONE_NEWNET)  # this thread only; it ends here
+        finally:
+            os.close(fd)
+        return fn()
 
-    thread = threading.Thread(target=main, name="in-netns", daemon=True)
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
+    return linux.on_own_thread(inside, "in-netns")
 
 
 def _set_sysctl(path: str, value: str) -> None:
