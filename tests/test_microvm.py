@@ -26,6 +26,7 @@ from schemas.sandbox import Reason, State
 from tests.kernel import require
 from tests.layer_trees import APPLETS, make_busybox_base
 from tests.leaks import microvm_left
+from tests.vm_shapes import create_vm
 
 LAYER = "vm-base"
 MEMORY_MB = 512  # every create of the module the same shape: one saved machine state for all
@@ -44,16 +45,7 @@ async def guest(fleet, platform, tmp_path_factory) -> GuestImage:
     # The module's machine state, booted and saved by the first create. Under TCG on a loaded
     # node that boot can outlast placement's 30 s launch budget; the node finishes saving it
     # anyway, and the second try restores it.
-    for attempt in range(2):
-        try:
-            sb = await fleet.create(isolation="microvm", layers=[LAYER], memory_mb=MEMORY_MB)
-        except errors.InternalError:
-            if attempt:
-                raise
-            await asyncio.sleep(20)
-        else:
-            await sb.destroy()
-            break
+    await (await create_vm(fleet, tries=2, isolation="microvm", layers=[LAYER], memory_mb=MEMORY_MB)).destroy()
     return found
 
 

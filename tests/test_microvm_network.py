@@ -18,7 +18,6 @@ import shutil
 import pytest
 
 import sandfleet
-from sandfleet import errors
 from sandfleet.layers_client import Layers
 from linuxnode import veth
 from linuxnode.vm.guest_image import GuestImage, default_dir
@@ -28,6 +27,7 @@ from tests.layer_trees import APPLETS, make_busybox_base
 from tests.leaks import microvm_left
 from tests.security.netlab import NodeInternet
 from tests.security.test_egress_platform import Watch
+from tests.vm_shapes import create_vm
 
 pytestmark = pytest.mark.kernel
 
@@ -85,14 +85,8 @@ async def _create(fleet, **spec):
     """The first create boots and saves the module's machine state (a NIC is a device, so it is
     a state of its own); under TCG on a loaded node that can outlast placement's launch budget,
     and the node finishes saving it anyway: the second try restores it."""
-    for attempt in range(2):
-        try:
-            return await fleet.create(isolation="microvm", layers=[LAYER], memory_mb=MEMORY_MB,
-                                      labels={"task": "vm-redteam"}, **spec)
-        except errors.InternalError:
-            if attempt:
-                raise
-            await asyncio.sleep(20)
+    return await create_vm(fleet, tries=2, isolation="microvm", layers=[LAYER], memory_mb=MEMORY_MB,
+                           labels={"task": "vm-redteam"}, **spec)
 
 
 async def _sh(sb, script: str) -> tuple[int, str]:

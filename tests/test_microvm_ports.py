@@ -25,6 +25,7 @@ from tests.leaks import microvm_left
 from tests.test_layer_tools import make_python_base
 from tests.test_microvm import _answer, _played_guest, _until_broken
 from tests.test_ports import http_get
+from tests.vm_shapes import create_vm
 
 LAYER = "vm-python"
 MEMORY_MB = 512
@@ -58,13 +59,7 @@ async def python_layer(fleet, platform, tmp_path_factory) -> str:
 
 async def _create(fleet, layer: str):
     """The first create boots and saves this layer's machine state (see tests/test_microvm.py)."""
-    for attempt in range(2):
-        try:
-            return await fleet.create(isolation="microvm", layers=[layer], memory_mb=MEMORY_MB, timeout_s=300)
-        except errors.InternalError:
-            if attempt:
-                raise
-            await asyncio.sleep(20)
+    return await create_vm(fleet, tries=2, isolation="microvm", layers=[layer], memory_mb=MEMORY_MB, timeout_s=300)
 
 
 async def _listening(sb, port: int) -> None:

@@ -29,6 +29,7 @@ from schemas.sandbox import CreateRequest, SandboxSpec
 from tests.kernel import require
 from tests.layer_trees import APPLETS, make_busybox_base
 from tests.leaks import microvm_left
+from tests.vm_shapes import create_vm
 
 LAYER = "vmck-base"
 MEMORY_MB = 512
@@ -45,16 +46,7 @@ async def guest(fleet, platform, tmp_path_factory) -> GuestImage:
     src = tmp_path_factory.mktemp("vmck-src") / "base"
     make_busybox_base(src, hostname="vmck", applets=(*APPLETS, "wc", "tail", "seq", "cmp", "uname"))
     await Layers(fleet.bus).build_dir(LAYER, src)
-    for attempt in range(2):  # the first create boots and saves the shape's state (see test_microvm.py)
-        try:
-            sb = await fleet.create(isolation="microvm", layers=[LAYER], memory_mb=MEMORY_MB)
-        except errors.InternalError:
-            if attempt:
-                raise
-            await asyncio.sleep(20)
-        else:
-            await sb.destroy()
-            break
+    await (await create_vm(fleet, tries=2, isolation="microvm", layers=[LAYER], memory_mb=MEMORY_MB)).destroy()
     return found
 
 
@@ -115,15 +107,8 @@ async def test_a_full_machine_takes_the_same_path(fleet, platform, guest):
 
     found = vm_guest.find(default_dir())
     require(isinstance(found, GuestImage), f"a built vm guest ({found})")
-    for attempt in range(3):  # the shape's boot-and-save can outlast placement's launch budget under TCG
-        try:
-            sb = await fleet.create(isolation="vm", layers=[LAYER], memory_mb=MEMORY_MB, timeout_s=600,
-                                    request_timeout_s=300)
-            break
-        except (errors.InternalError, errors.Timeout):
-            if attempt == 2:
-                raise
-            await asyncio.sleep(20)
+    sb = await create_vm(fleet, isolation="vm", layers=[LAYER], memory_mb=MEMORY_MB, timeout_s=600,
+                         request_timeout_s=300)
     ck = await _goes_on(fleet, platform, sb, found, "pc-q35-", level="vm")
     await Layers(fleet.bus).remove(ck.name)
 
@@ -275,15 +260,9 @@ async def test_a_memory_checkpoint_restores_on_another_node(fleet, platform, gue
     while not any(n.id == joined and n.microvm.startswith("on") for n in await fleet.nodes()):
         assert time.monotonic() < deadline, "the joined node never offered microvm"
         await asyncio.sleep(0.5)
-    for attempt in range(3):  # placed on the joined node, it boots the shape there first
-        try:
-            sb = await fleet.create(isolation="microvm", layers=[LAYER], memory_mb=MEMORY_MB, timeout_s=600,
-                                    request_timeout_s=300)
-            break
-        except (errors.InternalError, errors.Timeout):
-            if attempt == 2:
-                raise
-            await asyncio.sleep(20)
+    # Placed on the joined node, it boots the shape there first.
+    sb = await create_vm(fleet, isolation="microvm", layers=[LAYER], memory_mb=MEMORY_MB, timeout_s=600,
+                         request_timeout_s=300)
     other = joined if sb.node == platform.node_id else platform.node_id
     try:
         await sb.spawn(["sh", "-c", COUNTER])

@@ -35,6 +35,7 @@ from services.launcher.drivers.vm import input_devices
 from tests.kernel import require
 from tests.leaks import microvm_left
 from tests.layer_trees import APPLETS, make_busybox_base
+from tests.vm_shapes import create_vm
 
 LAYER = "vmf-base"
 DESKTOP_LAYER = "vmf-desktop"
@@ -54,14 +55,7 @@ async def _gone(platform, sandbox_id: str, wait_s: float = 10.0) -> list[str]:
 async def _create_warm(fleet, **spec) -> Sandbox:
     """A create that may be the shape's first: its boot-and-save can outlast placement's launch
     budget under TCG; the node finishes saving anyway, and the second try restores it."""
-    for attempt in range(3):
-        try:
-            return await fleet.create(isolation="vm", request_timeout_s=300, timeout_s=600, **spec)
-        except (errors.InternalError, errors.Timeout):
-            if attempt == 2:
-                raise
-            await asyncio.sleep(20)
-    raise AssertionError("unreachable")
+    return await create_vm(fleet, isolation="vm", request_timeout_s=300, timeout_s=600, **spec)
 
 
 @pytest.fixture(scope="module")
