@@ -84,8 +84,24 @@ def _helpers_between(first: int, last: int | None) -> list[tuple[int, str]]:
     and up to `last`, with their states."""
     span = (last - first) % _PID_MAX if last is not None else None
     if span is not None and span <= SPAN_PROBED:
-        return _helpers_among([(first + i) % _PID_MAX for i in range(1, span + 1)])
+        return _helpers_among(_pids_after(first, span))
     return _helpers_among([child for child in _children() if forked_between(child, first, last)])
+
+
+def _pids_after(first: int, count: int) -> list[int]:
+    """The `count` pids handed out after `first`, in the circle of pids."""
+    return [(first + i) % _PID_MAX for i in range(1, count + 1)]
+
+
+def _reap_zombies(candidates: list[int]) -> list[int]:
+    """Reap the helpers among `candidates` that have ended; returns their pids."""
+    reaped = []
+    for pid, state in _helpers_among(candidates):
+        if state == "Z":
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+                reaped.append(pid)
+    return reaped
 
 
 def _helpers_among(candidates: list[int]) -> list[tuple[int, str]]:
@@ -175,16 +191,10 @@ class DetachedHelpers:
             self.missed.clear()
             return self.sweep()
         # Runs overlap (two crun workers, and many runs have no helper at all): each pid once.
-        pids = sorted({(first + i) % _PID_MAX for first, last, _ in self.missed
-                       for i in range(1, min((last - first) % _PID_MAX, SPAN_PROBED) + 1)})
+        pids = sorted({pid for first, last, _ in self.missed
+                       for pid in _pids_after(first, min((last - first) % _PID_MAX, SPAN_PROBED))})
         self.missed = [m for m in self.missed if now - m[2] < MISSED_KEEP_S]
-        reaped = []
-        for pid, state in _helpers_among(pids):
-            if state == "Z":
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, os.WNOHANG)
-                    reaped.append(pid)
-        return reaped
+        return _reap_zombies(pids)
 
     def sweep(self) -> list[int]:
         """Reap helpers `detached_helpers` missed, among all our children: one still a child of
@@ -192,14 +202,7 @@ class DetachedHelpers:
         `crun` child outside our session and not leading its own is taken: never one of our own
         `crun` commands, whose exit status their caller still waits for."""
         self.swept_at = time.monotonic()
-        ours, reaped = os.getsid(0), []
-        for child in _children():
-            stat = procfs.read_stat(child)
-            if stat is not None and stat.comm == "crun" and stat.state == "Z" and stat.session not in (child, ours):
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(child, os.WNOHANG)
-                    reaped.append(child)
-        return reaped
+        return _reap_zombies(_children())
 
     def close(self) -> None:
         """Stop watching (the loop may be gone); a helper left is reaped by whoever adopts it."""
