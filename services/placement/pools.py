@@ -46,6 +46,14 @@ CALLERS_FAULT = (ErrorCode.INVALID_REQUEST, ErrorCode.UNSUPPORTED)
 def warm_order(view: NodeView, taken: dict[tuple[str, str], tuple[NodeInfo, int]], key: str, isolation: str,
                now: float, node: str | None = None) -> list[str]:
     """The nodes to offer a create of pool `key` to, most spares left first."""
+    left = spares_left(view, taken, key, isolation, now, node)
+    return sorted(left, key=lambda n: left[n], reverse=True)
+
+
+def spares_left(view: NodeView, taken: dict[tuple[str, str], tuple[NodeInfo, int]], key: str, isolation: str,
+                now: float, node: str | None = None) -> dict[str, int]:
+    """Spares of pool `key` each fresh, calm node has left: its heartbeat's count less the claims
+    sent to it since that heartbeat."""
     left: dict[str, int] = {}
     for n in view.fresh(now):
         info = view.nodes[n]
@@ -55,7 +63,7 @@ def warm_order(view: NodeView, taken: dict[tuple[str, str], tuple[NodeInfo, int]
         spares = info.warm.get(key, 0) - (sent[1] if sent is not None and sent[0] is info else 0)
         if spares > 0:
             left[n] = spares
-    return sorted(left, key=lambda n: left[n], reverse=True)
+    return left
 
 
 @dataclass
@@ -168,7 +176,7 @@ class PoolBook:
         if not pools_schema.poolable(spec):
             return [], None
         key, now = pools_schema.pool_key(spec), time.time()
-        left = sum(view.nodes[n].warm.get(key, 0) for n in warm_order(view, self.taken, key, spec.isolation, now))
+        left = sum(spares_left(view, self.taken, key, spec.isolation, now).values())
         if not left:
             return [], None
         quota_keys = await quotas.admit(spec, count, now) if quotas else []
