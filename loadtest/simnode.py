@@ -34,6 +34,7 @@ from sandfleet import runner
 from sandfleet.bus import Bus, Endpoint, encode
 from sandfleet.errors import ServiceError
 from sandfleet.store import SandboxStore, ensure_state
+from sandfleet.supervisor import nats_server_env
 from schemas import node as node_schema
 from schemas.errors import ErrorCode
 from schemas.node import DestroyReply, DestroyRequest, LaunchReply, LaunchRequest, LaunchResult, NodeInfo, NodePressure
@@ -194,8 +195,8 @@ class ControlPlane:
         conf.write_text(f'host: 127.0.0.1\nport: {port}\nhttp: "127.0.0.1:{self.http_port}"\nmax_payload: 8MB\n'
                         f'jetstream {{ store_dir: "{self._dir}/js" }}\n')
         server = shutil.which("nats-server", path=str(Path(sys.executable).parent)) or "nats-server"
-        self._procs.append(subprocess.Popen([server, "-c", str(conf)], stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL))
+        self._procs.append(subprocess.Popen([server, "-c", str(conf)], stdout=subprocess.DEVNULL,  # the GC `up` runs it with
+                                            stderr=subprocess.DEVNULL, env={**os.environ, **nats_server_env()}))
         self.url = f"nats://127.0.0.1:{port}"
         for _ in range(100):
             try:
