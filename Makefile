@@ -26,7 +26,7 @@ demo: install
 	$(PY) -m sandfleet.demo
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider --durations=20
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20 -n 2 --dist loadfile
 
 schemas: install
 	$(PY) -m schemas.export schemas/json

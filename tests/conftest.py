@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import os
 import subprocess
@@ -22,7 +23,7 @@ import pytest
 
 import sandfleet
 from linuxnode import roots_ns
-from sandfleet.config import free_port
+from sandfleet.config import DEFAULT_EGRESS_SUBNET, free_port
 from tests.leaks import Snapshot
 from tests.otlp_receiver import OtlpReceiver
 
@@ -31,6 +32,28 @@ CLI = [sys.executable, "-m", "sandfleet.cli"]
 # Several sessions may share a machine (parallel development); each gets its own node id so
 # they never reclaim each other's sandboxes.
 NODE_ID = os.environ.get("SANDFLEET_TEST_NODE_ID", "testnode")
+
+
+def _worker_identity() -> None:
+    """Under pytest-xdist each worker is a session of its own beside the others (`make test` runs
+    two): it gets a node id of its own (`<id>w<n>`) and a slice of the egress subnet, so platforms,
+    leak checks and addresses never cross, as two engineers' sessions on one machine do not.
+    Idempotent: this module is imported twice (as pytest's `conftest` and as `tests.conftest`), and
+    the worker's platforms and the tests it imports must agree."""
+    global NODE_ID
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2:
+        return
+    n = int(worker[2:])
+    NODE_ID = f"{NODE_ID}w{n}"
+    whole = os.environ.setdefault("SANDFLEET_TEST_WHOLE_SUBNET",
+                                  os.environ.get("SANDFLEET_EGRESS_SUBNET") or DEFAULT_EGRESS_SUBNET)
+    slices = list(ipaddress.IPv4Network(whole).subnets(prefixlen_diff=max(1, (count - 1).bit_length())))
+    os.environ["SANDFLEET_EGRESS_SUBNET"] = str(slices[n])  # what every platform the worker starts takes
+
+
+_worker_identity()
 # How long a test waits for an event to reach the bus: a deadline a loaded CI machine meets, not
 # a latency figure (loadtest/violation_latency measures how soon violations arrive).
 EVENT_DEADLINE_S = 30.0
@@ -266,3 +289,15 @@ def platform(leak_check, otlp, tmp_path_factory):
 async def fleet(platform):
     async with sandfleet.connect(platform.url) as f:
         yield f
+
+
+# Modules whose fixtures take minutes (Debian roots built by debootstrap, VM guests under TCG; the
+# `--durations` table of a run), collected first: xdist hands out whole files as workers free up,
+# so a long file left for last would keep one worker busy while the other idles.
+SLOW_FILES = ("test_fusion.py", "test_desktop.py", "test_vm_level.py", "test_dockerfile_build.py",
+              "test_vm_checkpoint.py", "test_layers.py", "test_loadtests.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable: the rest keep their order

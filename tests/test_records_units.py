@@ -23,7 +23,7 @@ def _record(state: State, seq: int = 4, **fields) -> SandboxRecord:  # type: ign
                          created_at=1.0, updated_at=2.0, seq=seq, reason=Reason.EXPIRED, detail="before", **fields)
 
 
-LEGAL = [(s, n) for s, allowed in TRANSITIONS.items() for n in allowed]
+LEGAL = [(s, n) for s, allowed in TRANSITIONS.items() for n in sorted(allowed)]  # sorted: xdist workers must collect alike
 ILLEGAL = [(s, n) for s in State for n in State if n is not s and n not in TRANSITIONS[s]]
 
 

@@ -50,7 +50,9 @@ GATEWAY = ("import socket, struct\n"
            "    f = line.split()\n"
            "    if f[1] == '00000000': print(socket.inet_ntoa(struct.pack('<I', int(f[2], 16))))\n")
 EGRESS_NODE = f"{NODE_ID}-egress"
-SUBNET = f"10.{200 + os.getpid() % 50}.0.0/16"
+# Its own /16, clear of the session platforms' default 10.200/16 (split per xdist worker) and of
+# the fixed ones other modules take (10.201-10.203), which may run beside it in the other worker.
+SUBNET = f"10.{204 + os.getpid() % 12}.0.0/16"
 
 
 def _missing() -> str | None:
