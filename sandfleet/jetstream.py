@@ -99,6 +99,7 @@ class _ApiError(msgspec.Struct):
 class _StoredMsg(msgspec.Struct):
     data: str = ""
     seq: int = 0
+    subject: str = ""
 
 
 class _MsgGet(msgspec.Struct):
@@ -227,12 +228,14 @@ class BatchedJetStream:
         reads = await self.burst([(_msg_get_subject(kv_stream(bucket)),
                                    encode({"last_by_subj": kv_subject(bucket, key)}), None) for key in keys], timeout)
         found = {}
-        for key, msg in zip(keys, reads):
+        prefix = len(kv_subject(bucket, ""))
+        for asked, msg in zip(keys, reads):
             reply = _msg_get.decode(msg.data)
             if reply.error is not None and reply.error.err_code != _NO_MESSAGE:  # unreadable is not absent
                 raise errors.ServiceError(ErrorCode.TIMEOUT if reply.error.code >= 500 else ErrorCode.INTERNAL,
-                                          f"cannot read {key} of {bucket}: {reply.error.description}")
+                                          f"cannot read {asked} of {bucket}: {reply.error.description}")
             got = reply.message
+            key = got.subject[prefix:] if got is not None and got.subject else asked  # `asked` may be a wildcard
             if got is not None and got.data:
                 found[key] = (value(base64.b64decode(got.data)), got.seq)
             elif got is not None and gone is not None:  # a marker's message: it had a value
