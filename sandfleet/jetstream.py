@@ -156,6 +156,7 @@ class _Batch:
     found: list[Msg] = dataclasses.field(default_factory=list)
     status: str = ""
     description: str = ""
+    pending: int = 0  # messages the server had left when it ended the batch (more matches than asked)
 
 
 class BatchedJetStream:
@@ -211,13 +212,19 @@ class BatchedJetStream:
         status; a 404 alone when none has), or None when the bucket serves no direct gets."""
         waiting = _Batch(done=asyncio.get_running_loop().create_future())
         prefix = kv_subject(bucket, "")
-        request = encode({"multi_last": [prefix + key for key in keys], "batch": len(keys)})
+        request = encode({"multi_last": [prefix + key for key in keys], "batch": MULTI_LAST_MAX})
         await self._exchange(
             waiting, lambda reply: [(direct_get_subject(kv_stream(bucket)), request, None, f"{reply}.0")],
             timeout, lambda: f"a read of {len(keys)} keys of {bucket} unanswered")
         if waiting.status == "503":  # no responders: the bucket has no allow_direct
             return None
-        if waiting.status not in ("204", "404"):
+        # A key may be a wildcard (`*.<id>`) matching several: more than a batch's worth (413, or
+        # the batch ended with matches left) are read as two halves, down to one key's.
+        if (waiting.status == "413" or waiting.status == "204" and waiting.pending) and len(keys) > 1:
+            halves = await asyncio.gather(self._read_batch(bucket, keys[: len(keys) // 2], timeout),
+                                          self._read_batch(bucket, keys[len(keys) // 2 :], timeout))
+            return [msg for half in halves for msg in half or ()]
+        if waiting.status not in ("204", "404") or waiting.pending:
             raise errors.ServiceError(ErrorCode.TIMEOUT if int(waiting.status or 0) >= 500 else ErrorCode.INTERNAL,
                                       f"cannot read {bucket}: {waiting.status} {waiting.description}")
         return waiting.found
@@ -360,6 +367,7 @@ def _on_batch_reply(waiting: _Batch, msg: Msg) -> None:
         waiting.found.append(msg)
     elif not waiting.done.done():
         waiting.status, waiting.description = status, (msg.headers or {}).get("Description", "")
+        waiting.pending = int((msg.headers or {}).get("Nats-Num-Pending") or 0)
         waiting.done.set_result(None)
 
 
