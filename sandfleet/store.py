@@ -155,14 +155,24 @@ class SandboxStore:
 
     async def read_many(self, sandbox_ids: list[str], timeout: float = 30.0) -> dict[str, tuple[SandboxRecord, int]]:
         """`get` for many ids, in batches: each record found, with its revision; an id with no
-        record (never made, or purged) is left out. Each id is read as `*.<id>` (any node's key)
-        beside its batch record, in one round trip, to judge which node's key to trust."""
+        record (never made, or purged) is left out. An id whose node this store knows (its batch
+        record, kept once read, or an earlier read or write) is read by its exact key; any other
+        as `*.<id>` (any node's key: a wildcard read costs the server ~3x an exact one), beside
+        its batch record, in one round trip, to judge which node's key to trust."""
+        known: dict[str, str] = {}
+        tokens: set[str] = set()
+        for i in sandbox_ids:
+            placed = sandbox.batch_of(i)
+            batch = self._batches.get(placed[0]) if placed is not None else None
+            if batch is not None or i in self._nodes:
+                known[i] = batch.node if batch is not None else self._nodes[i]
+            elif placed is not None:
+                tokens.add(placed[0])
         gone: set[str] = set()
-        tokens = {placed[0] for placed in map(sandbox.batch_of, sandbox_ids) if placed is not None}
+        keys = [sandbox.record_key(known[i], i) if i in known else sandbox.record_filter(i) for i in sandbox_ids]
         own, batches = await asyncio.gather(
-            self.jetstream.kv_read_many(sandbox.KV_BUCKET, [sandbox.record_filter(i) for i in sandbox_ids],
-                                        _record.decode, timeout, gone),
-            self._read_batches(tokens, timeout))
+            self.jetstream.kv_read_many(sandbox.KV_BUCKET, keys, _record.decode, timeout, gone),
+            self._read_batches(tokens | {p[0] for i in known if (p := sandbox.batch_of(i))}, timeout))
         resolved = record_keys.resolve(own, gone, batches)
         found = resolved.records | record_keys.unwritten(sandbox_ids, resolved, batches)
         if len(self._nodes) + len(resolved.nodes) > NODES_KEPT:

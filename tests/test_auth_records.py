@@ -153,19 +153,23 @@ async def test_a_node_cannot_change_another_nodes_records(bus_url, stores):
     assert {i: await placement.get(i) for i in before} == before
 
     # Records A puts under its own name for B's sandboxes (it may put those keys) are no reader's
-    # record: B's batch names B, and an id under two nodes' keys is no one's.
+    # record: B's batch names B; a reader that read the spare before keeps reading B's key, and
+    # to one that did not, an id under two nodes' keys is no one's.
     a = stores[A]
     for victim in (written, unwritten, spare[0].id):
         record = msgspec.structs.replace(before[victim][0], node=A, tenant="mallory", state=State.RUNNING)
         revisions, refused = await a.jetstream.kv_write_many(
             sandbox.KV_BUCKET, [(sandbox.record_key(A, victim), encode(record), 0)], 10)
         assert revisions[0] and not refused, refused
-    assert (await placement.get(written)) == before[written]
-    assert (await placement.get(unwritten)) == before[unwritten]  # still as its batch says: B's to write first
+    fresh = SandboxStore(placement.bus, placement.kv)  # knows no node of any id yet
+    for reader in (placement, fresh):
+        assert (await reader.get(written)) == before[written]
+        assert (await reader.get(unwritten)) == before[unwritten]  # still as its batch says: B's to write first
+    assert (await placement.get(spare[0].id)) == before[spare[0].id]
     with pytest.raises(errors.ServiceError) as no_one:
-        await placement.get(spare[0].id)
+        await fresh.get(spare[0].id)
     assert no_one.value.code.value == "not_found"
-    assert {r.id: r.node for r in await placement.all()
+    assert {r.id: r.node for r in await fresh.all()
             if r.id in before} == {written: B, unwritten: B}  # the spare's is no one's
     # B still writes its own, the first write of the member A tried to take included.
     assert (await b.transition(unwritten, State.STARTING)).node == B
