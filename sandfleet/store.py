@@ -428,6 +428,27 @@ class SandboxStore:
         except (nats.errors.Error, nats.js.errors.Error, errors.ServiceError):  # a timeout too: the sandbox is gone either way
             pass
 
+    async def rekey(self, timeout: float = 30.0) -> int:
+        """Move the records of the layout before v3 (keyed by id alone) to `<node>.<id>`, for a
+        platform upgraded with sandboxes on it, whose records readers would otherwise not find.
+        For a user that may write every node's keys (placement, as it starts); safe to repeat
+        and to run beside the nodes' writes: a new key written already (by a node since, or an
+        earlier run) is kept, and the old key goes either way. Returns how many were moved."""
+        latest = await kv_values(self.kv, "list sandboxes")
+        old = {key: _record.decode(value) for key, value in latest.items()
+               if "." not in key and not key.startswith(sandbox.BATCH_KEY_PREFIX)}
+        old = {key: r for key, r in old.items() if r.id == key}
+        if not old:
+            return 0
+        revisions, _ = await self.jetstream.kv_write_many(
+            sandbox.KV_BUCKET, [(sandbox.record_key(r.node, r.id), encode(r), 0) for r in old.values()], timeout)
+        marker = {"KV-Operation": "DEL"}
+        refused = [why for why in map(refusal, await self.jetstream.burst(
+            [(kv_subject(sandbox.KV_BUCKET, key), b"", marker) for key in old], timeout)) if why]
+        if refused:
+            log.warning("%d old record key(s) not deleted: %s", len(refused), refused[0])
+        return sum(1 for revision in revisions if revision)
+
     async def drop_batches(self, keys: list[str], timeout: float = 30.0) -> None:
         """Purge batch records every member of which has its own record or was forgotten: they
         are read no more (an own record, or its purge marker, outranks the batch), and a batch

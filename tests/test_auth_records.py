@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 import nats
 import nats.errors
+import nats.js.errors
 import pytest
 
 from sandfleet import errors
@@ -204,3 +205,23 @@ def test_no_node_may_be_called_batch(tmp_path):
     """Its record keys would be placement's batch records."""
     with pytest.raises(CredentialsError):
         AuthDir.of(tmp_path).node(sandbox.BATCH_KEY_NODE)
+
+
+async def test_records_of_the_layout_before_are_moved_to_their_nodes_keys(stores):
+    """A platform upgraded with sandboxes on it: their records, keyed by id alone, are found
+    again once placement has moved them (`rekey`), and a node's write since is not undone."""
+    placement = stores["placement"]
+    old = [_spare(B, 100 + n) for n in range(3)]
+    revisions, refused = await placement.jetstream.kv_write_many(
+        sandbox.KV_BUCKET, [(r.id, encode(r), 0) for r in old], 10)
+    assert all(revisions) and not refused
+    fresh = SandboxStore(placement.bus, placement.kv)
+    assert await fresh.read_many([r.id for r in old]) == {}  # readers look under node keys only
+    newer = msgspec.structs.replace(old[0], state=State.STARTING, seq=2)  # B wrote its new key already
+    await stores[B].jetstream.kv_write_many(sandbox.KV_BUCKET, [(sandbox.record_key(B, newer.id), encode(newer), 0)], 10)
+    assert await placement.rekey() == 2
+    assert await placement.rekey() == 0  # nothing left under the old keys
+    found = await SandboxStore(placement.bus, placement.kv).read_many([r.id for r in old])
+    assert {i: r for i, (r, _) in found.items()} == {newer.id: newer, **{r.id: r for r in old[1:]}}
+    with pytest.raises(nats.js.errors.KeyNotFoundError):
+        await placement.kv.get(old[1].id)
