@@ -120,6 +120,16 @@ def _state() -> Permissions:
         Permissions([jetstream.stream_create_subject(jetstream.kv_stream(node.KV_BUCKET))]))  # created, not written: nodes write their own
 
 
+def _node_state(node_id: str) -> Permissions:
+    """`_state` for a node: the sandbox records read, but written only under the node's own name
+    (`<node>.<id>`: never another node's, nor placement's batch records), and the bucket created
+    but never updated (a node could otherwise change its limits and so drop every record)."""
+    records = jetstream.kv_stream(sandbox.KV_BUCKET)
+    return kv(sandbox.KV_BUCKET).add(Permissions([
+        jetstream.stream_create_subject(records), jetstream.kv_subject(sandbox.KV_BUCKET, sandbox.record_key(node_id, ">")),
+        jetstream.stream_create_subject(jetstream.kv_stream(node.KV_BUCKET))])).add(event_stream(events.ALL_SANDBOX))
+
+
 def service_permissions(name: str) -> Permissions:
     """One cluster service: what it serves (subscribe) and what it calls and writes (publish)."""
     base = _common().add(_state())
@@ -147,15 +157,18 @@ def node_permissions(node_id: str) -> Permissions:
     """Every service of one node (agent, layer-cache, reclaimer, launcher): its own subjects
     only, its own heartbeat key, events and violations under its own id (a sandbox's lifecycle
     events carry no node, so any sandbox's), the layer store it builds into and reads from."""
+    if node_id == sandbox.BATCH_KEY_NODE:  # its records' keys would be placement's batch records
+        raise ValueError(f"no node may be called {node_id!r}")
     own = node.subject(node_id, ">")
-    return _common().add(_state()).add(Permissions(
+    return _common().add(_node_state(node_id)).add(Permissions(
         # INBOX: a port tunnel's frames go to the inbox its client named (a tenant's: under its
         # prefix, schemas/ports.py); MICRO: `sandfleet node --detach` waits until every service answers a ping
         [own, INBOX, ports.tenant_frames_filter("*"), MICRO, violations.subject(node_id, "*", "*"),
          layers.fetch_failed_subject(node_id),
          reclaim.node_filter(node_id), layers.ALL],
         [own, layers.ALL],
-    )).add(kv(node.KV_BUCKET, write=True, keys=node_id)).add(kv(node.BOOKINGS_BUCKET)).add(
+    )).add(kv(node.KV_BUCKET)).add(Permissions([jetstream.kv_subject(node.KV_BUCKET, node_id)])).add(  # not the stream's limits
+        kv(node.BOOKINGS_BUCKET)).add(
         kv(layers.KV_BUCKET, write=True)).add(kv(layers.DIFF_BUCKET, write=True)).add(kv(pools.KV_BUCKET)).add(
         objects(layers.OBJECT_BUCKET, write=True)).add(objects(layers.UPLOAD_BUCKET, write=True))
 
@@ -209,6 +222,8 @@ class AuthDir:
         return self._ensure(self.root / "services" / f"{name}.creds", f"service {name}")
 
     def node(self, node_id: str) -> Path:
+        if node_id == sandbox.BATCH_KEY_NODE:
+            raise CredentialsError(f"no node may be called {node_id!r}: its records' keys would be placement's batch records")
         return self._ensure(self.root / "nodes" / f"{node_id}.creds", f"node {node_id}")
 
     def tenant(self, name: str) -> Path:

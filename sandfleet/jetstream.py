@@ -99,6 +99,7 @@ class _ApiError(msgspec.Struct):
 class _StoredMsg(msgspec.Struct):
     data: str = ""
     seq: int = 0
+    subject: str = ""
 
 
 class _MsgGet(msgspec.Struct):
@@ -155,6 +156,7 @@ class _Batch:
     found: list[Msg] = dataclasses.field(default_factory=list)
     status: str = ""
     description: str = ""
+    pending: int = 0  # messages the server had left when it ended the batch (more matches than asked)
 
 
 class BatchedJetStream:
@@ -210,13 +212,19 @@ class BatchedJetStream:
         status; a 404 alone when none has), or None when the bucket serves no direct gets."""
         waiting = _Batch(done=asyncio.get_running_loop().create_future())
         prefix = kv_subject(bucket, "")
-        request = encode({"multi_last": [prefix + key for key in keys], "batch": len(keys)})
+        request = encode({"multi_last": [prefix + key for key in keys], "batch": MULTI_LAST_MAX})
         await self._exchange(
             waiting, lambda reply: [(direct_get_subject(kv_stream(bucket)), request, None, f"{reply}.0")],
             timeout, lambda: f"a read of {len(keys)} keys of {bucket} unanswered")
         if waiting.status == "503":  # no responders: the bucket has no allow_direct
             return None
-        if waiting.status not in ("204", "404"):
+        # A key may be a wildcard (`*.<id>`) matching several: more than a batch's worth (413, or
+        # the batch ended with matches left) are read as two halves, down to one key's.
+        if (waiting.status == "413" or waiting.status == "204" and waiting.pending) and len(keys) > 1:
+            halves = await asyncio.gather(self._read_batch(bucket, keys[: len(keys) // 2], timeout),
+                                          self._read_batch(bucket, keys[len(keys) // 2 :], timeout))
+            return [msg for half in halves for msg in half or ()]
+        if waiting.status not in ("204", "404") or waiting.pending:
             raise errors.ServiceError(ErrorCode.TIMEOUT if int(waiting.status or 0) >= 500 else ErrorCode.INTERNAL,
                                       f"cannot read {bucket}: {waiting.status} {waiting.description}")
         return waiting.found
@@ -227,12 +235,14 @@ class BatchedJetStream:
         reads = await self.burst([(_msg_get_subject(kv_stream(bucket)),
                                    encode({"last_by_subj": kv_subject(bucket, key)}), None) for key in keys], timeout)
         found = {}
-        for key, msg in zip(keys, reads):
+        prefix = len(kv_subject(bucket, ""))
+        for asked, msg in zip(keys, reads):
             reply = _msg_get.decode(msg.data)
             if reply.error is not None and reply.error.err_code != _NO_MESSAGE:  # unreadable is not absent
                 raise errors.ServiceError(ErrorCode.TIMEOUT if reply.error.code >= 500 else ErrorCode.INTERNAL,
-                                          f"cannot read {key} of {bucket}: {reply.error.description}")
+                                          f"cannot read {asked} of {bucket}: {reply.error.description}")
             got = reply.message
+            key = got.subject[prefix:] if got is not None and got.subject else asked  # `asked` may be a wildcard
             if got is not None and got.data:
                 found[key] = (value(base64.b64decode(got.data)), got.seq)
             elif got is not None and gone is not None:  # a marker's message: it had a value
@@ -357,6 +367,7 @@ def _on_batch_reply(waiting: _Batch, msg: Msg) -> None:
         waiting.found.append(msg)
     elif not waiting.done.done():
         waiting.status, waiting.description = status, (msg.headers or {}).get("Description", "")
+        waiting.pending = int((msg.headers or {}).get("Nats-Num-Pending") or 0)
         waiting.done.set_result(None)
 
 

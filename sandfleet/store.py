@@ -1,4 +1,5 @@
-"""The sandbox records every service shares, in the `sandboxes` KV bucket, and the JetStream state they live in.
+"""The sandbox records every service shares, in the `sandboxes` KV bucket (made with the rest of
+the shared JetStream state by `sandfleet.buckets.ensure_state`, re-exported here).
 
 `SandboxStore` is the only writer of sandbox records: every change is a revision-checked
 update of one record that moves along the state machine (`sandfleet.records` decides each
@@ -6,36 +7,38 @@ move), and every accepted move hands its lifecycle event to the store's `EventPu
 Batches of records go through `BatchedJetStream`, one burst of writes for a whole batch.
 Placement stores a launch's sandboxes as one batch record (`schemas.sandbox.SandboxBatch`):
 until a sandbox's own record is first written, reads give it as its batch says, with
-revision 0, so that first write is one that expects no own record yet.
+revision 0, so that first write is one that expects no own record yet. A sandbox's own record
+is keyed by its node and id (`<node>.<id>`, so each node may be allowed to write its own only);
+a read by id asks for `*.<id>` and trusts one node's key (`sandfleet.record_keys`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import msgspec
 import nats.errors
 import nats.js.errors
-from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.kv import KeyValue
 
-from sandfleet import errors, records
-from sandfleet.bus import Bus, decode, encode, kv_values, through_failover
+from sandfleet import errors, record_keys, records
+from sandfleet.bus import FAILOVER_S, Bus, encode, kv_values, through_failover
+from sandfleet.buckets import ensure_state  # noqa: F401  (re-exported: every service's start)
 from sandfleet.event_publisher import EventPublisher, JetStreamEventPublisher
-from sandfleet.jetstream import BatchedJetStream, kv_stream, kv_subject, refusal
-from schemas import events, node, sandbox
+from sandfleet.jetstream import BatchedJetStream, kv_subject, refusal
+from schemas import sandbox
 from schemas.errors import ErrorCode
 from schemas.sandbox import ENDED, Reason, SandboxRecord, State
 
 log = logging.getLogger("sandfleet.store")
 
-EVENTS_MAX_AGE_S = 7 * 24 * 3600
+BATCHES_KEPT = 4096  # batch records a store keeps read (never changed once written)
+NODES_KEPT = 65536  # ids whose node a store keeps, for a forget with no read first
+GET_TIMEOUT_S = 5.0  # one try of `get`, as nats-py's kv.get had
 _record = msgspec.json.Decoder(SandboxRecord)
 _batch = msgspec.json.Decoder(sandbox.SandboxBatch)
 
@@ -49,64 +52,6 @@ class BatchRefused(errors.ServiceError):
         self.refused = refused
 
 
-async def ensure_state(bus: Bus) -> None:
-    """Create the buckets and the stream if they are missing; safe to call from every service.
-
-    On a clustered bus the bus adapter gives each the cluster's replica count (`Bus.js`)."""
-    js = bus.js
-    try:
-        await js.create_key_value(
-            KeyValueConfig(bucket=sandbox.KV_BUCKET, history=1, storage=StorageType.FILE,
-                           description="sandbox records", direct=True)  # BatchedJetStream.kv_read_many: batched direct gets
-        )
-    except nats.js.errors.BadRequestError:  # made by an older sandfleet (or tuned): keep it, with direct gets
-        await _turn_on(js, kv_stream(sandbox.KV_BUCKET), "allow_direct")
-    await js.create_key_value(
-        KeyValueConfig(
-            bucket=node.KV_BUCKET, history=1, ttl=node.NODE_TTL_S, storage=StorageType.FILE, description="node heartbeats"
-        )
-    )
-    try:
-        await js.add_stream(
-            StreamConfig(
-                name=events.STREAM,
-                subjects=events.STREAM_SUBJECTS,
-                retention=RetentionPolicy.LIMITS,
-                storage=StorageType.FILE,
-                max_age=EVENTS_MAX_AGE_S,
-                duplicate_window=120,
-                allow_batched=True,  # events go in fast-ingest batches (BatchedJetStream.append_many)
-            )
-        )
-    except nats.js.errors.BadRequestError:  # exists with another config (an operator tuned it): keep theirs,
-        await _turn_on(js, events.STREAM, "allow_batched")  # but let it take batches of events
-        await _cover(js, events.STREAM, events.STREAM_SUBJECTS)  # and every event subject this version publishes
-
-
-async def _cover(js: Any, stream: str, subjects: list[str]) -> None:
-    """Add to a stream the `subjects` it does not capture yet (a stream made before lifecycle
-    events moved to `events.v2.`: without this their publishes would find no stream)."""
-    info = await js.stream_info(stream)
-    missing = [s for s in subjects if s not in (info.config.subjects or [])]
-    if missing:
-        try:
-            await js.update_stream(dataclasses.replace(info.config, subjects=[*(info.config.subjects or []), *missing]))
-        except nats.js.errors.Error as exc:
-            log.warning("cannot add %s to stream %s: %s", missing, stream, exc)
-
-
-async def _turn_on(js: Any, stream: str, feature: str) -> None:
-    """Turn on a stream feature (`allow_direct`, `allow_batched`) that a stream made by an older
-    sandfleet lacks, keeping the rest of its config. Where the server refuses, the store reads
-    or writes the slower way instead."""
-    info = await js.stream_info(stream)
-    if not getattr(info.config, feature):
-        try:
-            await js.update_stream(dataclasses.replace(info.config, **{feature: True}))
-        except nats.js.errors.Error as exc:
-            log.warning("cannot turn on %s for stream %s: %s", feature, stream, exc)
-
-
 class SandboxStore:
     def __init__(self, bus: Bus, kv: KeyValue, publisher: EventPublisher | None = None,
                  jetstream: BatchedJetStream | None = None) -> None:
@@ -118,55 +63,76 @@ class SandboxStore:
         # What this process last wrote, so its next update needs no read first; a stale entry
         # only costs one failed update (the revision check) and a re-read.
         self._written: dict[str, tuple[SandboxRecord, int]] = {}
+        self._nodes: dict[str, str] = {}  # id -> the node whose key holds its record, as last read or written
+        self._batches: dict[str, sandbox.SandboxBatch] = {}  # token -> batch record, as read
 
     @classmethod
     async def open(cls, bus: Bus, publisher: EventPublisher | None = None) -> SandboxStore:
         return cls(bus, await bus.js.key_value(sandbox.KV_BUCKET), publisher)
 
     async def get(self, sandbox_id: str) -> tuple[SandboxRecord, int]:
-        """The record and its revision (0: as its batch says, no own record yet)."""
-        try:
-            entry = await through_failover(lambda: self.kv.get(sandbox_id), f"get {sandbox_id}")
-        except nats.js.errors.KeyNotFoundError as exc:
-            # nats-py says "not found" for a deleted key too, with the marker's operation: a
-            # forgotten sandbox, which its batch no longer speaks for.
-            gone = {sandbox_id} if exc.op is not None else set()
-            found = await self._as_batched([sandbox_id], gone, 30.0)
-            if sandbox_id in found:
-                return found[sandbox_id]
-            raise errors.ServiceError(ErrorCode.NOT_FOUND, f"no sandbox {sandbox_id}") from None
-        if entry.value is None:
+        """The record and its revision (0: as its batch says, no own record yet); tried again
+        while the cluster fails over, like any JetStream read (`through_failover`)."""
+        deadline = asyncio.get_running_loop().time() + FAILOVER_S
+        while True:
+            try:
+                found = await through_failover(lambda: self.read_many([sandbox_id], GET_TIMEOUT_S), f"get {sandbox_id}")
+                break
+            except errors.ServiceError as exc:  # unanswered: a replica may be taking over
+                if exc.code is not ErrorCode.TIMEOUT or asyncio.get_running_loop().time() > deadline:
+                    raise
+        if sandbox_id not in found:
             raise errors.ServiceError(ErrorCode.NOT_FOUND, f"no sandbox {sandbox_id}")
-        return decode(entry.value, SandboxRecord), entry.revision
+        return found[sandbox_id]
 
     async def read_many(self, sandbox_ids: list[str], timeout: float = 30.0) -> dict[str, tuple[SandboxRecord, int]]:
         """`get` for many ids, in batches: each record found, with its revision; an id with no
-        record (never made, or purged) is left out."""
-        gone: set[str] = set()
-        found = await self.jetstream.kv_read_many(sandbox.KV_BUCKET, sandbox_ids, _record.decode, timeout, gone)
-        missing = [i for i in sandbox_ids if i not in found]
-        return found | await self._as_batched(missing, gone, timeout) if missing else found
-
-    async def _as_batched(self, sandbox_ids: list[str], gone: set[str], timeout: float
-                          ) -> dict[str, tuple[SandboxRecord, int]]:
-        """The records, as their batches say, of ids with no own record (`gone`: ids whose own
-        record was forgotten, which no batch brings back), each with revision 0."""
-        members: dict[str, list[tuple[str, int]]] = {}
+        record (never made, or purged) is left out. An id whose node this store knows (its batch
+        record, kept once read, or an earlier read or write) is read by its exact key; any other
+        as `*.<id>` (any node's key: a wildcard read costs the server ~3x an exact one), beside
+        its batch record, in one round trip, to judge which node's key to trust."""
+        known: dict[str, str] = {}
+        tokens: set[str] = set()
         for i in sandbox_ids:
             placed = sandbox.batch_of(i)
-            if placed is not None and i not in gone:
-                members.setdefault(sandbox.batch_key(placed[0]), []).append((i, placed[1]))
-        if not members:
-            return {}
-        batches = await self.jetstream.kv_read_many(sandbox.KV_BUCKET, list(members), _batch.decode, timeout)
-        return {i: (batch.record(n), 0) for key, (batch, _) in batches.items() for i, n in members[key]
-                if n < batch.count}
+            batch = self._batches.get(placed[0]) if placed is not None else None
+            if batch is not None or i in self._nodes:
+                known[i] = batch.node if batch is not None else self._nodes[i]
+            elif placed is not None:
+                tokens.add(placed[0])
+        gone: set[str] = set()
+        keys = [sandbox.record_key(known[i], i) if i in known else sandbox.record_filter(i) for i in sandbox_ids]
+        own, batches = await asyncio.gather(
+            self.jetstream.kv_read_many(sandbox.KV_BUCKET, keys, _record.decode, timeout, gone),
+            self._read_batches(tokens | {p[0] for i in known if (p := sandbox.batch_of(i))}, timeout))
+        resolved = record_keys.resolve(own, gone, batches)
+        found = resolved.records | record_keys.unwritten(sandbox_ids, resolved, batches)
+        if len(self._nodes) + len(resolved.nodes) > NODES_KEPT:
+            self._nodes.clear()
+        self._nodes.update(resolved.nodes)
+        return found
+
+    async def _read_batches(self, tokens: set[str], timeout: float) -> dict[str, sandbox.SandboxBatch]:
+        """The batch records of `tokens` (kept once read: a batch record never changes)."""
+        missing = [sandbox.batch_key(t) for t in tokens if t not in self._batches]
+        if missing:
+            if len(self._batches) + len(missing) > BATCHES_KEPT:
+                self._batches.clear()
+            read = await self.jetstream.kv_read_many(sandbox.KV_BUCKET, missing, _batch.decode, timeout)
+            self._batches.update((batch.token, batch) for batch, _ in read.values())
+        return {t: self._batches[t] for t in tokens if t in self._batches}
+
+    def _key(self, record: SandboxRecord) -> str:
+        if len(self._nodes) >= NODES_KEPT:
+            self._nodes.clear()
+        self._nodes[record.id] = record.node
+        return sandbox.record_key(record.node, record.id)
 
     async def create(self, record: SandboxRecord) -> SandboxRecord:
         """Store a new record (state `scheduled`) and publish its first event."""
         record, event = records.first(record)
         try:  # placement writes once; not worth caching
-            await through_failover(lambda: self.kv.create(record.id, encode(record)), f"create {record.id}")
+            await through_failover(lambda: self.kv.create(self._key(record), encode(record)), f"create {record.id}")
         except nats.js.errors.KeyWrongLastSequenceError:
             if (await self.get(record.id))[0] != record:  # else: our own write, its ack lost in a failover
                 raise errors.ServiceError(ErrorCode.CONFLICT, f"sandbox {record.id} exists") from None
@@ -183,7 +149,7 @@ class SandboxStore:
         # (`failed`), or for an id that another sandbox has (one chance in 2^48 per id), where
         # the event's id deduplicates it against that sandbox's own within two minutes.
         (revisions, refused), _ = await asyncio.gather(
-            self.jetstream.kv_write_many(sandbox.KV_BUCKET, [(r.id, encode(r), 0) for r, _ in firsts], timeout),
+            self.jetstream.kv_write_many(sandbox.KV_BUCKET, [(self._key(r), encode(r), 0) for r, _ in firsts], timeout),
             self.publisher.publish_many([e for _, e in firsts], timeout),
         )
         if refused:
@@ -238,7 +204,7 @@ class SandboxStore:
         written ones of that batch get theirs first, so their trail is whole when it ends."""
         firsts = [records.first(r) for r in batch]
         revisions, refused = await self.jetstream.kv_write_many(
-            sandbox.KV_BUCKET, [(r.id, encode(r), 0) for r, _ in firsts], timeout)
+            sandbox.KV_BUCKET, [(self._key(r), encode(r), 0) for r, _ in firsts], timeout)
 
         async def announce() -> None:
             await self.publisher.publish_many([e for n, (_, e) in enumerate(firsts) if n not in refused], timeout)
@@ -277,7 +243,7 @@ class SandboxStore:
             else:
                 moves.append(move)
         revisions, _ = await self.jetstream.kv_write_many(
-            sandbox.KV_BUCKET, [(r.id, encode(r), known[r.id][1]) for r, _ in moves], 30.0)
+            sandbox.KV_BUCKET, [(self._key(r), encode(r), known[r.id][1]) for r, _ in moves], 30.0)
         keep = new not in ENDED  # an ended record is written no more: nothing to remember
         published = []
         for (updated, event), revision in zip(moves, revisions):
@@ -351,8 +317,8 @@ class SandboxStore:
         raise errors.ServiceError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is being changed by others; retry")
 
     async def _update(self, sandbox_id: str, record: SandboxRecord, revision: int) -> int:
-        payload = encode(record)
-        return await through_failover(lambda: self.kv.update(sandbox_id, payload, last=revision), f"update {sandbox_id}")
+        payload, key = encode(record), self._key(record)
+        return await through_failover(lambda: self.kv.update(key, payload, last=revision), f"update {sandbox_id}")
 
     async def all(self, node_id: str | None = None, include_ended: bool = False,
                   spent: list[str] | None = None) -> list[SandboxRecord]:
@@ -362,15 +328,17 @@ class SandboxStore:
         records (on `node_id`) that no longer speak for any sandbox (`drop_batches`)."""
         gone: set[str] = set()
         latest = await kv_values(self.kv, "list sandboxes", gone=gone)
-        found = [decode(value, SandboxRecord) for key, value in latest.items() if "." not in key]
-        for key, value in latest.items():
-            if key.startswith(sandbox.BATCH_KEY_PREFIX):  # its members with no own record
-                batch = _batch.decode(value)
-                if node_id is None or batch.node == node_id:
-                    unwritten = [batch.record(n) for n, i in enumerate(batch.ids()) if i not in latest and i not in gone]
-                    found += unwritten
-                    if not unwritten and spent is not None:
-                        spent.append(key)
+        batches = {b.token: b for b in (_batch.decode(v) for k, v in latest.items()
+                                        if k.startswith(sandbox.BATCH_KEY_PREFIX))}
+        resolved = record_keys.resolve({k: (_record.decode(v), 0) for k, v in latest.items()
+                                        if sandbox.record_key_parts(k) is not None}, gone, batches)
+        found = [r for r, _ in resolved.records.values()]
+        for batch in batches.values():  # its members with no own record
+            if node_id is None or batch.node == node_id:
+                unwritten = record_keys.unwritten(batch.ids(), resolved, batches)
+                found += [r for r, _ in unwritten.values()]
+                if not unwritten and spent is not None:
+                    spent.append(sandbox.batch_key(batch.token))
         return [r for r in found
                 if (node_id is None or r.node == node_id) and (include_ended or r.state not in ENDED)]
 
@@ -387,15 +355,37 @@ class SandboxStore:
         """Drop an ended record; its events stay in the stream as the audit trail."""
         self._written.pop(sandbox_id, None)
         try:
-            await self.kv.purge(sandbox_id)
-        except (nats.errors.Error, nats.js.errors.Error):  # a timeout too: the sandbox is gone either way
+            node_id = self._nodes.pop(sandbox_id, None) or (await self.get(sandbox_id))[0].node
+            await self.kv.delete(sandbox.record_key(node_id, sandbox_id))  # the bucket takes no purges (`_bucket`)
+        except (nats.errors.Error, nats.js.errors.Error, errors.ServiceError):  # a timeout too: the sandbox is gone either way
             pass
+
+    async def rekey(self, timeout: float = 30.0) -> int:
+        """Move the records of the layout before v3 (keyed by id alone) to `<node>.<id>`, for a
+        platform upgraded with sandboxes on it, whose records readers would otherwise not find.
+        For a user that may write every node's keys (placement, as it starts); safe to repeat
+        and to run beside the nodes' writes: a new key written already (by a node since, or an
+        earlier run) is kept, and the old key goes either way. Returns how many were moved."""
+        latest = await kv_values(self.kv, "list sandboxes")
+        old = {key: _record.decode(value) for key, value in latest.items()
+               if "." not in key and not key.startswith(sandbox.BATCH_KEY_PREFIX)}
+        old = {key: r for key, r in old.items() if r.id == key}
+        if not old:
+            return 0
+        revisions, _ = await self.jetstream.kv_write_many(
+            sandbox.KV_BUCKET, [(sandbox.record_key(r.node, r.id), encode(r), 0) for r in old.values()], timeout)
+        marker = {"KV-Operation": "DEL"}
+        refused = [why for why in map(refusal, await self.jetstream.burst(
+            [(kv_subject(sandbox.KV_BUCKET, key), b"", marker) for key in old], timeout)) if why]
+        if refused:
+            log.warning("%d old record key(s) not deleted: %s", len(refused), refused[0])
+        return sum(1 for revision in revisions if revision)
 
     async def drop_batches(self, keys: list[str], timeout: float = 30.0) -> None:
         """Purge batch records every member of which has its own record or was forgotten: they
         are read no more (an own record, or its purge marker, outranks the batch), and a batch
         of one would otherwise outlive its sandbox's record by its whole spec."""
-        marker = {"KV-Operation": "PURGE", "Nats-Rollup": "sub"}  # what nats-py's kv.purge sends
+        marker = {"KV-Operation": "PURGE"}  # what nats-py's kv.purge sends, less the rollup the bucket refuses
         refused = [why for why in map(refusal, await self.jetstream.burst(
             [(kv_subject(sandbox.KV_BUCKET, key), b"", marker) for key in keys], timeout)) if why]
         if refused:

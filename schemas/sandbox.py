@@ -233,20 +233,46 @@ class SandboxRecord(msgspec.Struct, frozen=True, kw_only=True):
     tenant: str = ""
 
 
+# -- the keys of the `sandboxes` bucket (record layout v3) ------------------------------------
+# A sandbox's own record lives under `<node>.<id>`, its node's name first, so a node's bus user
+# may be allowed puts of `$KV.sandboxes.<its node>.>` and nothing else of the bucket; placement's
+# batch records live under `batch.<token>` (no node may be called `batch`). A reader that knows
+# only the id asks for `*.<id>` (a wildcard last-by-subject read; it costs the server ~3x an
+# exact key's, so a reader that knows the node, e.g. from the batch record, reads the exact key).
+
+
+def record_key(node_id: str, sandbox_id: str) -> str:
+    return f"{node_id}.{sandbox_id}"
+
+
+def record_filter(sandbox_id: str) -> str:
+    """The keys any node could hold `sandbox_id`'s record under."""
+    return f"*.{sandbox_id}"
+
+
+def record_key_parts(key: str) -> tuple[str, str] | None:
+    """(node, sandbox id) of an own record's key; None for a batch record's (or a foreign) key."""
+    node_id, dot, sandbox_id = key.partition(".")
+    if not dot or not sandbox_id or "." in sandbox_id or key.startswith(BATCH_KEY_PREFIX):
+        return None
+    return node_id, sandbox_id
+
+
 # -- the batch record (record layout v2) ---------------------------------------------------
 # One KV value holds a whole launch's sandboxes as placement scheduled them: at 100 and more a
 # batch, the bus stores one message where it stored one per sandbox. Each sandbox is
-# `scheduled` as its batch says (seq 1) until its own record (`sandboxes/<id>`) is first
+# `scheduled` as its batch says (seq 1) until its own record (`sandboxes/<node>.<id>`) is first
 # written, by a revision-checked write that expects no value under its key (revision 0), so
 # the first to change it wins as before; from then its own record is the record. Its id names
 # its batch: `sb-<token>-<n>` is member n of the batch under `batch.<token>`.
 
 BATCH_KEY_PREFIX = "batch."
+BATCH_KEY_NODE = "batch"  # the first token of a batch key: a name no node may have
 BATCH_TOKEN_HEX = 10  # random hex per batch; a token in use already is refused and drawn again
 
 
 def batch_key(token: str) -> str:
-    """The KV key of the batch `token`, beside the sandboxes' own keys (theirs have no dot)."""
+    """The KV key of the batch `token`, beside the sandboxes' own keys (`<node>.<id>`)."""
     return BATCH_KEY_PREFIX + token
 
 

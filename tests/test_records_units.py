@@ -13,9 +13,11 @@ from nats.aio.msg import Msg
 from sandfleet import errors, records
 from sandfleet.event_publisher import messages
 from sandfleet.jetstream import BatchedJetStream, _Batch, _Burst, _Ingest, refusal
+from sandfleet.record_keys import resolve, unwritten
 from schemas import events
 from schemas.errors import ErrorCode
-from schemas.sandbox import TRANSITIONS, Reason, SandboxRecord, SandboxSpec, State
+from schemas.sandbox import (TRANSITIONS, Reason, SandboxBatch, SandboxRecord, SandboxSpec, State, record_key,
+                             record_key_parts)
 
 
 def _record(state: State, seq: int = 4, **fields) -> SandboxRecord:  # type: ignore[no-untyped-def]
@@ -168,3 +170,28 @@ def test_a_refusal_is_an_error_reply_or_a_status_and_an_ack_is_neither():
     assert refusal(_reply("r", b'{"error":{"code":400,"err_code":10071,"description":"wrong last sequence: 3"}}')
                    ).startswith('{"error"')
     assert refusal(_reply("r", b"", {"Status": "503"})) == "status 503"
+
+
+def test_a_record_is_read_only_under_the_key_of_the_node_trusted_with_it():
+    """`record_keys.resolve`: the batch's node, else the only holder; a copy under a second node's
+    key leaves the id to no one; a value naming another node than its key is not trusted."""
+    spec = SandboxSpec(cpu=0.1, memory_mb=64)
+    batch = SandboxBatch(token="0123456789", node="b", spec=spec, count=3, created_at=1.0)
+    member, unwritten_member, forgotten = batch.ids()
+
+    def entry(sandbox_id: str, node: str, revision: int = 5) -> tuple[SandboxRecord, int]:
+        return SandboxRecord(id=sandbox_id, node=node, spec=spec, state=State.RUNNING, created_at=1.0,
+                             updated_at=1.0), revision
+
+    own = {record_key("b", member): entry(member, "b"), record_key("a", member): entry(member, "a"),
+           record_key("a", unwritten_member): entry(unwritten_member, "a"),
+           record_key("a", forgotten): entry(forgotten, "a"),
+           record_key("b", "sb-spare"): entry("sb-spare", "b"), record_key("a", "sb-copied"): entry("sb-copied", "a"),
+           record_key("b", "sb-copied"): entry("sb-copied", "b"), record_key("c", "sb-lying"): entry("sb-lying", "b")}
+    resolved = resolve(own, [record_key("b", forgotten)], {batch.token: batch})
+    assert {i: r.node for i, (r, _) in resolved.records.items()} == {member: "b", "sb-spare": "b"}
+    assert resolved.gone == {forgotten}
+    assert resolved.nodes == {member: "b", unwritten_member: "b", forgotten: "b", "sb-spare": "b", "sb-lying": "c"}
+    assert unwritten(batch.ids(), resolved, {batch.token: batch}) == {unwritten_member: (batch.record(1), 0)}
+    assert record_key_parts(record_key("n1", "sb-x")) == ("n1", "sb-x")
+    assert record_key_parts("batch.0123456789") is None and record_key_parts("sb-x") is None
