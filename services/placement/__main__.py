@@ -72,7 +72,10 @@ async def sweep_lost(deps: handlers.Deps) -> None:
 async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
     async with runner.service_bus("placement", config) as bus:
         view = NodeView(limits=Limits.from_env())
-        deps = handlers.Deps(bus=bus, store=await SandboxStore.open(bus), nodes=view,
+        store = await SandboxStore.open(bus)
+        if moved := await store.rekey():  # a platform upgraded in place from the layout keyed by id alone
+            log.info("moved %d sandbox record(s) to their nodes' keys (record layout v3)", moved)
+        deps = handlers.Deps(bus=bus, store=store, nodes=view,
                              ledger=await Ledger.open(bus, view), quotas=await Quotas.open(bus),
                              pools=await PoolBook.open(bus))
         assert deps.ledger is not None and deps.quotas is not None and deps.pools is not None
