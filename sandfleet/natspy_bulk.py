@@ -330,13 +330,14 @@ Payload = bytes | bytearray | memoryview | FileRange | list[bytes]  # a list: it
 async def publish_bulk(nc: Client, subject: str, reply: str, headers: dict[str, str], payload: Payload,
                        timeout: float = 60.0) -> None:
     """Publish without joining the payload to its frame: what nc has pending goes first, then
-    the frame's line and headers, the payload (a list: its parts, never joined) and its end,
-    handed to the socket's writer in one `writelines` (on uvloop, the services' loop, one
-    writev of the parts as they are: what the socket does not take at once is kept by
-    reference, not copied; asyncio's own loop joins them, one copy as before; a `FileRange`
-    goes from its file by sendfile, natspy_sendfile.py, within `timeout`). Then wait for the
-    writer to drain, as nats-py's flusher does. While the connection is not plainly up
-    (reconnecting, draining, a websocket) it is nc.publish, with its buffering and refusals."""
+    the frame's line and headers, the payload and its end, each handed to the socket's writer
+    as it is (what the socket takes at once is never copied). A list payload's parts go in one
+    `writelines`: on uvloop, the services' loop, one writev of the parts as they are, what the
+    socket does not take at once kept by reference, not copied (asyncio's own loop joins them:
+    one copy, as joining them first would). A `FileRange` goes from its file by sendfile
+    (natspy_sendfile.py), within `timeout`. Then wait for the writer to drain, as nats-py's
+    flusher does. While the connection is not plainly up (reconnecting, draining, a websocket)
+    it is nc.publish, with its buffering and refusals."""
     transport = nc._transport
     if not (nc.is_connected and not nc.is_draining_pubs and isinstance(transport, TcpTransport)):
         if isinstance(payload, FileRange):
@@ -358,7 +359,12 @@ async def publish_bulk(nc: Client, subject: str, reply: str, headers: dict[str, 
         if can_sendfile(transport):
             return await send_frame(nc, line + head, payload, b"\r\n", timeout)
         payload = await asyncio.to_thread(payload.read)  # TLS: its bytes, through the TLS transport
-    transport.writelines([line + head, *(parts if parts is not None else (payload,)), b"\r\n"])
+    if parts is not None:
+        transport.writelines([line + head, *parts, b"\r\n"])
+    else:  # not writelines: asyncio's would join them, copying what the socket takes at once
+        transport.write(line + head)
+        transport.write(payload)
+        transport.write(b"\r\n")
     nc.stats["out_msgs"] += 1
     nc.stats["out_bytes"] += size
     await transport.drain()

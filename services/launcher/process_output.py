@@ -99,8 +99,8 @@ class OutputBuffer:
             if stop <= offset:
                 continue
             data = chunk.data
-            if chunk.offset < offset or len(data) > room:  # a view, not a copy: a reply's first and last chunk
-                data = memoryview(data)[max(0, offset - chunk.offset):][:room]  # are mostly cut (stream 1 GiB: ~1/8 of it)
+            if chunk.offset < offset or len(data) > room:  # a reply's first and last chunk are mostly cut:
+                data = memoryview(data)[max(0, offset - chunk.offset):][:room]  # a view, not a copy
             out.append(Chunk(stream=chunk.stream, offset=max(offset, chunk.offset), data=data))
             room -= len(data)
             if room <= 0:

@@ -35,7 +35,7 @@ class Transfer:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     next_seq: int = 0  # upload: the next chunk to write; download: the next to read
     held: dict[int, bytes] = field(default_factory=dict)  # chunks out of order (upload) or read ahead (download)
-    acks: dict[int, asyncio.Future] = field(default_factory=dict)  # upload: held chunks' handlers, waiting for the write
+    acks: dict[int, asyncio.Future] = field(default_factory=dict)  # upload: held chunks' handlers, waiting
     writer: asyncio.Task | None = None  # upload: writing the held chunks in order (files._write_in_order)
     delivered: int = 0  # download: chunks below this were answered
     eof_seq: int = -1  # download: the chunk that was empty (the stream's end)
