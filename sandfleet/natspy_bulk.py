@@ -324,26 +324,34 @@ def header_block(headers: dict[str, str]) -> bytes:
     return ("NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode()
 
 
-async def publish_bulk(nc: Client, subject: str, reply: str, headers: dict[str, str],
-                       payload: bytes | bytearray | memoryview | FileRange, timeout: float = 60.0) -> None:
+Payload = bytes | bytearray | memoryview | FileRange | list[bytes]  # a list: its parts, sent as one payload
+
+
+async def publish_bulk(nc: Client, subject: str, reply: str, headers: dict[str, str], payload: Payload,
+                       timeout: float = 60.0) -> None:
     """Publish without joining the payload to its frame: what nc has pending goes first, then
     the frame's line and headers, the payload and its end, each handed to the socket's writer
-    as it is (what the socket takes at once is never copied; a `FileRange` goes from its file
-    by sendfile, natspy_sendfile.py, within `timeout`). Then wait for the writer to drain, as
-    nats-py's flusher does. While the connection is not plainly up (reconnecting, draining, a
-    websocket) it is nc.publish, with its buffering and refusals."""
+    as it is (what the socket takes at once is never copied). A list payload's parts go in one
+    `writelines`: on uvloop, the services' loop, one writev of the parts as they are, what the
+    socket does not take at once kept by reference, not copied (asyncio's own loop joins them:
+    one copy, as joining them first would). A `FileRange` goes from its file by sendfile
+    (natspy_sendfile.py), within `timeout`. Then wait for the writer to drain, as nats-py's
+    flusher does. While the connection is not plainly up (reconnecting, draining, a websocket)
+    it is nc.publish, with its buffering and refusals."""
     transport = nc._transport
     if not (nc.is_connected and not nc.is_draining_pubs and isinstance(transport, TcpTransport)):
         if isinstance(payload, FileRange):
             payload = await asyncio.to_thread(payload.read)
-        await nc.publish(subject, bytes(payload), reply=reply, headers=headers)
+        await nc.publish(subject, _joined(payload), reply=reply, headers=headers)
         return
-    if len(payload) > nc.max_payload:
+    parts = payload if isinstance(payload, list) else None
+    size = sum(map(len, parts)) if parts is not None else len(payload)
+    if size > nc.max_payload:
         raise nats.errors.MaxPayloadError
     target = f"{subject} {reply}" if reply else subject
     head = header_block(headers) if headers else b""
-    line = (f"HPUB {target} {len(head)} {len(head) + len(payload)}\r\n" if head
-            else f"PUB {target} {len(payload)}\r\n").encode()
+    line = (f"HPUB {target} {len(head)} {len(head) + size}\r\n" if head
+            else f"PUB {target} {size}\r\n").encode()
     if nc._pending:  # in order: a SUB queued before this request (its reply's) must reach the server first
         transport.writelines(nc._pending)
         nc._pending, nc._pending_data_size = [], 0
@@ -351,16 +359,22 @@ async def publish_bulk(nc: Client, subject: str, reply: str, headers: dict[str, 
         if can_sendfile(transport):
             return await send_frame(nc, line + head, payload, b"\r\n", timeout)
         payload = await asyncio.to_thread(payload.read)  # TLS: its bytes, through the TLS transport
-    transport.write(line + head)
-    transport.write(payload)
-    transport.write(b"\r\n")
+    if parts is not None:
+        transport.writelines([line + head, *parts, b"\r\n"])
+    else:  # not writelines: asyncio's would join them, copying what the socket takes at once
+        transport.write(line + head)
+        transport.write(payload)
+        transport.write(b"\r\n")
     nc.stats["out_msgs"] += 1
-    nc.stats["out_bytes"] += len(payload)
+    nc.stats["out_bytes"] += size
     await transport.drain()
 
 
-async def request_bulk(nc: Client, subject: str, headers: dict[str, str],
-                       payload: bytes | bytearray | memoryview | FileRange, timeout: float) -> Msg:
+def _joined(payload: bytes | bytearray | memoryview | list[bytes]) -> bytes:
+    return b"".join(payload) if isinstance(payload, list) else bytes(payload)
+
+
+async def request_bulk(nc: Client, subject: str, headers: dict[str, str], payload: Payload, timeout: float) -> Msg:
     """nc.request (its new style: one wildcard inbox subscription, a future per request in
     `Client._resp_map`, keyed by the token after `Client._resp_sub_prefix`), sent by
     `publish_bulk`, with the reply's inbox marked bulk while it is awaited."""

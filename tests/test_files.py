@@ -456,3 +456,55 @@ async def test_destroy_ends_a_watch_and_its_waiting_poll(make, platform):
     await sb.destroy()
     assert await waiting == [] and w.ended
     assert _inotify_fds(launcher) == before
+
+
+class _GatedSink:
+    """An upload's end whose writes of chosen chunks wait for a gate (or fail), for the node's
+    order of writes and acks without a sandbox (services/launcher/files._write_in_order)."""
+
+    def __init__(self, gated: bytes, failing: bytes = b"") -> None:
+        import threading
+        self.gate, self.gated, self.failing = threading.Event(), gated, failing
+        self.size, self.written = 0, []
+
+    def write(self, data: bytes) -> None:
+        if data == self.gated:
+            self.gate.wait(30)
+        if data == self.failing:
+            raise OSError(28, "No space left on device")
+        self.written.append(data)
+        self.size += len(data)
+
+    def commit(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+async def test_a_chunk_is_acked_when_it_is_written_not_with_those_written_after_it():
+    from services.launcher.files import _write_in_order
+    from services.launcher.transfers import Transfer
+
+    sink = _GatedSink(gated=b"one")
+    transfer = Transfer(id="t", end=sink, check="xxh3-128", idle_s=60)
+    acks = [transfer.hold(seq, data, True) for seq, data in enumerate((b"zero", b"one", b"two"))]
+    writer = asyncio.ensure_future(_write_in_order(transfer))
+    await asyncio.wait_for(acks[0], 10)  # while chunk 1's write is held at its gate
+    assert not acks[1].done() and not acks[2].done() and sink.written == [b"zero"]
+    sink.gate.set()
+    await asyncio.wait_for(asyncio.gather(*acks, writer), 10)
+    assert sink.written == [b"zero", b"one", b"two"] and transfer.next_seq == 3 and not transfer.acks
+
+
+async def test_a_failed_write_fails_its_chunk_and_every_chunk_held_after_it():
+    from services.launcher.files import _write_in_order
+    from services.launcher.transfers import Transfer
+
+    sink = _GatedSink(gated=b"", failing=b"one")
+    transfer = Transfer(id="t", end=sink, check="xxh3-128", idle_s=60)
+    acks = [transfer.hold(seq, data, True) for seq, data in enumerate((b"zero", b"one", b"two"))]
+    await asyncio.wait_for(_write_in_order(transfer), 10)
+    assert acks[0].result() is None and sink.written == [b"zero"]
+    for ack in acks[1:]:
+        with pytest.raises(errors.ServiceError, match="ENOSPC"):
+            ack.result()
+    assert transfer.failed is not None and not transfer.held and not transfer.acks

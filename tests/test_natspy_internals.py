@@ -333,3 +333,29 @@ def test_payloads_read_ahead_of_the_parser_pause_the_socket_until_it_takes_them(
     assert not socket.reading  # held to _BODIES_HELD payloads however fast the socket is
     direct.taken(Parser.bodies)
     assert socket.reading
+
+
+async def _parts_arrive_whole(url: str) -> list[bytes]:
+    """A payload given as parts (bytes, a memoryview cut from bytes, a tiny one) and the same
+    parts empty, published on this loop; what a subscriber got."""
+    conn = await nats.connect(url)
+    try:
+        got, done = await _collect(conn, "parts.>", 2)
+        big = bytes(range(256)) * 1500
+        await natspy_bulk.publish_bulk(conn, "parts.one", "", {"A": "b"}, [big, memoryview(big)[7:200_007], b"!"])
+        await natspy_bulk.publish_bulk(conn, "parts.none", "", {}, [])
+        await asyncio.wait_for(done, 10)
+        return [bytes(m.data) for m in got]
+    finally:
+        await conn.close()
+
+
+def test_a_payload_of_parts_arrives_as_their_bytes_in_order_on_both_loops(nats_url):
+    # The services run on uvloop, whose writelines writes the parts by reference; asyncio's joins them.
+    import uvloop
+
+    big = bytes(range(256)) * 1500
+    want = [big + big[7:200_007] + b"!", b""]
+    assert asyncio.run(_parts_arrive_whole(nats_url)) == want
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert runner.run(_parts_arrive_whole(nats_url)) == want

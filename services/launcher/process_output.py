@@ -88,7 +88,8 @@ class OutputBuffer:
             room.set_result(None)
 
     def read(self, offset: int, max_bytes: int) -> tuple[list[Chunk], int, int]:
-        """(chunks from `offset` up to max_bytes, the next offset, bytes dropped before them)."""
+        """(chunks from `offset` up to max_bytes, the next offset, bytes dropped before them); a
+        chunk cut to fit is a memoryview of the bytes held (not copied; bytes never change)."""
         dropped = max(0, self.start - offset)
         offset = max(offset, self.start)
         out: list[Chunk] = []
@@ -97,8 +98,9 @@ class OutputBuffer:
             stop = chunk.offset + len(chunk.data)
             if stop <= offset:
                 continue
-            data = chunk.data[offset - chunk.offset:] if chunk.offset < offset else chunk.data
-            data = data[:room]
+            data = chunk.data
+            if chunk.offset < offset or len(data) > room:  # a reply's first and last chunk are mostly cut:
+                data = memoryview(data)[max(0, offset - chunk.offset):][:room]  # a view, not a copy
             out.append(Chunk(stream=chunk.stream, offset=max(offset, chunk.offset), data=data))
             room -= len(data)
             if room <= 0:

@@ -231,7 +231,7 @@ async def read(table: ProcessTable, req: ReadRequest) -> ReadReply | Raw:
     if spans:
         next_offset = spans[-1].offset + spans[-1].size
     done = process.exit is not None and next_offset >= buffer.end
-    body = chunks[0].data if len(chunks) == 1 else b"".join(c.data for c in chunks)
+    body = [c.data for c in chunks]  # sent as they are, never joined (natspy_bulk.publish_bulk)
     return Raw(RawReadReply(spans=spans, next_offset=next_offset, dropped=dropped, exit=process.exit if done else None),
                body)
 

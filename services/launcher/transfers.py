@@ -35,6 +35,8 @@ class Transfer:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     next_seq: int = 0  # upload: the next chunk to write; download: the next to read
     held: dict[int, bytes] = field(default_factory=dict)  # chunks out of order (upload) or read ahead (download)
+    acks: dict[int, asyncio.Future] = field(default_factory=dict)  # upload: held chunks' handlers, waiting
+    writer: asyncio.Task | None = None  # upload: writing the held chunks in order (files._write_in_order)
     delivered: int = 0  # download: chunks below this were answered
     eof_seq: int = -1  # download: the chunk that was empty (the stream's end)
     failed: ServiceError | None = None
@@ -48,6 +50,30 @@ class Transfer:
         if self.closed:
             raise ServiceError(ErrorCode.NOT_FOUND, f"transfer {self.id} has ended")
         return await asyncio.to_thread(blocking, *args)
+
+    def hold(self, seq: int, data: bytes, waits: bool) -> asyncio.Future | None:
+        """An upload's chunk kept until it is next; if it `waits`, a future done when it is
+        written (or failed, or the transfer ended first)."""
+        self.held[seq] = data
+        if not waits:
+            return None
+        written = self.acks[seq] = asyncio.get_running_loop().create_future()
+        return written
+
+    def written(self, seq: int, failure: BaseException | None = None) -> None:
+        """Chunk `seq` is written (or failed: then so does every chunk still held)."""
+        ack = self.acks.pop(seq, None)
+        if ack is not None and not ack.done():
+            ack.set_result(None) if failure is None else ack.set_exception(failure)
+        if failure is not None:
+            self._let_go(failure)
+
+    def _let_go(self, failure: BaseException) -> None:
+        self.held.clear()
+        for ack in self.acks.values():
+            if not ack.done():
+                ack.set_exception(failure)
+        self.acks.clear()
 
     def write(self, data: bytes) -> None:
         """The upload's next chunk written and hashed (blocking: through `run`)."""
@@ -66,7 +92,7 @@ class Transfer:
             if self.closed:
                 return
             self.closed = True
-            self.held.clear()
+            self._let_go(self.failed or ServiceError(ErrorCode.NOT_FOUND, f"transfer {self.id} has ended"))
             closing = getattr(self.end, "abort", None) or getattr(self.end, "close")
             await asyncio.to_thread(closing)
 
