@@ -86,7 +86,7 @@ class Raw:
     """A message of bulk bytes: `meta` travels in the META header, `data` is the body unchanged."""
 
     meta: Any
-    data: bytes | bytearray | memoryview = b""
+    data: natspy_bulk.Payload = b""  # bytes, a file range sent by sendfile, or parts sent as one
 
 
 @dataclass(frozen=True)
