@@ -43,7 +43,7 @@ _IFREQ = struct.Struct("16sH22x")
 _MS_SHARED = 1 << 20
 _run_dir_ready = False
 _lock = threading.Lock()  # the holders' views below, and a holder made or unpinned beside a name
-_views: dict[str, tuple[int, int]] = {}  # node id -> (holder's nsfs inode, O_PATH fd of its /run/netns)
+_views: dict[str, tuple[int, int]] = {}  # node id -> (an fd of its holder, O_PATH fd of the holder's /run/netns)
 
 
 def _mount(source: str, target: str, flags: int) -> None:
@@ -149,24 +149,28 @@ def _open_names_dir(ns_fd: int) -> int:
 def _names_dir(node_id: str, make: bool = False) -> int | None:
     """This process's O_PATH fd of the holder's /run/netns, None if none is pinned (and not
     `make`). Kept per node; a holder pinned again (unpinned with its last name, made anew) is
-    followed by its nsfs inode. Call with _lock held."""
+    followed: the pin's nsfs inode is the one of the holder we keep an fd of only while it is
+    that namespace (a namespace's inode number is reused once it ends, so we keep it from
+    ending: an unpinned one, empty, lasts here until the next look). Call with _lock held."""
     try:
         ino = os.stat(holder_pin(node_id)).st_ino
     except FileNotFoundError:
         ino = 0
     cached = _views.get(node_id)
-    if cached is not None and cached[0] == ino:
+    if cached is not None and os.fstat(cached[0]).st_ino == ino:
         return cached[1]
     if cached is not None:
         del _views[node_id]
+        os.close(cached[0])
         os.close(cached[1])
     ns_fd = _holder(node_id, make)
     if ns_fd is None:
         return None
     try:
-        _views[node_id] = (os.fstat(ns_fd).st_ino, _open_names_dir(ns_fd))
-    finally:
+        _views[node_id] = (ns_fd, _open_names_dir(ns_fd))
+    except BaseException:
         os.close(ns_fd)
+        raise
     return _views[node_id][1]
 
 
@@ -244,13 +248,7 @@ def create(node_id: str, sandbox_id: str) -> str:
         return target
     with _lock:
         _names_dir(node_id, make=True)
-        holder = _holder(node_id, make=False)
-        if holder is None:
-            raise FileNotFoundError(f"the network namespace holder of node {node_id} went while in use")
-        try:
-            _bind_new(holder, target)
-        finally:
-            os.close(holder)
+        _bind_new(_views[node_id][0], target)
     return target
 
 
@@ -314,16 +312,11 @@ def remove(node_id: str, sandbox_id: str) -> None:
     if on_host():
         return
     with _lock:
-        holder = _holder(node_id, make=False)
-        if holder is None:
+        if _names_dir(node_id) is None:
             return
-        try:
-            empty = _unbind_in(holder, target)
-        finally:
-            os.close(holder)
-        if empty:
+        if _unbind_in(_views[node_id][0], target):
             ns_pin.unpin(holder_pin(node_id))
-            _names_dir(node_id)  # forgets the view of the one unpinned
+            _names_dir(node_id)  # lets go of the one unpinned
 
 
 def _own(node_id: str, entries: list[str]) -> list[str]:
