@@ -1,21 +1,23 @@
-"""Named network namespaces, one per sandbox: sf-<node id>.<sandbox id>, held in the node's
-holder, a mount namespace of its own, so the host's mount table does not grow by one mount a
-sandbox (each new mount namespace on the host copies that table: a host `unshare -m` took
-1.5 ms with none and 71 ms with 5,800 names on it).
+"""Named network namespaces, one per sandbox: sf-<node id>.<sandbox id>, bound in the node's
+holder (linuxnode.netns_holder), a mount namespace of its own, so the host's mount table does
+not grow by one mount a sandbox (each new mount namespace on the host copies that table: a host
+`unshare -m` took 1.5 ms with none and 71 ms with 5,800 names on it).
 
-The holder is pinned at /run/sandfleet/netns/<node id> (linuxnode.ns_pin) and has a tmpfs of
-its own at /run/netns, where the names are bound, as iproute2 binds them: `nsenter
+Inside the holder the names are where iproute2 keeps them: `nsenter
 --mount=/run/sandfleet/netns/<node> ip netns list` lists a node's names (a leak is visible
-there). It is made with the node's first name and unpinned with its last, so a node with no
-sandbox leaves nothing. A name's path (`path()`, what the agent hands the launcher) is its path
-inside the holder; `resolve()` turns it into one this process and its children open (through
-a directory fd of the holder's /run/netns, /proc/<pid>/fd/<n>/<name>), and `open_ns()` opens it.
-`SANDFLEET_NETNS=host` keeps the names on the host's own /run/netns instead (`ip netns list`
-on the host shows them; every host mount namespace copies them).
+there). A name's path (`path()`, what the agent hands the launcher) is its path inside the
+holder; `resolve()` turns it into one this process and its children open, `open_ns()` opens
+it. The holder is made with the node's first name; the node agent keeps it (`keep_holder`) for
+the node's life and unpins it at a clean stop with no name left (`release_holder`); for anyone
+else (tests, benchmarks) it is unpinned with the last name. `SANDFLEET_NETNS=host` binds the
+names on the host's own /run/netns instead, as before (`ip netns list` on the host shows them;
+every host mount namespace copies them). Names an older version left there are listed and
+removed either way.
 
-No process is forked: a short thread enters the holder, unshares a fresh network namespace for
-itself, brings its loopback up and bind-mounts its own namespace file onto the name. A
-namespace lives as long as its name or a process inside holds it.
+No process is forked: a thread unshares a fresh network namespace for itself, brings its
+loopback up, bind-mounts its own namespace file onto the name and switches back, with signals
+blocked so nothing can interrupt it between the switch and the switch back. A namespace lives
+as long as its name or a process inside holds it.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ import struct
 import threading
 from collections.abc import Callable, Iterator
 
-from linuxnode import names, ns_pin
+from linuxnode import names, netns_holder, ns_pin
 from linuxnode import syscalls as linux
+from linuxnode.netns_holder import RUN_DIR
 
-RUN_DIR = "/run/netns"
-HOLDER_DIR = "/run/sandfleet/netns"
+HOLDER_DIR = netns_holder.PIN_DIR
 PREFIX = "sf-"
 MODE_ENV = "SANDFLEET_NETNS"  # "host": names on the host's /run/netns (the layout before the holder)
 
@@ -40,14 +42,9 @@ _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
 _IFF_UP = 0x1
 _IFREQ = struct.Struct("16sH22x")
-_MS_SHARED = 1 << 20
-_run_dir_ready = False
-_lock = threading.Lock()  # the holders' views below, and a holder made or unpinned beside a name
-_views: dict[str, tuple[int, int]] = {}  # node id -> (an fd of its holder, O_PATH fd of the holder's /run/netns)
-
-
-def _mount(source: str, target: str, flags: int) -> None:
-    linux.mount(source, target, "none", flags)
+_lock = threading.Lock()  # the views below; a holder made or unpinned beside a name bound in it
+_views: dict[str, netns_holder.HolderView] = {}  # this process's, by node id
+_kept: set[str] = set()  # nodes whose holder this process keeps with no name in it (the agent)
 
 
 def _prefix(node_id: str) -> str:
@@ -65,10 +62,10 @@ def path(node_id: str, sandbox_id: str) -> str:
     return f"{RUN_DIR}/{_prefix(node_id)}{sandbox_id}"
 
 
-def holder_pin(node_id: str) -> str:
-    if not names.is_node_id(node_id):
-        raise ValueError(f"invalid node id {node_id!r}")
-    return f"{HOLDER_DIR}/{node_id}"
+holder_pin = netns_holder.pin_path
+holders = netns_holder.pinned_nodes
+ensure_run_dir = netns_holder.ensure_host_run_dir
+_ensure_run_dir = ensure_run_dir  # the name tests/test_kernel_runtime.py calls it by
 
 
 def on_host() -> bool:
@@ -76,23 +73,22 @@ def on_host() -> bool:
     return os.environ.get(MODE_ENV, "") == "host"
 
 
-def ensure_run_dir() -> None:
-    """Make the host's /run/netns a shared mount point of itself, as `ip netns add` does."""
-    global _run_dir_ready
-    if _run_dir_ready:
-        return
-    os.makedirs(RUN_DIR, mode=0o755, exist_ok=True)
-    try:
-        _mount("", RUN_DIR, _MS_SHARED | linux.MS_REC)
-    except OSError as exc:
-        if exc.errno != 22:  # EINVAL: not a mount point yet
-            raise
-        _mount(RUN_DIR, RUN_DIR, linux.MS_BIND | linux.MS_REC)
-        _mount("", RUN_DIR, _MS_SHARED | linux.MS_REC)
-    _run_dir_ready = True
+def keep_holder(node_id: str) -> None:
+    """Keep the node's holder pinned when its last name goes (the node agent, for the node's
+    life: a holder is not made anew for each sandbox of a node that runs one at a time)."""
+    _kept.add(node_id)
 
 
-_ensure_run_dir = ensure_run_dir  # the name tests/test_kernel_runtime.py calls it by
+def release_holder(node_id: str) -> bool:
+    """Unpin the node's holder if no name is left in it (the agent's clean stop); whether none
+    is pinned now."""
+    _kept.discard(node_id)
+    with _lock:
+        view = netns_holder.look(node_id, _views)
+        if view is not None and view.empty():
+            ns_pin.unpin(holder_pin(node_id))
+            netns_holder.look(node_id, _views)  # lets go of the one unpinned
+    return node_id not in holders()
 
 
 def _is_netns(file: str) -> bool:
@@ -101,77 +97,6 @@ def _is_netns(file: str) -> bool:
         return os.stat(file).st_dev == os.stat("/proc/thread-self/ns/net").st_dev
     except FileNotFoundError:
         return False
-
-
-def _new_holder() -> int:
-    """A new holder (an fd of it): a copy of the host's mount namespace whose /run/netns is a
-    tmpfs of its own, so nothing bound on the host's /run/netns comes in and nothing bound here
-    goes out."""
-    ensure_run_dir()  # a mount point of the host's before the copy, made private in it: else names propagate in
-    fd = ns_pin.new_namespace((RUN_DIR,), "netns-holder")
-
-    def own_tmpfs() -> None:
-        ns_pin.enter(fd)
-        linux.mount("sandfleet-netns", RUN_DIR, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC,
-                    "mode=0755,size=1m")
-        linux.mount(None, RUN_DIR, None, linux.MS_PRIVATE)
-
-    try:
-        linux.on_own_thread(own_tmpfs, "netns-holder")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _holder(node_id: str, make: bool) -> int | None:
-    """An fd of the node's holder: the pinned one, a new one pinned now if `make`, else None."""
-    pin = holder_pin(node_id)
-    fd = ns_pin.open_pinned(pin)
-    if fd is None and make:
-        fd = _new_holder()
-        try:
-            ns_pin.pin(pin, fd)
-        except BaseException:
-            os.close(fd)
-            raise
-    return fd
-
-
-def _open_names_dir(ns_fd: int) -> int:
-    def inside() -> int:
-        ns_pin.enter(ns_fd)
-        return os.open(RUN_DIR, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-
-    return linux.on_own_thread(inside, "netns-holder")
-
-
-def _names_dir(node_id: str, make: bool = False) -> int | None:
-    """This process's O_PATH fd of the holder's /run/netns, None if none is pinned (and not
-    `make`). Kept per node; a holder pinned again (unpinned with its last name, made anew) is
-    followed: the pin's nsfs inode is the one of the holder we keep an fd of only while it is
-    that namespace (a namespace's inode number is reused once it ends, so we keep it from
-    ending: an unpinned one, empty, lasts here until the next look). Call with _lock held."""
-    try:
-        ino = os.stat(holder_pin(node_id)).st_ino
-    except FileNotFoundError:
-        ino = 0
-    cached = _views.get(node_id)
-    if cached is not None and os.fstat(cached[0]).st_ino == ino:
-        return cached[1]
-    if cached is not None:
-        del _views[node_id]
-        os.close(cached[0])
-        os.close(cached[1])
-    ns_fd = _holder(node_id, make)
-    if ns_fd is None:
-        return None
-    try:
-        _views[node_id] = (ns_fd, _open_names_dir(ns_fd))
-    except BaseException:
-        os.close(ns_fd)
-        raise
-    return _views[node_id][1]
 
 
 def resolve(netns_path: str) -> str:
@@ -183,10 +108,10 @@ def resolve(netns_path: str) -> str:
     if on_host() or not names.is_node_id(node):
         return netns_path
     with _lock:
-        names_dir = _names_dir(node)
-    if names_dir is None:
+        view = netns_holder.look(node, _views)
+    if view is None:
         return netns_path  # no holder: a name of the host's (an older version's), if any
-    local = f"/proc/{os.getpid()}/fd/{names_dir}/{name}"
+    local = view.local(name)
     return local if os.path.lexists(local) or not os.path.lexists(netns_path) else netns_path
 
 
@@ -208,47 +133,42 @@ def _loopback_up() -> None:
         fcntl.ioctl(sock, _SIOCSIFFLAGS, _IFREQ.pack(b"lo", flags | _IFF_UP))
 
 
-def _bind_new(holder_fd: int, target: str) -> None:
-    """On a short thread of its own (in the holder first, if given): a new network namespace
-    with loopback up, bound at `target`. Idempotent."""
-    def run() -> None:
-        if holder_fd >= 0:
-            ns_pin.enter(holder_fd)
-        if _is_netns(target):
-            return
-        try:
-            os.close(os.open(target, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0))
-        except FileExistsError:
-            pass  # an empty file left by a crash between create and mount: mount over it
-        try:
-            linux.unshare(linux.CLONE_NEWNET)  # this thread only; it ends here
+def _bind_new(target: str) -> None:
+    """A new network namespace with loopback up, bound at `target` (in the calling thread's
+    mount namespace). Idempotent."""
+    if _is_netns(target):
+        return
+    try:
+        os.close(os.open(target, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0))
+    except FileExistsError:
+        pass  # an empty file left by a crash between create and mount: mount over it
+    try:
+        with _away(lambda: linux.unshare(linux.CLONE_NEWNET)):
             _loopback_up()
-            _mount("/proc/thread-self/ns/net", target, linux.MS_BIND)
-        except BaseException:
-            _unlink(target)
-            raise
-
-    linux.on_own_thread(run, "netns-create")
+            linux.mount("/proc/thread-self/ns/net", target, "none", linux.MS_BIND)
+    except BaseException:
+        _unlink(target)
+        raise
 
 
 def create(node_id: str, sandbox_id: str) -> str:
     """Create the sandbox's network namespace with loopback up; returns its path. Idempotent."""
-    global _run_dir_ready
     target = path(node_id, sandbox_id)
     if on_host():
-        for attempt in (0, 1):
-            ensure_run_dir()
+        for again in (False, True):
+            ensure_run_dir(again)
             try:
-                _bind_new(-1, target)
+                _bind_new(target)
                 break
             except FileNotFoundError:
-                if attempt:
-                    raise
-                _run_dir_ready = False  # someone removed /run/netns since we made it
+                if again:
+                    raise  # else someone removed /run/netns since we made it
         return target
     with _lock:
-        _names_dir(node_id, make=True)
-        _bind_new(_views[node_id][0], target)
+        view = netns_holder.look(node_id, _views, make=True)
+        assert view is not None
+        made = view.submit(lambda: _bind_new(target))
+    made.result()
     return target
 
 
@@ -292,31 +212,24 @@ def _unbind(target: str) -> None:
     _unlink(target)
 
 
-def _unbind_in(holder_fd: int, target: str) -> bool:
-    """Unbind `target` in the holder; whether the holder has no name left."""
-    def run() -> bool:
-        ns_pin.enter(holder_fd)
-        _unbind(target)
-        with os.scandir(RUN_DIR) as entries:
-            return next(entries, None) is None  # the first entry only: a full listing grows with the node
-
-    return linux.on_own_thread(run, "netns-remove")
-
-
 def remove(node_id: str, sandbox_id: str) -> None:
     """Detach and delete the name; the namespace ends with its last process. The holder is
-    unpinned with its last name. Idempotent."""
+    unpinned with its last name unless kept (`keep_holder`). Idempotent."""
     target = path(node_id, sandbox_id)
     if os.path.lexists(target):
         _unbind(target)  # on the host's /run/netns: SANDFLEET_NETNS=host, or an older version's
     if on_host():
         return
     with _lock:
-        if _names_dir(node_id) is None:
+        view = netns_holder.look(node_id, _views)
+        if view is None:
             return
-        if _unbind_in(_views[node_id][0], target):
+        view.submit(lambda: _unbind(target)).result()
+        # Under the lock, after every name submitted before: one bound between the look and the
+        # unpin would be lost with the holder.
+        if node_id not in _kept and view.empty():
             ns_pin.unpin(holder_pin(node_id))
-            _names_dir(node_id)  # lets go of the one unpinned
+            netns_holder.look(node_id, _views)  # lets go of the one unpinned
 
 
 def _own(node_id: str, entries: list[str]) -> list[str]:
@@ -333,15 +246,10 @@ def list_sandboxes(node_id: str) -> list[str]:
         found = []
     if not on_host():
         with _lock:
-            names_dir = _names_dir(node_id)
-        if names_dir is not None:
-            found += _own(node_id, os.listdir(f"/proc/self/fd/{names_dir}"))
+            view = netns_holder.look(node_id, _views)
+            if view is not None:
+                found += _own(node_id, view.listing())
     return sorted(set(found))
-
-
-def holders() -> list[str]:
-    """Node ids with a holder pinned on this host."""
-    return ns_pin.pinned(HOLDER_DIR)
 
 
 def socket_inside(netns_path: str, family: int = socket.AF_INET) -> socket.socket:

@@ -135,3 +135,22 @@ def test_a_name_an_older_version_left_on_the_host_is_found_and_removed(names):
     assert netns.resolve(old) == old and netns.exists(NODE, "sb-old")
     netns.remove(NODE, "sb-old")
     assert old not in _host_points() and netns.list_sandboxes(NODE) == ["sb-new"]
+
+
+def test_a_kept_holder_outlasts_its_last_name_until_released(names):
+    """The agent keeps its node's holder (no new one per sandbox when they come one at a time)
+    and unpins it at a clean stop, only with no name left."""
+    names += ["sb-k"]
+    netns.keep_holder(NODE)
+    try:
+        netns.create(NODE, "sb-k")
+        assert not netns.release_holder(NODE)  # a name is left: still pinned
+        netns.keep_holder(NODE)
+        pinned = os.stat(netns.holder_pin(NODE)).st_ino
+        netns.remove(NODE, "sb-k")
+        assert NODE in netns.holders() and os.stat(netns.holder_pin(NODE)).st_ino == pinned
+        netns.create(NODE, "sb-k")
+        netns.remove(NODE, "sb-k")
+        assert os.stat(netns.holder_pin(NODE)).st_ino == pinned  # the same holder throughout
+    finally:
+        assert netns.release_holder(NODE)
