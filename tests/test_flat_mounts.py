@@ -42,10 +42,11 @@ def roots_mounts_of(plat) -> list[str]:
 
 
 def runtime_tables(plat) -> dict[str, int]:
-    """Sizes of the mount tables every new sandbox namespace is copied from: the spawner's
-    (each `process` init unshares from it) and crun's (each container's: the launcher's
+    """Sizes of the mount tables every new sandbox namespace is copied from, by `kind:pid`: the
+    spawner's (each `process` init unshares from it) and crun's (each container's: the launcher's
     threads in a namespace that is neither the launcher's nor the roots namespace), found by
-    the platform's data dir in their environment."""
+    the platform's data dir in their environment. By pid: a spawner made later (by another
+    service, or again) copied the host as it was then, which others' work on this machine changes."""
     found = {}
     roots = os.stat(roots_ns.pin_path(NODE)).st_ino
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -56,12 +57,12 @@ def runtime_tables(plat) -> dict[str, int]:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
             if any(b"linuxnode.process.spawner" in a for a in argv):
-                found["spawner"] = sum(1 for _ in open(f"/proc/{pid}/mountinfo"))
+                found[f"spawner:{pid}"] = sum(1 for _ in open(f"/proc/{pid}/mountinfo"))
             elif b"services.launcher" in argv:
                 own = os.stat(f"/proc/{pid}/ns/mnt").st_ino
                 for tid in os.listdir(f"/proc/{pid}/task"):
                     if os.stat(f"/proc/{pid}/task/{tid}/ns/mnt").st_ino not in (own, roots):
-                        found["crun"] = sum(1 for _ in open(f"/proc/{pid}/task/{tid}/mountinfo"))
+                        found[f"crun:{pid}"] = sum(1 for _ in open(f"/proc/{pid}/task/{tid}/mountinfo"))
         except OSError:
             continue
     return found
@@ -107,11 +108,12 @@ async def test_host_table_stays_flat_with_sandboxes_of_both_levels_and_after_res
     empty_host = host_mounts_of(plat)
     await (await fleet.create(isolation="container", layers=[layer], memory_mb=64)).destroy()  # crun's pool is up
     copied_from = runtime_tables(plat)
-    assert set(copied_from) == {"spawner", "crun"}
+    assert {k.partition(":")[0] for k in copied_from} == {"spawner", "crun"}
     boxes = await _make(fleet, layer)
     try:
         await asyncio.gather(*(_answers(b, f"w{i}") for i, b in enumerate(boxes)))
-        assert runtime_tables(plat) == copied_from  # what each new sandbox namespace copies: constant
+        now = runtime_tables(plat)  # what each new sandbox namespace copies: constant
+        assert {k: now.get(k) for k in copied_from} == copied_from
         host = host_mounts_of(plat)
         # The only mount of the platform's the sandboxes added to the host's table: the pin of the
         # holder of their network namespace names, where every name is (and opens).
