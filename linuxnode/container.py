@@ -253,7 +253,7 @@ class Crun:
         named through our fd) and run it."""
         fds: list[int] = []
         try:
-            fds.append(netns_fd := os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC) if netns_path else -1)
+            fds.append(netns_fd := netns.open_ns(netns_path) if netns_path else -1)
             cgroup_fds = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in cgroup_procs]
             fds += cgroup_fds
             config["root"]["path"] = f"{ROOTS_DIR}/{sandbox_id}"  # attached there by _run_detached

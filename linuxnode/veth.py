@@ -18,6 +18,7 @@ from typing import TypeVar
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
+from linuxnode import netns
 from linuxnode import syscalls as linux
 
 T = TypeVar("T")
@@ -36,7 +37,7 @@ class Link:
 def in_netns(netns_path: str, fn: Callable[[], T]) -> T:
     """Run fn on a thread inside the namespace (the caller's thread never moves)."""
     def inside() -> T:
-        fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = netns.open_ns(netns_path)
         try:
             linux.setns(fd, linux.CLONE_NEWNET)  # this thread only; it ends here
         finally:
@@ -55,8 +56,13 @@ def plumb(netns_path: str, host_ifname: str, alias: str, gateway: ipaddress.IPv4
           address: ipaddress.IPv4Interface) -> None:
     """Make the pair; host end `host_ifname` (gateway), `eth0` in the namespace (address,
     default route via gateway). Removes what it made if a step fails."""
+    ns_fd = netns.open_ns(netns_path)  # the name is in the node's holder, where pyroute2 would not look
+    try:
+        with IPRoute() as ipr:
+            ipr.link("add", ifname=host_ifname, kind="veth", peer={"ifname": SANDBOX_IFNAME, "net_ns_fd": ns_fd})
+    finally:
+        os.close(ns_fd)
     with IPRoute() as ipr:
-        ipr.link("add", ifname=host_ifname, kind="veth", peer={"ifname": SANDBOX_IFNAME, "net_ns_fd": netns_path})
         try:
             index = ipr.link_lookup(ifname=host_ifname)[0]
             ipr.link("set", index=index, ifalias=alias)

@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from linuxnode import procfs, roots_ns
+from linuxnode import netns, procfs, roots_ns
 from sandfleet.config import free_port
 
 CLI = [sys.executable, "-m", "sandfleet.cli"]
@@ -73,6 +73,7 @@ def leftovers(nodes: list[str], data_dir: Path, whole_node: bool = False) -> dic
     mounts = [p for p in points if p.startswith(str(data_dir)) and (whole_node or "/sandboxes/" in p)]
     if whole_node:
         mounts += [f"roots namespace pinned: {roots_ns.pin_path(n)}" for n in nodes if n in roots_ns.pinned_nodes()]
+        mounts += [f"netns holder pinned: {netns.holder_pin(n)}" for n in nodes if n in netns.holders()]
     cgroups = []
     for hierarchy in os.listdir("/sys/fs/cgroup"):
         for n in nodes:
@@ -81,7 +82,7 @@ def leftovers(nodes: list[str], data_dir: Path, whole_node: bool = False) -> dic
                 cgroups.append(node_dir)
             elif os.path.isdir(node_dir):
                 cgroups += [f"{node_dir}/{d}" for d in os.listdir(node_dir) if os.path.isdir(f"{node_dir}/{d}")]
-    netns = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
-    left = {"mounts": mounts, "cgroups": cgroups, "netns": [x for x in netns if any(x.startswith(f"sf-{n}.") for n in nodes)],
+    names = [f"sf-{n}.{sandbox}" for n in nodes for sandbox in netns.list_sandboxes(n)]  # in its holder or the host's
+    left = {"mounts": mounts, "cgroups": cgroups, "netns": names,
             "processes": sandbox_processes(nodes)}
     return {k: v for k, v in left.items() if v}

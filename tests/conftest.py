@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import sandfleet
-from linuxnode import roots_ns
+from linuxnode import netns, roots_ns
 from sandfleet.config import DEFAULT_EGRESS_SUBNET, free_port
 from tests.leaks import Snapshot
 from tests.otlp_receiver import OtlpReceiver
@@ -183,11 +183,12 @@ def _marks(dirs: list[str], node_ids: list[str], prefix: bool = False) -> list[s
     `prefix`, a node whose id starts with one: a platform's nodes are named after it): paths,
     cgroups (`sandfleet/<node>`: a bare `/<node>` prefix would take any path with a directory
     of that name, e.g. every layer-cache's `mnt/` for node `mnt`), the roots namespace's pin
-    (and so what it holds), namespaces, links, nft tables, the DNS stub's addresses, a
+    (and so what it holds), the netns holder's pin, namespaces, links, nft tables, the DNS stub's addresses, a
     process's cgroup, argv, node id or data dir (tests/leaks.py `_owner`)."""
     end = "" if prefix else "."
     sep = "" if prefix else ":"
     return [*dirs, *(f"sandfleet/{n}" for n in node_ids), *(f"{roots_ns.RUN_DIR}/{n}" for n in node_ids),
+            *(f"{netns.HOLDER_DIR}/{n}" for n in node_ids),
             *(f"sf-{n}{end}" for n in node_ids),
             *(f"sandfleet-{n}" for n in node_ids), *(f"sandfleet:{n}{sep}" for n in node_ids),
             *(f"sandfleet-dns:{n}" for n in node_ids), *(f"node={n}{'' if prefix else ' '}" for n in node_ids)]

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from linuxnode import netns as netns_names
 from linuxnode import roots_ns
 
 
@@ -33,6 +34,15 @@ def _mounts() -> list[str]:
 def roots_mount_points(node_id: str) -> list[str]:
     """Mount points of the node's roots namespace (none if it has none pinned)."""
     return [line.split()[4] for line in (roots_ns.read_mountinfo(node_id) or "").splitlines()]
+
+
+def _netns() -> list[str]:
+    """Platforms' network namespace names: those on the host's /run/netns (SANDFLEET_NETNS=host,
+    or an older version's) and those in each node's holder (linuxnode.netns)."""
+    found = os.listdir(netns_names.RUN_DIR) if os.path.isdir(netns_names.RUN_DIR) else []
+    for node in netns_names.holders():
+        found += [f"sf-{node}.{sandbox}" for sandbox in netns_names.list_sandboxes(node)]
+    return sorted({n for n in found if n.startswith(netns_names.PREFIX)})
 
 
 def _cgroups() -> list[str]:
@@ -162,11 +172,10 @@ class Snapshot:
 
     @classmethod
     def take(cls) -> Snapshot:
-        netns = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
         return cls(
             mounts=frozenset(_mounts()),
             cgroups=frozenset(_cgroups()),
-            netns=frozenset(n for n in netns if n.startswith("sf-")),
+            netns=frozenset(_netns()),
             processes=frozenset(_processes({"catatonit", "nats-server", "crun", QEMU_COMM}) + lazy_daemons()),
             links=frozenset(_links()),
             nft_tables=frozenset(_nft_tables()),
@@ -188,11 +197,12 @@ class Snapshot:
 def node_left(node_id: str, data_dir: str) -> list[str]:
     """What of one node is still on the machine (other sessions share it, so only the node's
     own names count): mounts under its data dir, its cgroups (a process of a sandbox keeps its
-    cgroup), its network namespaces."""
+    cgroup), its network namespace names and their holder's pin."""
     with open("/proc/self/mountinfo") as f:
         left = [line.split()[4] for line in f if line.split()[4].startswith(data_dir)]
     left += [f"roots namespace: {p}" for p in roots_mount_points(node_id) if p.startswith(data_dir)]
     left += [f"cgroup {h}/{node_id}" for h in os.listdir("/sys/fs/cgroup")
              if os.path.exists(f"/sys/fs/cgroup/{h}/sandfleet/{node_id}")]
-    netns = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
-    return left + [n for n in netns if n.startswith(f"sf-{node_id}.")]
+    if node_id in netns_names.holders():
+        left.append(f"netns holder pinned: {netns_names.holder_pin(node_id)}")
+    return left + [f"sf-{node_id}.{sandbox}" for sandbox in netns_names.list_sandboxes(node_id)]

@@ -15,6 +15,7 @@ import pytest
 
 from sandfleet import errors
 from sandfleet.layers_client import Layers
+from linuxnode import netns
 from linuxnode.seccomp import filter_bytes
 from schemas.sandbox import State
 from tests.kernel import require
@@ -57,7 +58,7 @@ def _left(platform, sandbox_id: str, init_pid: int) -> list[str]:
         left.append("crun state or bundle")
     if overlay_of(sandbox_id):
         left.append("overlay")
-    if os.path.exists(f"/run/netns/sf-{platform.node_id}.{sandbox_id}"):
+    if netns.exists(platform.node_id, sandbox_id):
         left.append("netns")
     for root, dirs, _ in os.walk("/sys/fs/cgroup"):
         if sandbox_id in dirs:

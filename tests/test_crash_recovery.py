@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 
+from linuxnode import netns
 from schemas.sandbox import Reason, State
 
 
@@ -44,7 +45,7 @@ async def test_agent_killed_keeps_sandboxes_usable_and_reclaims_orphans(fleet, p
     fresh = await fleet.create(memory_mb=64, host_view=True)
     assert (await fresh.exec(["true"])).exit_code == 0
     await asyncio.gather(sb.destroy(), fresh.destroy())
-    assert not os.path.exists(f"/run/netns/sf-{platform.node_id}.{sb.id}")
+    assert not netns.exists(platform.node_id, sb.id)
 
 
 async def test_a_sandbox_left_scheduled_by_a_placement_killed_before_its_launch_is_failed_by_the_restarted_one(

@@ -521,20 +521,23 @@ async def test_removal_leaves_no_cgroup_netns_process_zombie_or_mount(layout):
 def test_netns_is_a_named_iproute2_namespace_with_loopback_up(layout):
     sandbox_id = f"{PREFIX}ns"
     netns._ensure_run_dir()
-    with open(netns.path(NODE, sandbox_id), "w"):
+    with open(netns.path(NODE, sandbox_id), "w"):  # on the host's /run/netns, where an older version bound names
         pass  # an unmounted name, as a crash between creating and mounting leaves it
     assert sandbox_id in netns.list_sandboxes(NODE)
     path = netns.create(NODE, sandbox_id)
     try:
         assert netns.create(NODE, sandbox_id) == path  # idempotent
-        assert os.path.basename(path) in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        links = subprocess.run(["ip", "netns", "exec", os.path.basename(path), "ip", "-o", "link"],
+        holder = ["nsenter", f"--mount={netns.holder_pin(NODE)}"]  # the names' mount namespace
+        assert os.path.basename(path) in subprocess.run([*holder, "ip", "netns", "list"], capture_output=True,
+                                                        text=True, check=True).stdout
+        links = subprocess.run([*holder, "ip", "netns", "exec", os.path.basename(path), "ip", "-o", "link"],
                                capture_output=True, text=True, check=True).stdout.splitlines()
         assert len(links) == 1 and "lo:" in links[0] and ",UP," in links[0]
     finally:
         netns.remove(NODE, sandbox_id)
         netns.remove(NODE, sandbox_id)
-    assert not os.path.exists(path) and sandbox_id not in netns.list_sandboxes(NODE)
+    assert not os.path.exists(path) and sandbox_id not in netns.list_sandboxes(NODE)  # the host's leftover too
+    assert not netns.exists(NODE, sandbox_id) and NODE not in netns.holders()  # unpinned with its last name
 
 
 def test_start_failures_name_the_step_and_the_errno(layout, sandboxes):

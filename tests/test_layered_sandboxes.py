@@ -19,7 +19,7 @@ import pytest
 from sandfleet import errors
 from sandfleet.layers_client import Layers
 from schemas.sandbox import Reason, State
-from linuxnode import roots_ns
+from linuxnode import netns, roots_ns
 from tests.conftest import NODE_ID
 from tests.kernel import require
 from tests.layer_trees import BUSYBOX, make_layer_sources
@@ -100,7 +100,7 @@ async def test_a_launch_on_an_unknown_layer_fails_and_leaves_nothing(fleet, laye
     failed = [r for r in await fleet.list(include_ended=True) if "no-such-layer" in r.spec.layers]
     assert failed and all(r.state is State.FAILED and r.reason is Reason.LAUNCH_FAILED for r in failed)
     for record in failed:
-        assert not os.path.exists(f"/run/netns/sf-{platform.node_id}.{record.id}")
+        assert not netns.exists(platform.node_id, record.id)
         assert not os.path.exists(f"/sys/fs/cgroup/memory/sandfleet/{platform.node_id}/{record.id}")
         assert not overlay_of(record.id)
     assert not {r.id for r in failed} & {r.sandbox_id for r in (await layers.cache(platform.node_id)).rootfs}

@@ -124,10 +124,12 @@ def test_a_new_namespace_leaves_the_hosts_sandbox_mounts_behind(tmp_path):
         linux.umount2(str(held), linux.MNT_DETACH)
 
 
-def test_network_namespace_names_bound_on_the_host_later_stay_out_of_the_namespace(pinned):
+def test_network_namespace_names_bound_on_the_host_later_stay_out_of_the_namespace(pinned, monkeypatch):
     """The copy's /run/netns is its own: a name bound on the host after it was made (one per
-    sandbox) is not copied in, where it would grow this table and keep that namespace alive."""
+    sandbox with SANDFLEET_NETNS=host, or `ip netns add`'s) is not copied in, where it would grow
+    this table and keep that namespace alive."""
     from linuxnode import netns
+    monkeypatch.setenv(netns.MODE_ENV, "host")
     sandbox = "sb-rootsns-name"
     path = netns.create(NODE, sandbox)
     try:

@@ -15,7 +15,7 @@ from agents.node.violations import ViolationPublisher
 from sandfleet import runner, telemetry
 from sandfleet.bus import Endpoint
 from sandfleet.config import ServiceConfig
-from linuxnode import cgroups, lsm
+from linuxnode import cgroups, lsm, netns
 from sandfleet.store import SandboxStore
 from schemas import node as node_schema
 from schemas.node import (
@@ -45,6 +45,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
         profiles = await asyncio.to_thread(apparmor.SandboxProfiles.detect)
         node = NodeConfinement(layout=layout, node_id=config.node_id, egress=egress,
                                network=network, watch=watch, profiles=profiles)
+        netns.keep_holder(config.node_id)  # the names' holder lasts the node's life, not each sandbox's
         store = await SandboxStore.open(bus)
         reclaimed = await node.reconcile(store)
         publisher.bind(bus, store)
@@ -102,6 +103,7 @@ async def main(config: ServiceConfig, stop: asyncio.Event) -> None:
         # has destroyed its sandboxes by now; take back anything still held.
         await asyncio.to_thread(node.release_everything)
         await node.reconcile(store)
+        await asyncio.to_thread(netns.release_holder, config.node_id)  # unpinned if no name is left
         if network is not None:
             await network.close()
         await egress.close()

@@ -11,7 +11,7 @@ import select
 import signal
 import time
 
-from linuxnode import layered_root, mount_api, names, procfs, userns
+from linuxnode import layered_root, mount_api, names, netns, procfs, userns
 from linuxnode.process import rootfs, spawner
 from linuxnode.process.model import ExecError, InitProcess, ProcessSpec, RuntimeStartError
 from linuxnode.process.protocol import Signal, StartInit, StartInitOnRoot
@@ -57,7 +57,7 @@ def _send_start(spec: ProcessSpec) -> int:
         except ValueError as exc:
             raise RuntimeStartError(f"sandbox {spec.sandbox_id}: {exc}") from None
     try:
-        netns_fd = os.open(spec.netns, os.O_RDONLY | os.O_CLOEXEC)
+        netns_fd = netns.open_ns(spec.netns)
     except OSError as exc:
         raise RuntimeStartError(f"sandbox {spec.sandbox_id}: open netns {spec.netns}: {exc.strerror}") from None
     own_tree = -1

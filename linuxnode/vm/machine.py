@@ -22,6 +22,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from linuxnode.netns import resolve as resolve_netns
 from linuxnode.vm.guest_image import GuestImage
 
 QEMU = "qemu-system-x86_64"
@@ -175,7 +176,7 @@ def spawn(spec: MachineSpec, qemu: str, cgroup_procs: list[str], netns: str, sta
     `spec.run_dir` is where QEMU names its sockets: "." (relative to cwd)."""
     argv = spec.argv(qemu)
     if netns:
-        argv = ["nsenter", f"--net={netns}", "--", *argv]
+        argv = ["nsenter", f"--net={resolve_netns(netns)}", "--", *argv]  # while the launcher lives: QEMU is in it at once
     wrapped = ["/bin/sh", "-c", _ENTER, "sh", str(cwd), str(len(cgroup_procs)), *cgroup_procs, *argv]
     actions = [
         (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),

@@ -52,22 +52,28 @@ INTERNET_V4 = sorted({h for h, _ in TCP + UDP if ":" not in h} | {DNS_UPSTREAM[0
 INTERNET_V6 = sorted({h for h, _ in TCP + UDP if ":" in h})
 
 
+def inside(ns: str) -> list[str]:
+    """The argv prefix that runs a command in the network namespace named `ns` (its name is in
+    the node's holder, where `ip -n` and `ip netns exec` would not look)."""
+    return ["nsenter", f"--net={netns.resolve(ns)}", "--"]
+
+
 def ip(*args: str, ns: str | None = None) -> None:
-    cmd = ["ip", *(["-n", os.path.basename(ns)] if ns else []), *args]
+    cmd = [*(inside(ns) if ns else []), "ip", *args]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: {out.stderr.strip()}")
 
 
 def sysctl(ns: str, *settings: str) -> None:
-    subprocess.run(["ip", "netns", "exec", os.path.basename(ns), "sysctl", "-qw", *settings], check=True)
+    subprocess.run([*inside(ns), "sysctl", "-qw", *settings], check=True)
 
 
 def wait_ipv6_ready(ns: str, timeout: float = 10) -> None:
     """Until no address is tentative (link-local ones go through DAD even with nodad on ours)."""
     deadline = time.monotonic() + timeout
     while True:
-        out = subprocess.run(["ip", "-n", os.path.basename(ns), "-6", "addr", "show", "tentative"],
+        out = subprocess.run([*inside(ns), "ip", "-6", "addr", "show", "tentative"],
                              capture_output=True, text=True, check=True).stdout
         if not out.strip():
             return
@@ -98,7 +104,7 @@ class Sandbox:
         inner = [] if keep_net_raw else ["setpriv", "--bounding-set=-net_raw", "--inh-caps=-net_raw"]
         inner += argv
         if not host_network:
-            inner = ["ip", "netns", "exec", os.path.basename(self.netns), *inner]
+            inner = [*inside(self.netns), *inner]
         return ["sh", "-c", place + 'exec "$@"', "sh", *inner]
 
     def run(self, steps: list[dict], *, keep_net_raw: bool = False, host_network: bool = False,
@@ -129,7 +135,7 @@ class Lab:
         self.router = netns.create(NODE, "router")
         self.internet = netns.create(NODE, "internet")
         r, i = self.router, self.internet
-        ip("link", "add", "to-inet", "type", "veth", "peer", "name", "eth0", "netns", os.path.basename(i), ns=r)
+        ip("link", "add", "to-inet", "type", "veth", "peer", "name", "eth0", "netns", netns.resolve(i), ns=r)
         ip("addr", "add", "10.77.0.1/24", "dev", "to-inet", ns=r)
         ip("addr", "add", "fd77::1/64", "dev", "to-inet", "nodad", ns=r)
         ip("addr", "add", f"{STUB_ADDRESS}/32", "dev", "lo", ns=r)
@@ -157,7 +163,7 @@ class Lab:
         group.create(cpu=1, memory_mb=512, pids=256)
         ns = netns.create(NODE, name)
         r, veth = self.router, f"to-{name}"
-        ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", os.path.basename(ns), ns=r)
+        ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns.resolve(ns), ns=r)
         ip("addr", "add", f"10.77.{index}.1/24", "dev", veth, ns=r)
         ip("addr", "add", f"fd77:{index}::1/64", "dev", veth, "nodad", ns=r)
         ip("link", "set", veth, "up", ns=r)
@@ -186,7 +192,7 @@ class Lab:
 
 def start_fake_internet(ns: str, config: dict) -> subprocess.Popen:
     proc = subprocess.Popen(
-        ["ip", "netns", "exec", os.path.basename(ns), sys.executable, str(HERE / "fake_internet.py"), json.dumps(config)],
+        [*inside(ns), sys.executable, str(HERE / "fake_internet.py"), json.dumps(config)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     line = proc.stdout.readline()
@@ -219,9 +225,8 @@ class NodeInternet:
 
     def up(self) -> None:
         self.netns = netns.create(self.owner, "node-internet")
-        name = os.path.basename(self.netns)
         try:
-            ip("link", "add", self.link, "type", "veth", "peer", "name", "eth0", "netns", name)
+            ip("link", "add", self.link, "type", "veth", "peer", "name", "eth0", "netns", netns.resolve(self.netns))
             ip("addr", "add", f"{self.link_host}/24", "dev", self.link)
             ip("link", "set", self.link, "up")
             with open(f"/proc/sys/net/ipv4/conf/{self.link}/forwarding", "w") as f:
@@ -263,7 +268,7 @@ class NetnsLoop:
 
     def _main(self) -> None:
         try:
-            fd = os.open(self._netns_path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = netns.open_ns(self._netns_path)
             try:
                 linux.setns(fd, linux.CLONE_NEWNET)  # this thread only
             finally:
