@@ -110,8 +110,14 @@ while True:
 """
 
 
+def _in(ns: str) -> list[str]:
+    """argv prefix running a command in the network namespace named `ns` (netns.create's path, in
+    the node's netns holder: `ip -n`/`ip netns exec` look on the host's /run/netns only)."""
+    return ["nsenter", f"--net={netns.resolve(ns)}"]
+
+
 def _ip(ns: str, *args: str) -> None:
-    subprocess.run(["ip", "-n", os.path.basename(ns), *args], check=True, capture_output=True)
+    subprocess.run([*_in(ns), "ip", *args], check=True, capture_output=True)
 
 
 class Bench:
@@ -127,13 +133,13 @@ class Bench:
         for group in self.groups.values():
             group.create(cpu=1, memory_mb=512, pids=64)
         self.sbx, self.peer = netns.create(NODE, "sbx"), netns.create(NODE, "peer")
-        _ip(self.peer, "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", os.path.basename(self.sbx))
+        _ip(self.peer, "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", netns.resolve(self.sbx))  # a path: ip opens it
         _ip(self.peer, "addr", "add", f"{PEER}/24", "dev", "eth0")
         _ip(self.peer, "link", "set", "eth0", "up")
         _ip(self.sbx, "addr", "add", f"{SANDBOX}/24", "dev", "eth0")
         _ip(self.sbx, "link", "set", "eth0", "up")
         self.acceptor = subprocess.Popen(
-            ["ip", "netns", "exec", os.path.basename(self.peer), sys.executable, "-c", ACCEPTOR, PEER, str(PORT)],
+            [*_in(self.peer), sys.executable, "-c", ACCEPTOR, PEER, str(PORT)],
             stdout=subprocess.PIPE, text=True,
         )
         assert self.acceptor.stdout.readline().strip() == "ready"
@@ -145,7 +151,7 @@ class Bench:
         try:
             start = " ".join(str(fd) for fd in fds[side])
             cmd = ["sh", "-c", f'for fd in {start}; do echo $$ > /proc/self/fd/$fd; done; exec "$@"', "sh",
-                   "ip", "netns", "exec", os.path.basename(self.sbx),
+                   *_in(self.sbx),
                    sys.executable, "-c", CHILD, mode, str(n), target, str(PORT), json.dumps(fds), str(tcp_n)]
             return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                     pass_fds=[fd for group in fds.values() for fd in group])
