@@ -30,6 +30,7 @@ from sandfleet import errors
 from sandfleet.layers_client import Layers, connect
 from sandfleet.config import free_port
 from sandfleet.supervisor import nats_server_binary
+from services.layer_cache import build
 from services.layer_cache import mounts
 from tests.kernel import require
 from tests.layer_trees import BUSYBOX, make_layer_sources
@@ -549,6 +550,8 @@ async def test_a_minimal_debian_root_with_packages(layers, service, built):
     out = _chroot(rootfs.path, "cat /etc/debian_version; busybox echo ok; dpkg-query -W busybox")
     assert "ok" in out and "busybox" in out
     assert not any(Path(rootfs.path).glob("var/cache/apt/archives/*.deb"))
+    assert not (Path(rootfs.path) / build.UNSAFE_IO_CONF).exists()  # the build's dpkg setting is not the layer's
+    assert (Path(rootfs.path) / build.UNSAFE_IO_CONF).parent.is_dir()
     assert await layers.release(NODE, "sb-deb")
     assert (await layers.remove("debian-min")).deleted_images
 

@@ -183,6 +183,9 @@ def prune_debs(cache: Path, keep_bytes: int = DEB_CACHE_BYTES) -> int:
     return removed
 
 
+UNSAFE_IO_CONF = "etc/dpkg/dpkg.cfg.d/sandfleet-build-unsafe-io"  # present only while the root is built
+
+
 async def debootstrap(root: Path, source: DebianSource, cache: Path) -> str:
     mirror = os.environ.get("SANDFLEET_DEBIAN_MIRROR") or apt_archive(read_apt_sources())
     if not mirror:
@@ -191,6 +194,12 @@ async def debootstrap(root: Path, source: DebianSource, cache: Path) -> str:
     # The packages stay in `cache` for the next build (most builds share the whole base system):
     # debootstrap checks each one found there against the archive's signed indexes before use.
     cache.mkdir(parents=True, exist_ok=True)
+    # dpkg in the new root fsyncs every file it unpacks; the root is a scratch tree that becomes
+    # an image or is thrown away, so that durability buys nothing (a minbase with python3: 70 ->
+    # 58 s). dpkg reads the option from the target's own config dir, which debootstrap keeps.
+    unsafe_io = root / UNSAFE_IO_CONF
+    unsafe_io.parent.mkdir(parents=True, exist_ok=True)
+    unsafe_io.write_text("force-unsafe-io\n")
     argv = ["unshare", "--mount", "--propagation", "private", "debootstrap", f"--variant={source.variant}",
             f"--cache-dir={cache}"]
     if source.packages:
@@ -201,7 +210,7 @@ async def debootstrap(root: Path, source: DebianSource, cache: Path) -> str:
         await run(argv, "debootstrap", timeout=DEBOOTSTRAP_TIMEOUT_S, failure=ErrorCode.INVALID_REQUEST)
     finally:
         await asyncio.to_thread(prune_debs, cache)
-    for leftover in [*root.glob("var/cache/apt/archives/*.deb"), *root.glob("var/lib/apt/lists/*_*")]:
+    for leftover in [unsafe_io, *root.glob("var/cache/apt/archives/*.deb"), *root.glob("var/lib/apt/lists/*_*")]:
         leftover.unlink(missing_ok=True)
     return f"debian {suite} {source.variant}" + (f": {' '.join(source.packages)}" if source.packages else "")
 
