@@ -56,8 +56,9 @@ def ensure_host_run_dir(again: bool = False) -> None:
 
 def _new_holder() -> int:
     """A new holder, an fd of it. The host's /run/netns is a mount point before the copy,
-    private in the copy: else names bound on the host's later come in."""
-    ensure_host_run_dir()
+    private in the copy: else names bound on the host's later come in. Checked again for each
+    holder (once a node): another process on the host may have unmounted or removed it since."""
+    ensure_host_run_dir(again=True)
     fd = ns_pin.new_namespace((RUN_DIR,), "netns-holder")
 
     def own_tmpfs() -> None:

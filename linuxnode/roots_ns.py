@@ -57,7 +57,9 @@ def _new_namespace() -> int:
     # or by `ip netns`): as a slave of the host's /run/netns this copy would get every name bound
     # there later (+1 mount here per name, each keeping its namespace alive here until the host's
     # unmount reached it).
-    netns.ensure_run_dir()  # a mount point of the host's before the copy: else the first name comes in with it
+    # A mount point of the host's before the copy (else the first name comes in with it), checked
+    # again each time: another process on the host may have unmounted or removed it since.
+    netns.ensure_run_dir(again=True)
     return ns_pin.new_namespace((netns.RUN_DIR,), "roots-ns")
 
 
