@@ -118,22 +118,24 @@ def _common() -> Permissions:
 def _state() -> Permissions:
     """What `ensure_state` touches at every service's start: the sandbox records, the events, and
     the layer catalogue's buckets (made, or switched to refuse rollups, by whichever service starts)."""
+    layer_buckets = [s for b in LAYER_BUCKETS for s in jetstream.stream_api_subjects(jetstream.kv_stream(b), write=True)]
     return kv(sandbox.KV_BUCKET, write=True).add(event_stream(events.ALL_SANDBOX)).add(
-        Permissions([jetstream.stream_create_subject(jetstream.kv_stream(node.KV_BUCKET)),  # created, not written: nodes write their own
-                     *(s for b in LAYER_BUCKETS for s in jetstream.stream_api_subjects(jetstream.kv_stream(b), write=True))]))
+        Permissions([jetstream.stream_create_subject(jetstream.kv_stream(node.KV_BUCKET)),  # nodes write their own
+                     *layer_buckets]))
 
 
-# Streams a node reads and consumes as nats-py does on its own: ephemeral consumers the server
-# names (each KV watch, each ordered consumer of an object's chunks), their info, flow control.
-# Not another user's consumers: no delete, pause, pull (`MSG.NEXT`: placement's quota consumer
-# and the security monitor's durable on EVENTS hand each message to one puller), no named or
-# durable consumer. Nothing a node runs deletes a consumer: its ephemerals go when their
-# subscription does (inactive threshold).
 def _node_reads(stream: str) -> list[str]:
+    """A stream a node reads, and consumes as nats-py does by itself: ephemeral consumers the
+    server names (each KV watch, each ordered consumer of an object's chunks), their info, flow
+    control. Not another user's consumers: no delete, pause, pull (`MSG.NEXT`: placement's quota
+    consumer and the security monitor's durable on EVENTS hand each message to one puller), no
+    ack, no named or durable consumer (a name sent in the body of the unnamed create is refused
+    by the server). Nothing a node runs deletes a consumer: its ephemerals go when their
+    subscription does (inactive threshold)."""
     direct = jetstream.direct_get_subject(stream)
     return [jetstream.JS_API_INFO, "$JS.API.STREAM.NAMES", f"$JS.API.STREAM.INFO.{stream}", direct, f"{direct}.>",
-            f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.INFO.{stream}.*",
-            "$JS.FC.>"]
+            f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}",
+            f"$JS.API.CONSUMER.INFO.{stream}.*", "$JS.FC.>"]
 
 
 def _node_kv(bucket: str, keys: str | None = None) -> Permissions:
