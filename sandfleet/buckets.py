@@ -1,8 +1,10 @@
 """The JetStream state every service shares, made at each one's start (`ensure_state`): the
-sandbox records and node heartbeat buckets, and the events stream.
+sandbox records and node heartbeat buckets, the layer catalogue's buckets, and the events stream.
 
-Nodes put keys of both buckets (each its own: sandfleet/bus_accounts.py), so both are made to
-refuse rollup headers, with which a put of one's own key could purge every key (`_bucket`).
+Nodes put keys of every one of these buckets (records and heartbeats each its own, the layer
+catalogue any: sandfleet/bus_accounts.py), so each is made to refuse rollup headers, with which
+a put of one's own key could purge every key (`_bucket`); one made by an older sandfleet is
+switched over by the first service whose user may update it (not a node's).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 
 from sandfleet.bus import Bus
 from sandfleet.jetstream import kv_stream, kv_subject
-from schemas import events, node, sandbox
+from schemas import events, layers, node, sandbox
 
 log = logging.getLogger("sandfleet.store")
 
@@ -30,13 +32,9 @@ async def ensure_state(bus: Bus) -> None:
     On a clustered bus the bus adapter gives each the cluster's replica count (`Bus.js`)."""
     js = bus.js
     # BatchedJetStream.kv_read_many: batched direct gets of the records
-    for bucket in (_bucket(sandbox.KV_BUCKET, "sandbox records", direct=True),
-                   _bucket(node.KV_BUCKET, "node heartbeats", ttl=node.NODE_TTL_S)):
-        try:
-            await js.add_stream(bucket)
-        except nats.js.errors.BadRequestError:  # made by an older sandfleet (or tuned): keep it, but safe
-            await _turn(js, bucket.name or "", allow_rollup_hdrs=False, **({"allow_direct": True} if bucket.allow_direct
-                                                                            else {}))
+    await ensure_bucket(js, sandbox.KV_BUCKET, "sandbox records", direct=True)
+    await ensure_bucket(js, node.KV_BUCKET, "node heartbeats", ttl=node.NODE_TTL_S)
+    await ensure_layer_buckets(js)
     try:
         await js.add_stream(
             StreamConfig(
@@ -52,6 +50,25 @@ async def ensure_state(bus: Bus) -> None:
     except nats.js.errors.BadRequestError:  # exists with another config (an operator tuned it): keep theirs,
         await _turn(js, events.STREAM, allow_batched=True)  # but let it take batches of events
         await _cover(js, events.STREAM, events.STREAM_SUBJECTS)  # and every event subject this version publishes
+
+
+async def ensure_bucket(js: Any, bucket: str, description: str, *, direct: bool = False,
+                        ttl: float | None = None) -> None:
+    """Make a KV bucket that nodes write into (`_bucket`), or turn one an older sandfleet made
+    (nats-py's `create_key_value`, or tuned by an operator) to refuse rollups, keeping the rest."""
+    config = _bucket(bucket, description, direct=direct, ttl=ttl)
+    try:
+        await js.add_stream(config)
+    except nats.js.errors.BadRequestError:  # made by an older sandfleet (or tuned): keep it, but safe
+        await _turn(js, config.name or "", allow_rollup_hdrs=False, **({"allow_direct": True} if direct else {}))
+
+
+async def ensure_layer_buckets(js: Any) -> None:
+    """The layer catalogue (`<name>`, `<name>.<tag>`) and the OCI diff ids: any node puts any key
+    of them (nodes build layers for one another), so neither may take a rollup. (Their images'
+    Object Store needs rollups for its own metadata: not made here.)"""
+    await ensure_bucket(js, layers.KV_BUCKET, "layer catalogue")
+    await ensure_bucket(js, layers.DIFF_BUCKET, "OCI layer diff ids and their EROFS images")
 
 
 def _bucket(bucket: str, description: str, *, direct: bool = False, ttl: float | None = None) -> StreamConfig:

@@ -61,6 +61,7 @@ TENANT_NODE_VERBS = (
 )
 # Placement answers these for a tenant with its own sandboxes only.
 TENANT_SANDBOX_SUBJECTS = (sandbox.CREATE, sandbox.CREATE_MANY, sandbox.GET, sandbox.LIST)
+LAYER_BUCKETS = (layers.KV_BUCKET, layers.DIFF_BUCKET)  # KV buckets of the layer store (the catalogue, diff ids)
 
 
 def tenant_subjects() -> list[str]:
@@ -115,19 +116,52 @@ def _common() -> Permissions:
 
 
 def _state() -> Permissions:
-    """What `ensure_state` touches at every service's start: the sandbox records and the events."""
+    """What `ensure_state` touches at every service's start: the sandbox records, the events, and
+    the layer catalogue's buckets (made, or switched to refuse rollups, by whichever service starts)."""
+    layer_buckets = [s for b in LAYER_BUCKETS for s in jetstream.stream_api_subjects(jetstream.kv_stream(b), write=True)]
     return kv(sandbox.KV_BUCKET, write=True).add(event_stream(events.ALL_SANDBOX)).add(
-        Permissions([jetstream.stream_create_subject(jetstream.kv_stream(node.KV_BUCKET))]))  # created, not written: nodes write their own
+        Permissions([jetstream.stream_create_subject(jetstream.kv_stream(node.KV_BUCKET)),  # nodes write their own
+                     *layer_buckets]))
+
+
+def _node_reads(stream: str) -> list[str]:
+    """A stream a node reads, and consumes as nats-py does by itself: ephemeral consumers the
+    server names (each KV watch, each ordered consumer of an object's chunks), their info, flow
+    control. Not another user's consumers: no delete, pause, pull (`MSG.NEXT`: placement's quota
+    consumer and the security monitor's durable on EVENTS hand each message to one puller), no
+    ack, no named or durable consumer (a name sent in the body of the unnamed create is refused
+    by the server). Nothing a node runs deletes a consumer: its ephemerals go when their
+    subscription does (inactive threshold)."""
+    direct = jetstream.direct_get_subject(stream)
+    return [jetstream.JS_API_INFO, "$JS.API.STREAM.NAMES", f"$JS.API.STREAM.INFO.{stream}", direct, f"{direct}.>",
+            f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}",
+            f"$JS.API.CONSUMER.INFO.{stream}.*", "$JS.FC.>"]
+
+
+def _node_kv(bucket: str, keys: str | None = None) -> Permissions:
+    """A bucket as a node has it: read; with `keys`, its stream created (never updated: its limits
+    could drop every key) and those keys put."""
+    stream = jetstream.kv_stream(bucket)
+    writes = [jetstream.stream_create_subject(stream), jetstream.kv_subject(bucket, keys)] if keys else []
+    return Permissions([*_node_reads(stream), *writes])
+
+
+def _node_objects(bucket: str) -> Permissions:
+    """An object store a node builds into: created, never updated; objects put and removed (the
+    filtered purges nats-py's put and delete make, which the server cannot tell from a whole one)."""
+    stream = jetstream.object_stream(bucket)
+    return Permissions([*_node_reads(stream), jetstream.stream_create_subject(stream),
+                        *jetstream.object_write_subjects(bucket)])
 
 
 def _node_state(node_id: str) -> Permissions:
     """`_state` for a node: the sandbox records read, but written only under the node's own name
-    (`<node>.<id>`: never another node's, nor placement's batch records), and the bucket created
+    (`<node>.<id>`: never another node's, nor placement's batch records); the events stream
+    published to but never updated, purged or deleted (it is the audit trail); each bucket created
     but never updated (a node could otherwise change its limits and so drop every record)."""
-    records = jetstream.kv_stream(sandbox.KV_BUCKET)
-    return kv(sandbox.KV_BUCKET).add(Permissions([
-        jetstream.stream_create_subject(records), jetstream.kv_subject(sandbox.KV_BUCKET, sandbox.record_key(node_id, ">")),
-        jetstream.stream_create_subject(jetstream.kv_stream(node.KV_BUCKET))])).add(event_stream(events.ALL_SANDBOX))
+    return _node_kv(sandbox.KV_BUCKET, sandbox.record_key(node_id, ">")).add(Permissions([
+        jetstream.stream_create_subject(jetstream.kv_stream(node.KV_BUCKET)), *_node_reads(events.STREAM),
+        jetstream.stream_create_subject(events.STREAM), events.ALL_SANDBOX]))
 
 
 def service_permissions(name: str) -> Permissions:
@@ -167,10 +201,10 @@ def node_permissions(node_id: str) -> Permissions:
          layers.fetch_failed_subject(node_id),
          reclaim.node_filter(node_id), layers.ALL],
         [own, layers.ALL],
-    )).add(kv(node.KV_BUCKET)).add(Permissions([jetstream.kv_subject(node.KV_BUCKET, node_id)])).add(  # not the stream's limits
-        kv(node.BOOKINGS_BUCKET)).add(
-        kv(layers.KV_BUCKET, write=True)).add(kv(layers.DIFF_BUCKET, write=True)).add(kv(pools.KV_BUCKET)).add(
-        objects(layers.OBJECT_BUCKET, write=True)).add(objects(layers.UPLOAD_BUCKET, write=True))
+    )).add(_node_kv(node.KV_BUCKET, node_id)).add(_node_kv(node.BOOKINGS_BUCKET)).add(_node_kv(pools.KV_BUCKET)).add(
+        # any name of the catalogue: nodes build and publish layers for every node (README, Security model)
+        _node_kv(layers.KV_BUCKET, ">")).add(_node_kv(layers.DIFF_BUCKET, ">")).add(
+        _node_objects(layers.OBJECT_BUCKET)).add(_node_objects(layers.UPLOAD_BUCKET))
 
 
 def _inboxes(public: str) -> Permissions:

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, ObjectMeta, ObjectMetaOptions, ObjectStoreConfig, StorageType
+from nats.js.api import ObjectMeta, ObjectMetaOptions, ObjectStoreConfig, StorageType
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
+from sandfleet.buckets import ensure_layer_buckets
 from sandfleet.bus import decode, encode, kv_values
 from sandfleet.errors import ServiceError
 from schemas.errors import ErrorCode
@@ -127,23 +128,13 @@ class LayerStore:
 
     @classmethod
     async def open(cls, js: JetStreamContext) -> LayerStore:
-        try:
-            kv = await js.create_key_value(
-                KeyValueConfig(bucket=KV_BUCKET, history=1, storage=StorageType.FILE, description="layer catalogue")
-            )
-        except nats.js.errors.BadRequestError:
-            kv = await js.key_value(KV_BUCKET)
+        await ensure_layer_buckets(js)  # refusing rollups: any node puts keys of both
+        kv = await js.key_value(KV_BUCKET)
         images = await _bucket(js, OBJECT_BUCKET, ObjectStoreConfig(storage=StorageType.FILE, description="layer images"))
         uploads = await _bucket(
             js, UPLOAD_BUCKET, ObjectStoreConfig(storage=StorageType.FILE, ttl=UPLOAD_TTL_S, description="build sources")
         )
-        try:
-            diffs = await js.create_key_value(
-                KeyValueConfig(bucket=DIFF_BUCKET, history=1, storage=StorageType.FILE,
-                               description="OCI layer diff ids and their EROFS images")
-            )
-        except nats.js.errors.BadRequestError:
-            diffs = await js.key_value(DIFF_BUCKET)
+        diffs = await js.key_value(DIFF_BUCKET)
         return cls(kv, images, uploads, diffs)
 
     # -- OCI layers by diff id --------------------------------------------------------
@@ -286,7 +277,7 @@ class LayerStore:
         if not doomed:
             raise ServiceError(ErrorCode.NOT_FOUND, f"no layer {ref}")
         for key in doomed:
-            await self.kv.purge(key)
+            await self.kv.delete(key)  # a marker, not a purge: the bucket refuses rollups (one value kept per key)
         still = {d for key, layer in refs.items() if key not in doomed for d in images_of(layer)}
         orphaned = sorted({d for k in doomed for d in images_of(refs[k])} - still)
         for digest in orphaned:
