@@ -490,7 +490,7 @@ async def test_the_same_layer_with_whiteouts_gives_the_same_image_every_time(fle
     digests = []
     for i in range(2):
         kv = await fleet.bus.js.key_value(DIFF_BUCKET)
-        await kv.purge(sha(layer).removeprefix("sha256:"))
+        await kv.delete(sha(layer).removeprefix("sha256:"))  # not purge: its rollup header is refused by the bucket
         name = _name(f"img-same{i}")
         reply = await layers.import_image(name, Image([layer]).oci_archive(tmp_path / f"{i}.tar"))
         digests.append(reply.layer.digest)
