@@ -1,5 +1,5 @@
-"""A bare nats-server with JetStream, on a free loopback port, for tests of the bus adapter and
-the store that need no platform."""
+"""A nats-server on a free loopback port, for tests of the bus adapter, the store and the bus's
+permissions that need no platform: bare (JetStream, no users), or with a platform's accounts."""
 
 from __future__ import annotations
 
@@ -10,18 +10,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from sandfleet.bus_accounts import AuthDir, write_accounts
 from sandfleet.config import free_port
-
-from sandfleet.supervisor import nats_server_binary
+from sandfleet.supervisor import nats_server_binary, write_nats_config
 
 
 @contextlib.contextmanager
-def bare_nats_server(store_dir: Path) -> Iterator[str]:
-    """Yields its URL once it listens (nats-py's first connect does not retry)."""
-    port = free_port()
-    server = subprocess.Popen(
-        [nats_server_binary(), "-js", "-sd", str(store_dir), "-p", str(port), "-a", "127.0.0.1"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _listening(argv: list[str], port: int) -> Iterator[str]:
+    """Runs the server `argv` and yields its URL once it listens on `port` (nats-py's first
+    connect does not retry); stops it after."""
+    server = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 10
         while True:
@@ -36,3 +34,23 @@ def bare_nats_server(store_dir: Path) -> Iterator[str]:
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def bare_nats_server(store_dir: Path) -> Iterator[str]:
+    port = free_port()
+    with _listening([nats_server_binary(), "-js", "-sd", str(store_dir), "-p", str(port), "-a", "127.0.0.1"],
+                    port) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def authed_nats_server(data: Path, nodes: list[str]) -> Iterator[tuple[str, AuthDir]]:
+    """A nats-server with the accounts and users `up` makes for a platform of `nodes` (real
+    credentials in `data`), and the AuthDir to sign in with."""
+    auth = AuthDir.of(data)
+    auth.platform(nodes)
+    write_accounts(data, auth)
+    port = free_port()
+    with _listening([nats_server_binary(), "-c", str(write_nats_config(data, port, auth=auth))], port) as url:
+        yield url, auth

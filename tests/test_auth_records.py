@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import socket
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -27,15 +25,14 @@ import pytest
 
 from sandfleet import errors
 from sandfleet.bus import Bus, encode
-from sandfleet.bus_accounts import AuthDir, write_accounts
-from sandfleet.config import free_port
+from sandfleet.bus_accounts import AuthDir
 from sandfleet.credentials import CredentialsError, read_seed
 from sandfleet.jetstream import kv_stream, kv_subject, refusal
 from sandfleet.store import SandboxStore, ensure_state
-from sandfleet.supervisor import nats_server_binary, write_nats_config
 from schemas import node, sandbox
 from schemas.sandbox import SandboxBatch, SandboxRecord, SandboxSpec, State
 from tests.conftest import NODE_ID
+from tests.natsd import authed_nats_server
 
 pytestmark = pytest.mark.timeout(120)
 A, B = f"{NODE_ID}-a", f"{NODE_ID}-b"
@@ -44,27 +41,8 @@ RECORDS = kv_stream(sandbox.KV_BUCKET)
 
 @pytest.fixture(scope="module")
 def bus_url(tmp_path_factory) -> Iterator[tuple[str, AuthDir]]:
-    data = tmp_path_factory.mktemp("records-auth")
-    auth = AuthDir.of(data)
-    auth.platform([A, B])
-    write_accounts(data, auth)
-    port = free_port()
-    server = subprocess.Popen([nats_server_binary(), "-c", str(write_nats_config(data, port, auth=auth))],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise
-                time.sleep(0.05)
-        yield f"nats://127.0.0.1:{port}", auth
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
+    with authed_nats_server(tmp_path_factory.mktemp("records-auth"), [A, B]) as found:
+        yield found
 
 
 @pytest.fixture
