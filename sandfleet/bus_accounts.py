@@ -132,10 +132,7 @@ def _node_reads(stream: str) -> list[str]:
     ack, no named or durable consumer (a name sent in the body of the unnamed create is refused
     by the server). Nothing a node runs deletes a consumer: its ephemerals go when their
     subscription does (inactive threshold)."""
-    direct = jetstream.direct_get_subject(stream)
-    return [jetstream.JS_API_INFO, "$JS.API.STREAM.NAMES", f"$JS.API.STREAM.INFO.{stream}", direct, f"{direct}.>",
-            f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}",
-            f"$JS.API.CONSUMER.INFO.{stream}.*", "$JS.FC.>"]
+    return jetstream.stream_reader_subjects(stream)
 
 
 def _node_kv(bucket: str, keys: str | None = None) -> Permissions:

@@ -77,6 +77,16 @@ def stream_api_subjects(stream: str, *, write: bool = False) -> list[str]:
     return api
 
 
+def stream_reader_subjects(stream: str) -> list[str]:
+    """One stream read as nats-py reads by itself, and nothing of other users' consumers: info,
+    direct and by-sequence reads, consumers the server names (created unnamed) and their info,
+    flow control; no consumer delete, pull or ack, no named or durable consumer."""
+    direct = direct_get_subject(stream)
+    return [JS_API_INFO, "$JS.API.STREAM.NAMES", f"$JS.API.STREAM.INFO.{stream}", direct, f"{direct}.>",
+            _msg_get_subject(stream), f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.INFO.{stream}.*",
+            "$JS.FC.>"]
+
+
 def stream_create_subject(stream: str) -> str:
     return f"$JS.API.STREAM.CREATE.{stream}"
 
