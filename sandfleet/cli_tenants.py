@@ -25,7 +25,7 @@ from sandfleet.supervisor import read_state
 from sandfleet.tls import TlsDir, TlsError
 from schemas import sandbox
 
-RELOAD_WAIT_S = 10.0
+RELOAD_WAIT_S = 30.0  # a loaded machine: placement's list of every record can take seconds
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -126,6 +126,8 @@ async def _taken(state: dict, creds: Path, tenant: bool) -> bool:
         except errors.NoResponders:
             reload_servers(state)
             await asyncio.sleep(0.2)
+        except errors.Timeout:  # it reached placement, which was slow to list (a loaded machine): ask again
+            continue
         finally:
             await bus.close()
     return False

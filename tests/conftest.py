@@ -108,10 +108,13 @@ class Platform:
         return found
 
     def cli(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run(
+        done = subprocess.run(
             [*CLI, *args], env={**self.env, "SANDFLEET_NATS_URL": self.url}, capture_output=True,
-            timeout=timeout, check=check, cwd=ROOT,
+            timeout=timeout, cwd=ROOT,
         )
+        # With what it said: a CalledProcessError would show the exit status alone.
+        assert not check or done.returncode == 0, f"sandfleet {' '.join(args)} exited {done.returncode}: {done.stderr.decode(errors='replace')[-2000:]}"
+        return done
 
 
 def platform_env(otlp: OtlpReceiver | None, node_id: str) -> dict:
