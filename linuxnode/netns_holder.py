@@ -137,14 +137,7 @@ def look(node_id: str, views: dict[str, HolderView], make: bool = False) -> Hold
         del views[node_id]
         view.close()
     pin = pin_path(node_id)
-    fd = ns_pin.open_pinned(pin)
-    if fd is None and make:
-        fd = _new_holder()
-        try:
-            ns_pin.pin(pin, fd)
-        except BaseException:
-            os.close(fd)
-            raise
+    fd = ns_pin.pinned_or_new(pin, _new_holder) if make else ns_pin.open_pinned(pin)
     if fd is None:
         return None
     try:

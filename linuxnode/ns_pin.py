@@ -15,6 +15,7 @@ import contextlib
 import errno
 import fcntl
 import os
+from collections.abc import Callable
 
 from linuxnode import syscalls as linux
 
@@ -116,6 +117,20 @@ def pin(path: str, ns_fd: int) -> None:
             raise
         _make_unpropagated(directory)
         linux.mount(f"/proc/self/fd/{ns_fd}", path, None, linux.MS_BIND)
+
+
+def pinned_or_new(path: str, make: Callable[[], int]) -> int:
+    """An fd of the namespace pinned at `path`, or of the one `make` returns, pinned there now."""
+    found = open_pinned(path)
+    if found is not None:
+        return found
+    fd = make()
+    try:
+        pin(path, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def unpin(path: str) -> None:

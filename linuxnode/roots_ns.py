@@ -65,17 +65,7 @@ def _new_namespace() -> int:
 
 def ensure(node_id: str) -> int:
     """An fd of the node's roots namespace: the pinned one, or a new one pinned now."""
-    pin = pin_path(node_id)
-    found = _open_ns(pin)
-    if found is not None:
-        return found
-    fd = _new_namespace()
-    try:
-        ns_pin.pin(pin, fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return ns_pin.pinned_or_new(pin_path(node_id), _new_namespace)
 
 
 def enter(ns_fd: int) -> None:
