@@ -8,7 +8,8 @@ One tree per content (suite, Debian packages, pip requirements, this recipe's ve
 once under CACHE/<key> and reused by every later run: made in a temp dir beside it and renamed
 into place, so no reader ever sees half a tree; builders of the same key wait on one lock. The
 .debs debootstrap fetched (and pip's cache) stay under CACHE, so a tree for a new key downloads
-less. Runs write only Python's byte-code into it (compiled on first import, not at install: half
+less. A tree of another key (the requirements changed) is removed once a new one is built and no
+run holds it (runs hold their key's lock shared). Runs write only Python's byte-code into it (compiled on first import, not at install: half
 of pip's time), through a private /tmp and HOME otherwise. sandfleet itself is not copied in: the venv's path names /src, where each run binds the
 checkout read-only, so a tree serves every checkout and commit (a change of the SDK's code needs
 no rebuild; a change of its requirements is a new key).
@@ -91,9 +92,14 @@ class Tree:
         that starts with the venv) and these binds (path inside -> (host path, read-only); a
         mount point under /tmp is made there) on top of /dev, /proc, a private /tmp, the host's
         resolv.conf and CA bundle, and the checkout at /src (read-only). Output captured as
-        text, unless `capture` is false."""
-        return subprocess.run(_chroot_argv(self.root, argv, binds, env, cwd, with_src), capture_output=capture,
-                              text=True, timeout=timeout)
+        text, unless `capture` is false. Holds the tree's key shared, so no build prunes it meanwhile."""
+        building = self.root.name.startswith(".building-")  # its builder holds the key
+        with contextlib.nullcontext() if building else _locked(self.root.parent / f".{self.root.name}.lock",
+                                                                fcntl.LOCK_SH):
+            if not building and not (self.root / ".complete").exists():
+                raise TreeBuildError(f"{self.root} was pruned by a newer build: ask tree() again")
+            return subprocess.run(_chroot_argv(self.root, argv, binds, env, cwd, with_src), capture_output=capture,
+                                  text=True, timeout=timeout)
 
     def client(self, argv: list[str], *, workdir: Path, url: str, timeout: float | None = 600,
                capture: bool = True) -> subprocess.CompletedProcess:
@@ -137,12 +143,12 @@ def _check(out: subprocess.CompletedProcess, what: str) -> None:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "w") as f:
+def _locked(path: Path, mode: int = fcntl.LOCK_EX) -> Iterator[None]:
+    with open(path, "a") as f:
         deadline = time.monotonic() + LOCK_WAIT_S
         while True:
             try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f, mode | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
@@ -162,7 +168,24 @@ def tree(log=print) -> Tree:
     with _locked(CACHE / f".{key}.lock"):
         if not (final / ".complete").exists():
             _build(final, key, reqs, log)
+            _prune(keep=key, log=log)
     return Tree(final)
+
+
+def _prune(keep: str, log) -> None:
+    """Remove the trees of every other key that no run or build holds now."""
+    for lock in CACHE.glob(".*.lock"):
+        key = lock.name[1:-len(".lock")]
+        if key == keep:
+            continue
+        with open(lock, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # in use: the next build looks again
+            shutil.rmtree(CACHE / key, ignore_errors=True)
+            lock.unlink(missing_ok=True)
+        log(f"trixie tree: removed {key}, an older key's")
 
 
 def _build(final: Path, key: str, reqs: list[str], log) -> None:
