@@ -203,7 +203,11 @@ async def test_a_vm_desktop_shows_what_was_typed_and_what_was_clicked(fleet, pla
         whole = await sb.screenshot()
         assert _rgb(whole)[:2] == (SCREEN.width, SCREEN.height)
         # xterm's white page over the whole screen (matchbox gives it all): a shell at the top.
-        await sb.spawn(["xterm", "-fn", "fixed", "-bg", "white", "-fg", "black", "-e", "sh"],
+        # multiClickTime: xterm reads two clicks as a double click only within 250 ms of each other
+        # by default, a gap a TCG guest on a loaded node can stretch past (the node sends them 60 ms
+        # apart; one CI run saw the word never selected); 2 s keeps it one double click.
+        await sb.spawn(["xterm", "-fn", "fixed", "-bg", "white", "-fg", "black",
+                        "-xrm", "*multiClickTime: 2000", "-e", "sh"],
                        env={"DISPLAY": screen.display, "HOME": "/tmp", "PS1": "$ "})
         band = (0, 0, SCREEN.width, 40)  # the first lines of the terminal
         await _until(sb, (0, SCREEN.height // 2, SCREEN.width, 40), lambda rgb: _light(rgb) > SCREEN.width * 30,
