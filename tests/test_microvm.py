@@ -26,6 +26,7 @@ from schemas.sandbox import Reason, State
 from tests.kernel import require
 from tests.layer_trees import APPLETS, make_busybox_base
 from tests.leaks import microvm_left
+from tests.test_pause_resume import cgroup_dir, read
 from tests.vm_shapes import create_vm
 
 LAYER = "vm-base"
@@ -226,6 +227,42 @@ async def test_the_agents_port_is_not_the_sandboxs_and_a_dead_qemu_fails_it(flee
     finally:
         if (await sb.info()).state not in (State.FAILED, State.STOPPED):
             await sb.destroy()
+    assert await _gone(platform, sb.id) == []
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime, every thread of QEMU's
+
+
+async def test_a_paused_microvm_spends_no_cpu_and_answers_again_after_resume(fleet, platform, guest):
+    """Pause freezes QEMU's cgroup (vCPUs and all): no CPU time while paused, commands refused;
+    the idle hint changes its CPU weight; after resume the guest's agent answers as before."""
+    sb = await fleet.create(isolation="microvm", layers=[LAYER], memory_mb=MEMORY_MB)
+    try:
+        await sb.write_file("/workspace/before", b"kept")
+        record = await sb.pause()
+        assert (record.state, record.reason) == (State.PAUSED, Reason.REQUESTED)
+        qemu = record.init_pid
+        v2 = cgroup_dir(qemu, "")
+        assert read(f"{v2}/cgroup.freeze").strip() == "1"
+        assert "frozen 1" in read(f"{v2}/cgroup.events")
+        spent = _cpu_ticks(qemu)
+        await asyncio.sleep(1.0)  # an idle TCG guest's timer ticks cost QEMU CPU every second
+        assert _cpu_ticks(qemu) == spent
+        with pytest.raises(errors.Conflict, match="paused"):
+            await sb.exec(["true"])
+        hinted = await sb.hint("idle")  # the weight of QEMU's own cgroup
+        assert f"/{sb.id}" in hinted.file and int(read(hinted.file)) == hinted.value
+        record = await sb.resume()
+        assert record.state is State.RUNNING
+        assert read(f"{v2}/cgroup.freeze").strip() == "0"
+        assert (await sb.exec(["cat", "/workspace/before"])).stdout == b"kept"
+        assert _cpu_ticks(qemu) > spent  # the same count moves once it runs
+        assert (await sb.hint("active")).value > hinted.value
+    finally:
+        await sb.destroy()
     assert await _gone(platform, sb.id) == []
 
 

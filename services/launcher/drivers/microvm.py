@@ -48,7 +48,7 @@ from schemas.layers import Rootfs
 from schemas.node import Confinement, MachineState
 from schemas.sandbox import SandboxSpec
 from services.launcher.keys import LOGGER, about
-from services.launcher.drivers import machine_state
+from services.launcher.drivers import cgroup_controls, machine_state
 from services.launcher.drivers.guest_commands import GuestBackground, GuestTerminal, exit_code, loopback_is_ipv6
 from services.launcher.drivers.base import (
     Anchor,
@@ -334,18 +334,12 @@ class MicroVMDriver:
 
     @staticmethod
     async def _set_frozen(sandbox: VMSandbox, frozen: bool) -> None:
-        try:
-            await asyncio.to_thread(cgroups.set_frozen, sandbox.confinement.cgroup_v2, frozen)
-        except cgroups.CgroupError as exc:
-            raise DriverFailure(str(exc)) from None
+        await cgroup_controls.set_frozen(sandbox.confinement, frozen)
         sandbox.frozen = frozen
 
     def set_cpu_weight(self, instance: Instance, idle: bool) -> CpuWeight:
         sandbox = _own(instance)
-        found = cgroups.cpu_weight_file(sandbox.confinement.cgroup_v2, sandbox.confinement.cgroup_procs)
-        if found is None:
-            raise Unsupported(f"sandbox {sandbox.sandbox_id} has no cpu.weight or cpu.shares to change")
-        return CpuWeight(file=found.path, value=found.write(idle))
+        return cgroup_controls.set_cpu_weight(sandbox.sandbox_id, sandbox.confinement, idle)
 
     async def save_machine_state(self, instance: Instance) -> tuple[Path, MachineState]:
         """The whole running machine (its processes, and its writable layer in RAM) saved, with

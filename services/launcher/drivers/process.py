@@ -25,13 +25,13 @@ from linuxnode.process.watch import DirWatch
 from schemas.layers import Rootfs
 from schemas.node import Confinement
 from schemas.sandbox import SandboxSpec
+from services.launcher.drivers import cgroup_controls
 from services.launcher.drivers.base import (
     Anchor,
     Command,
     CpuWeight,
     DirectoryWatch,
     DownloadSource,
-    DriverFailure,
     ExecFailed,
     ExecOutcome,
     Instance,
@@ -182,24 +182,14 @@ class ProcessDriver:
             raise SandboxGone("the sandbox's init is gone") from None
 
     async def freeze(self, instance: Instance) -> None:
-        await self._set_frozen(_own(instance), True)
+        await cgroup_controls.set_frozen(_own(instance).confinement, True)
 
     async def thaw(self, instance: Instance) -> None:
-        await self._set_frozen(_own(instance), False)
-
-    @staticmethod
-    async def _set_frozen(sandbox: NamespaceSandbox, frozen: bool) -> None:
-        try:
-            await asyncio.to_thread(cgroups.set_frozen, sandbox.confinement.cgroup_v2, frozen)
-        except cgroups.CgroupError as exc:
-            raise DriverFailure(str(exc)) from None
+        await cgroup_controls.set_frozen(_own(instance).confinement, False)
 
     def set_cpu_weight(self, instance: Instance, idle: bool) -> CpuWeight:
         sandbox = _own(instance)
-        found = cgroups.cpu_weight_file(sandbox.confinement.cgroup_v2, sandbox.confinement.cgroup_procs)
-        if found is None:
-            raise Unsupported(f"sandbox {sandbox.sandbox_id} has no cpu.weight or cpu.shares to change")
-        return CpuWeight(file=found.path, value=found.write(idle))
+        return cgroup_controls.set_cpu_weight(sandbox.sandbox_id, sandbox.confinement, idle)
 
     def writable_layer(self, instance: Instance) -> Path:
         sandbox = _own(instance)
