@@ -169,9 +169,10 @@ async def one_round(sb, init_pid: int, work: Path, payload: Path, is_tree: bool,
     return t1 - t0, t2 - t1, CpuMeter.spent(c0, c1), CpuMeter.spent(c1, c2), sent
 
 
-def _median_cpu(rounds: list[dict[str, float]]) -> dict[str, float]:
+def median_cpu(rounds: list[dict[str, float]]) -> dict[str, float]:
     keys = sorted({k for r in rounds for k in r})
-    return {k: round(statistics.median(r.get(k, 0.0) for r in rounds), 2) for k in keys}
+    medians = {k: round(statistics.median(r.get(k, 0.0) for r in rounds), 2) for k in keys}
+    return {k: v for k, v in medians.items() if v}  # a service idle in most rounds: left out
 
 
 async def run(url: str, args: argparse.Namespace, work: Path, data_dir: Path) -> dict:
@@ -213,12 +214,12 @@ async def run(url: str, args: argparse.Namespace, work: Path, data_dir: Path) ->
                     row[way] = {"sdk_mb_s": round(nbytes / sdk / 1e6, 1), "direct_mb_s": round(nbytes / direct / 1e6, 1),
                                 "bus_mb_s": round(nbytes / bus / 1e6, 1), "of_bus": round(bus / sdk, 3),
                                 "bus_s": round(bus, 3), "bus_rounds_s": [round(t, 3) for t in times["bus"][way]],
-                                "bus_cpu_s": _median_cpu(cpus["bus"][way]), "stream_bytes": stream_bytes,
+                                "bus_cpu_s": median_cpu(cpus["bus"][way]), "stream_bytes": stream_bytes,
                                 "sdk_files_s": round(nfiles / sdk, 1), "direct_files_s": round(nfiles / direct, 1),
                                 "ratio": round(direct / sdk, 3), "sdk_s": round(sdk, 3), "direct_s": round(direct, 3),
                                 "sdk_rounds_s": [round(t, 3) for t in times["sdk"][way]],
                                 "direct_rounds_s": [round(t, 3) for t in times["direct"][way]],
-                                "sdk_cpu_s": _median_cpu(cpus["sdk"][way]), "direct_cpu_s": _median_cpu(cpus["direct"][way])}
+                                "sdk_cpu_s": median_cpu(cpus["sdk"][way]), "direct_cpu_s": median_cpu(cpus["direct"][way])}
                 results[name] = row
         finally:
             await sb.destroy()

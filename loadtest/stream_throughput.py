@@ -35,7 +35,7 @@ from pathlib import Path
 
 import sandfleet
 from loadtest import bus_ceiling
-from loadtest.file_transfer import CpuMeter
+from loadtest.file_transfer import CpuMeter, median_cpu
 from sandfleet import credentials
 from schemas import process as proc
 from loadtest.platform import running_platform
@@ -131,8 +131,7 @@ async def run(url: str, args: argparse.Namespace, data_dir: Path) -> dict:
                    "reply_kib": round(want / statistics.median(replies[side]) / 1024, 1) if replies[side][0] else 0.0,
                    "median_s": round(statistics.median(times[side]), 3),
                    "rounds_s": [round(t, 3) for t in times[side]], "dropped": dropped[side],
-                   "cpu_s": {k: round(statistics.median(c.get(k, 0.0) for c in cpus[side]), 2)
-                             for k in sorted({k for c in cpus[side] for k in c})}} for side in SIDES}
+                   "cpu_s": median_cpu(cpus[side])} for side in SIDES}
 
 
 def main() -> int:
