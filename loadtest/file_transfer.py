@@ -95,6 +95,13 @@ def make_file(path: Path, mb: int) -> None:
     with open(path, "wb") as f:
         for _ in range(mb):
             f.write(rng.randbytes(1 << 20))
+        _on_disk(f.fileno())
+
+
+def _on_disk(fd: int) -> None:
+    """Written back now, not ~30 s later (the kernel's dirty_expire) in the middle of the
+    rounds, where its disk writes fell on whichever side ran then."""
+    os.fsync(fd)
 
 
 def make_tree(root: Path, files: int) -> None:
@@ -104,6 +111,7 @@ def make_tree(root: Path, files: int) -> None:
         if i % 100 == 0:
             d.mkdir(parents=True)
         (d / f"f{i:06d}.txt").write_bytes(rng.randbytes(1024))
+    subprocess.run(["sync", "--file-system", str(root)], check=True)  # as make_file's fsync (syncfs)
 
 
 def _tar_pipe(src_dir: str, dst_dir: str, only: str = ".", owner: int | None = None) -> None:
