@@ -8,11 +8,17 @@ order that alternates, three sides:
   output   `proc = await sb.spawn(argv)` then `async for out in proc.output()`;
   direct   what the node could do with no bus: `nsenter --target <init> --all` (the node entering
            the sandbox's namespaces) running the same command into a pipe the benchmark reads
-           with os.read in pieces of 1 MiB.
+           with os.read in pieces of 1 MiB;
+  bus      the bus's own ceiling (loadtest/bus_ceiling.py): as many bytes (zeros) in replies of
+           MAX_READ_BYTES, one ask in flight (a reader's long poll keeps one read in flight),
+           between a plain nats-py requester and responder through the same nats-server and
+           auth: no sandbox, no sandfleet code.
 Figures are medians over rounds in MB/s (10^6 bytes of output per second, from the request to
-the last byte); `dropped` counts bytes the node's buffer dropped (0: the reader held the
-command back instead); CPU seconds per side as in loadtest/file_transfer.py (client, launcher,
-nats-server; the direct side's nsenter and head are its reaped children, under `children`).
+the last byte), as a ratio of direct and of bus; `dropped` counts bytes the node's buffer
+dropped (0: the reader held the command back instead); `reply KiB` the mean output a read
+reply carried (the platform's) or the ceiling's chunk; CPU seconds per side as in
+loadtest/file_transfer.py (client, launcher, nats-server; the direct side's nsenter and head
+are its reaped children, under `children`; the ceiling's ends are "client" and "node").
 The issue's target: >= 200 MB/s and >= 0.5 of direct.
 """
 
@@ -28,33 +34,39 @@ import time
 from pathlib import Path
 
 import sandfleet
-from loadtest.file_transfer import CpuMeter
+from loadtest import bus_ceiling
+from loadtest.file_transfer import CpuMeter, median_cpu
+from sandfleet import credentials
+from schemas import process as proc
 from loadtest.platform import running_platform
 from loadtest.report import print_table, write_json
 
 ENV = {"SANDFLEET_LOG_LEVEL": "WARNING", "SANDFLEET_CPU_PSI_LIMIT": "0", "SANDFLEET_MEMORY_PSI_LIMIT": "0",
        "SANDFLEET_PLACEMENT_MIN_SHARE": "1"}
-SIDES = ("exec", "output", "direct")
+SIDES = ("exec", "output", "direct", "bus")
 
 
-async def via_exec(sb: sandfleet.Sandbox, argv: list[str]) -> tuple[int, int]:
-    got = [0]
+async def via_exec(sb: sandfleet.Sandbox, argv: list[str]) -> tuple[int, int, int]:
+    """(bytes, dropped, callbacks: each a read reply's one span here)."""
+    got = [0, 0]
 
     def on_stdout(data: bytes) -> None:
         got[0] += len(data)
+        got[1] += 1
 
     r = await sb.exec(argv, on_stdout=on_stdout, timeout_s=600)
     assert r.exit_code == 0, r.stderr
-    return got[0], 0
+    return got[0], 0, got[1]
 
 
-async def via_output(sb: sandfleet.Sandbox, argv: list[str]) -> tuple[int, int]:
-    proc = await sb.spawn(argv, buffer_bytes=16 << 20)
-    got = dropped = 0
-    async for out in proc.output():
+async def via_output(sb: sandfleet.Sandbox, argv: list[str]) -> tuple[int, int, int]:
+    process = await sb.spawn(argv, buffer_bytes=16 << 20)
+    got = dropped = outputs = 0
+    async for out in process.output():
         got += len(out.data)
         dropped += out.dropped
-    return got, dropped
+        outputs += 1
+    return got, dropped, outputs
 
 
 def _direct(init_pid: int, argv: list[str]) -> int:
@@ -66,8 +78,14 @@ def _direct(init_pid: int, argv: list[str]) -> int:
     return got
 
 
-async def via_direct(init_pid: int, argv: list[str]) -> tuple[int, int]:
-    return await asyncio.to_thread(_direct, init_pid, argv), 0
+async def via_direct(init_pid: int, argv: list[str]) -> tuple[int, int, int]:
+    return await asyncio.to_thread(_direct, init_pid, argv), 0, 0
+
+
+async def via_bus(url: str, want: int) -> tuple[int, int, int, dict[str, float]]:
+    got = await asyncio.to_thread(bus_ceiling.measure, url, credentials.connect_options(url), "down", want,
+                                  proc.MAX_READ_BYTES, 1)
+    return want, 0, -(-want // proc.MAX_READ_BYTES), got.cpu_s
 
 
 async def run(url: str, args: argparse.Namespace, data_dir: Path) -> dict:
@@ -77,6 +95,7 @@ async def run(url: str, args: argparse.Namespace, data_dir: Path) -> dict:
     want = args.mb << 20
     times: dict[str, list[float]] = {s: [] for s in SIDES}
     dropped: dict[str, int] = {s: 0 for s in SIDES}
+    replies: dict[str, list[int]] = {s: [] for s in SIDES}
     async with sandfleet.connect(url, name="bench") as fleet:
         sb = await fleet.create(memory_mb=256, host_view=True, timeout_s=3600, labels={"bench": "stream"})
         try:
@@ -85,26 +104,34 @@ async def run(url: str, args: argparse.Namespace, data_dir: Path) -> dict:
                 for side in SIDES if rnd % 2 == 0 else tuple(reversed(SIDES)):
                     c0 = cpu.read()
                     t0 = time.perf_counter()
+                    ends: dict[str, float] = {}
                     if side == "exec":
-                        got, lost = await via_exec(sb, argv)
+                        got, lost, n = await via_exec(sb, argv)
                     elif side == "output":
-                        got, lost = await via_output(sb, argv)
+                        got, lost, n = await via_output(sb, argv)
+                    elif side == "bus":
+                        got, lost, n, ends = await via_bus(url, want)
                     else:
-                        got, lost = await via_direct(init_pid, argv)
+                        got, lost, n = await via_direct(init_pid, argv)
                     times[side].append(time.perf_counter() - t0)
-                    cpus[side].append(CpuMeter.spent(c0, cpu.read()))
+                    used = CpuMeter.spent(c0, cpu.read())
+                    if ends:
+                        used.pop("children", None)  # the ceiling's two ends, by name
+                    cpus[side].append(used | ends)
+                    replies[side].append(n)
                     assert got + lost == want, f"{side}: {got} + {lost} dropped of {want} bytes"
                     dropped[side] += lost
                 print(f"round {rnd + 1}/{args.rounds}", file=sys.stderr)
         finally:
             await sb.destroy()
-    direct = statistics.median(times["direct"])
+    direct, bus = statistics.median(times["direct"]), statistics.median(times["bus"])
     return {side: {"mb_s": round(want / statistics.median(times[side]) / 1e6, 1),
                    "ratio": round(direct / statistics.median(times[side]), 3),
+                   "of_bus": round(bus / statistics.median(times[side]), 3),
+                   "reply_kib": round(want / statistics.median(replies[side]) / 1024, 1) if replies[side][0] else 0.0,
                    "median_s": round(statistics.median(times[side]), 3),
                    "rounds_s": [round(t, 3) for t in times[side]], "dropped": dropped[side],
-                   "cpu_s": {k: round(statistics.median(c.get(k, 0.0) for c in cpus[side]), 2)
-                             for k in sorted({k for c in cpus[side] for k in c})}} for side in SIDES}
+                   "cpu_s": median_cpu(cpus[side])} for side in SIDES}
 
 
 def main() -> int:
@@ -120,8 +147,8 @@ def main() -> int:
     with running_platform(args.node_id, ENV) as (url, data_dir):
         results = asyncio.run(run(url, args, data_dir))
     print_table(f"stream throughput of head -c {args.mb}M /dev/zero (host-view process, medians of {args.rounds})",
-                ["side", "MB/s", "of direct", "median s", "dropped bytes", "CPU-s"],
-                [[side, r["mb_s"], r["ratio"], r["median_s"], r["dropped"],
+                ["side", "MB/s", "of direct", "of bus", "reply KiB", "median s", "dropped bytes", "CPU-s"],
+                [[side, r["mb_s"], r["ratio"], r["of_bus"], r["reply_kib"], r["median_s"], r["dropped"],
                   " ".join(f"{k} {v}" for k, v in r["cpu_s"].items())] for side, r in results.items()])
     print(f"\nwrote {write_json(args.out, 'stream_throughput', vars(args) | {'out': str(args.out)}, results)}")
     return 0

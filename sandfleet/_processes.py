@@ -31,6 +31,14 @@ STREAMS = {proc.STDOUT: "stdout", proc.STDERR: "stderr"}
 OutputCallback = Callable[[bytes], None | Awaitable[None]]
 _ENDING = (State.STOPPING, State.STOPPED, State.FAILED)
 REASON_TRIES, REASON_WAIT_S = 10, 0.2
+# The node's buffer for a streamed exec (capped by the node: 16 MiB by default). A live reader
+# holds the command back once it is half a buffer behind, so the buffer bounds a read reply:
+# with 2 MiB (2 x MAX_OUTPUT_BYTES, as before) replies carried 0.6-0.9 MiB and `head -c 1G`
+# cost 2.5-2.9 CPU-s over client, launcher and nats-server; with 16 MiB 3.2-3.7 MiB, 2.2-2.3
+# CPU-s (fewer messages: nats-server 1.15 -> 0.9-0.98 of it). The node keeps at most this
+# much of a command's newest output, as for any background process (ended ones: the newest
+# few per sandbox, launcher settings).
+STREAMED_BUFFER_BYTES = 4 * proc.MAX_READ_BYTES
 
 
 @dataclass(frozen=True)
@@ -214,7 +222,7 @@ async def streamed_exec(sb: Sandbox, argv: list[str] | None, *, timeout_s: float
     end, each stream capped at MAX_OUTPUT_BYTES as a plain exec's."""
     started = time.perf_counter()
     process = await spawn(sb, argv, env=env, cwd=cwd, stdin=bool(stdin), timeout_s=timeout_s,
-                          buffer_bytes=node.MAX_OUTPUT_BYTES * 2, image_command=image_command)
+                          buffer_bytes=STREAMED_BUFFER_BYTES, image_command=image_command)
     if stdin:
         with contextlib.suppress(errors.Conflict):  # it ended (or closed stdin) without reading it all
             await process.send_stdin(stdin)

@@ -143,7 +143,8 @@ async def test_a_streaming_exec_past_its_timeout_is_killed_and_says_so(sb):
 async def test_a_fast_command_streamed_to_a_live_reader_loses_nothing(sb):
     """Output travels as raw bytes and a reader that keeps reading holds the command back (its
     pipe fills) instead of having the oldest dropped: from the first byte to the last, even
-    when the command writes far faster than the bus carries it (64 MiB through a 2 MiB buffer)."""
+    when the command writes far faster than the bus carries it (64 MiB through a streamed exec's
+    16 MiB buffer, and through 1 MiB)."""
     size = 64 << 20
     streamed: list[int] = []
     r = await sb.exec(["head", "-c", str(size), "/dev/zero"], on_stdout=lambda d: streamed.append(len(d)),
