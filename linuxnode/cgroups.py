@@ -17,11 +17,14 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from linuxnode import memcg_release
+
 ROOT = "/sys/fs/cgroup"
 PARENT = "sandfleet"
 V1_CONTROLLERS = ("memory", "cpu", "pids")
 CPU_PERIOD_US = 100_000
 MEMORY_PEAK_V1, MEMORY_PEAK_V2 = "memory.max_usage_in_bytes", "memory.peak"
+SWEEP_EVERY_S = 10.0  # sweeps of set-aside memory cgroups come from removals, at most this often
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -37,6 +40,7 @@ class CgroupLayout:
     v2: str
     v1: dict[str, str] = field(default_factory=dict)
     _prepared: set[str] = field(default_factory=set, repr=False)
+    _swept_at: dict[str, float] = field(default_factory=dict, repr=False)  # node id -> monotonic time
 
     @classmethod
     def detect(cls) -> CgroupLayout:
@@ -245,7 +249,10 @@ class SandboxCgroups:
             for d in list(left):
                 if d == self.memory_dir and not released and not _read_pids(f"{d}/cgroup.procs"):
                     released = True
-                    release_charges(d, self.layout.mode, deadline)
+                    memcg_release.release_charges(d, self.layout.mode == "unified", deadline)
+                    if self.layout.mode != "unified" and memcg_release.set_aside(d, self.sandbox_id):
+                        left.remove(d)
+                        continue
                 try:
                     os.rmdir(d)
                     left.remove(d)
@@ -255,6 +262,7 @@ class SandboxCgroups:
                     if exc.errno != errno.EBUSY:
                         raise
             if not left:
+                sweep_released(self.layout, self.node_id)
                 return
             if time.monotonic() > deadline:
                 raise CgroupError(f"cgroups of {self.sandbox_id} still busy after {timeout_s} s: {left}")
@@ -263,40 +271,15 @@ class SandboxCgroups:
             pause = min(pause * 2, 0.05)
 
 
-# A memory cgroup removed while pages are still charged to it (page cache the sandbox read or
-# wrote: layer files, its upper dir) is only taken offline: it stays in the kernel, "dying", with
-# its per-cgroup structures (~1.4 MiB of slab each here) until those pages are reclaimed, which
-# without memory pressure is never; a node that churns sandboxes piles thousands up. Reclaiming
-# the charges first lets the kernel free the cgroup at rmdir. The pages are clean cache that a
-# later reader faults in again (and is charged for). Kernel objects still charged (slab, ~60-180
-# KiB) cannot be reclaimed, but the kernel hands them to the parent at rmdir, so they pin nothing.
-RECLAIM_STEP = 16 << 20  # v2: bytes asked of one memory.reclaim write, so the deadline is checked between
-
-
-def release_charges(memory_dir: str, mode: str, deadline: float) -> None:
-    """Reclaim the pages charged to an empty memory cgroup, giving up at `deadline` (monotonic).
-
-    Best effort: a destroy never fails or waits long because of it. v1 lowers the limit to 0
-    rather than writing memory.force_empty: both reclaim, but force_empty retries 16 failed passes
-    over the kernel objects it cannot reclaim (~4.6 ms a sandbox here), the limit write stops at
-    the first (EBUSY, ~0.7 ms). v2 asks memory.reclaim for the page-cache and anon bytes only
-    (asking for more also ends in retries, then EAGAIN), RECLAIM_STEP at a time."""
-    if mode != "unified":
-        try:
-            _write(f"{memory_dir}/memory.limit_in_bytes", "0")
-        except OSError:  # EBUSY: what is left is not reclaimable; or the cgroup is gone
-            pass
-        return
-    try:
-        while time.monotonic() < deadline:
-            with open(f"{memory_dir}/memory.stat") as f:
-                stat = dict(line.split(maxsplit=1) for line in f)
-            lru = int(stat.get("file", 0)) + int(stat.get("anon", 0))
-            if lru <= 0:
-                return
-            _write(f"{memory_dir}/memory.reclaim", str(min(lru, RECLAIM_STEP)))
-    except OSError:  # EAGAIN/EBUSY: reclaim took what it could; ENOENT: a kernel before 5.19
-        pass
+def sweep_released(layout: CgroupLayout, node_id: str, older_than_s: float = memcg_release.WRITEBACK_WAIT_S,
+                   every_s: float = SWEEP_EVERY_S) -> int:
+    """Remove the node's memory cgroups set aside longer than `older_than_s` ago, unless the last
+    sweep was less than `every_s` ago; how many it removed."""
+    now = time.monotonic()
+    if not layout.v1 or now - layout._swept_at.get(node_id, -every_s) < every_s:
+        return 0
+    layout._swept_at[node_id] = now
+    return memcg_release.sweep(f"{layout.v1['memory']}/{PARENT}/{node_id}", older_than_s)
 
 
 def list_sandboxes(layout: CgroupLayout, node_id: str) -> list[str]:
@@ -305,14 +288,16 @@ def list_sandboxes(layout: CgroupLayout, node_id: str) -> list[str]:
     for d in layout.node_dirs(node_id):
         try:
             with os.scandir(d) as entries:
-                found.update(e.name for e in entries if e.is_dir(follow_symlinks=False))
+                found.update(e.name for e in entries if e.is_dir(follow_symlinks=False) and _NAME.match(e.name))
         except FileNotFoundError:
             pass
     return sorted(found)
 
 
 def remove_node_root(layout: CgroupLayout, node_id: str) -> None:
-    """Delete the node's empty parents (and the sandfleet parent once no node uses it)."""
+    """Delete the node's memory cgroups set aside and its empty parents (and the sandfleet parent
+    once no node uses it)."""
+    sweep_released(layout, node_id, older_than_s=0.0, every_s=0.0)
     for d in layout.node_dirs(node_id):
         for empty in (d, os.path.dirname(d)):
             try:
