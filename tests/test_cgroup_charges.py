@@ -81,7 +81,8 @@ def _make_a_tree_inside(group: cgroups.SandboxCgroups, path: str) -> None:
     """Run a process in every cgroup of the sandbox that makes directories and small files, as a
     container's setup does in its upper dir: the file system's own blocks it dirties (directory
     and inode blocks, held by the journal) stay dirty, and charged to it, after reclaim."""
-    _run_inside(group, ["sh", "-c", f'mkdir "{path}" && cd "{path}" && for i in $(seq 100); do mkdir d$i; echo x > f$i; done'])
+    script = f'mkdir "{path}" && cd "{path}" && for i in $(seq 100); do mkdir d$i; echo x > f$i; done'
+    _run_inside(group, ["sh", "-c", script])
 
 
 def _settled(layout: cgroups.CgroupLayout, dying_before: int, baseline: int, max_dying: int,
