@@ -17,11 +17,14 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from linuxnode import memcg_release
+
 ROOT = "/sys/fs/cgroup"
 PARENT = "sandfleet"
 V1_CONTROLLERS = ("memory", "cpu", "pids")
 CPU_PERIOD_US = 100_000
 MEMORY_PEAK_V1, MEMORY_PEAK_V2 = "memory.max_usage_in_bytes", "memory.peak"
+SWEEP_EVERY_S = 10.0  # sweeps of set-aside memory cgroups come from removals, at most this often
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -37,6 +40,7 @@ class CgroupLayout:
     v2: str
     v1: dict[str, str] = field(default_factory=dict)
     _prepared: set[str] = field(default_factory=set, repr=False)
+    _swept_at: dict[str, float] = field(default_factory=dict, repr=False)  # node id -> monotonic time
 
     @classmethod
     def detect(cls) -> CgroupLayout:
@@ -227,15 +231,28 @@ class SandboxCgroups:
             except ProcessLookupError:
                 pass
 
+    @property
+    def memory_dir(self) -> str:
+        """The directory whose memory controller charges the sandbox's pages."""
+        return self.v2_dir if self.layout.mode == "unified" else self._v1["memory"]
+
     def remove(self, timeout_s: float = 2.0) -> None:
-        """Kill everything, wait until the cgroups are empty and delete them. Idempotent."""
+        """Kill everything, wait until the cgroups are empty, release the memory still charged to
+        them and delete them. Idempotent."""
         if not any(os.path.isdir(d) for d in self.dirs):
             return
         self.kill()
         deadline, pause = time.monotonic() + timeout_s, 0.0005
         left = list(self.dirs)
+        released = False
         while left:
             for d in list(left):
+                if d == self.memory_dir and not released and not _read_pids(f"{d}/cgroup.procs"):
+                    released = True
+                    memcg_release.release_charges(d, self.layout.mode == "unified", deadline)
+                    if self.layout.mode != "unified" and memcg_release.set_aside(d, self.sandbox_id):
+                        left.remove(d)
+                        continue
                 try:
                     os.rmdir(d)
                     left.remove(d)
@@ -245,6 +262,7 @@ class SandboxCgroups:
                     if exc.errno != errno.EBUSY:
                         raise
             if not left:
+                sweep_released(self.layout, self.node_id)
                 return
             if time.monotonic() > deadline:
                 raise CgroupError(f"cgroups of {self.sandbox_id} still busy after {timeout_s} s: {left}")
@@ -253,20 +271,33 @@ class SandboxCgroups:
             pause = min(pause * 2, 0.05)
 
 
+def sweep_released(layout: CgroupLayout, node_id: str, older_than_s: float = memcg_release.WRITEBACK_WAIT_S,
+                   every_s: float = SWEEP_EVERY_S) -> int:
+    """Remove the node's memory cgroups set aside longer than `older_than_s` ago, unless the last
+    sweep was less than `every_s` ago; how many it removed."""
+    now = time.monotonic()
+    if not layout.v1 or now - layout._swept_at.get(node_id, -every_s) < every_s:
+        return 0
+    layout._swept_at[node_id] = now
+    return memcg_release.sweep(f"{layout.v1['memory']}/{PARENT}/{node_id}", older_than_s)
+
+
 def list_sandboxes(layout: CgroupLayout, node_id: str) -> list[str]:
     """Ids of the sandboxes that have a cgroup directory of this node in any hierarchy."""
     found: set[str] = set()
     for d in layout.node_dirs(node_id):
         try:
             with os.scandir(d) as entries:
-                found.update(e.name for e in entries if e.is_dir(follow_symlinks=False))
+                found.update(e.name for e in entries if e.is_dir(follow_symlinks=False) and _NAME.match(e.name))
         except FileNotFoundError:
             pass
     return sorted(found)
 
 
 def remove_node_root(layout: CgroupLayout, node_id: str) -> None:
-    """Delete the node's empty parents (and the sandfleet parent once no node uses it)."""
+    """Delete the node's memory cgroups set aside and its empty parents (and the sandfleet parent
+    once no node uses it)."""
+    sweep_released(layout, node_id, older_than_s=0.0, every_s=0.0)
     for d in layout.node_dirs(node_id):
         for empty in (d, os.path.dirname(d)):
             try:

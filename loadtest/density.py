@@ -56,6 +56,38 @@ def kernel_kib(m: dict[str, int]) -> int:
     return m["Slab"] + m["PageTables"] + m["KernelStack"]
 
 
+BREAKDOWN_FIELDS = ("SUnreclaim", "SReclaimable", "Percpu", "VmallocUsed", "PageTables", "KernelStack", "Shmem",
+                    "Cached", "Buffers", "AnonPages")
+
+
+def kernel_snapshot() -> dict[str, dict[str, int]]:
+    """What the kernel holds, to split a sandbox's kernel memory by where it goes: /proc/meminfo's
+    kernel fields (KiB), the bytes of each slab cache's slabs, and each controller's cgroup count
+    from /proc/cgroups (which counts dying cgroups too)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    slabs = {}
+    with open("/proc/slabinfo") as f:
+        for line in f.readlines()[2:]:
+            name, rest = line.split(None, 1)
+            fields = rest.split()
+            slabs[name] = int(fields[13]) * int(fields[4]) * page // KIB  # num_slabs * pages a slab
+    with open("/proc/cgroups") as f:
+        cgroup_counts = {line.split()[0]: int(line.split()[2]) for line in f if not line.startswith("#")}
+    m = meminfo()
+    return {"meminfo_kib": {k: m.get(k, 0) for k in BREAKDOWN_FIELDS}, "slab_kib": slabs, "cgroups": cgroup_counts}
+
+
+def kernel_breakdown(before: dict, after: dict, n: int, top: int = 12) -> dict[str, dict[str, float]]:
+    """Per sandbox: growth of each meminfo field and of the `top` slab caches that grew most (KiB),
+    and of each controller's cgroup count."""
+    def per(a: dict[str, int], b: dict[str, int]) -> dict[str, float]:
+        return {k: round((b.get(k, 0) - a.get(k, 0)) / n, 1) for k in b}
+    slabs = per(before["slab_kib"], after["slab_kib"])
+    return {"meminfo_kib": per(before["meminfo_kib"], after["meminfo_kib"]),
+            "slab_kib": dict(sorted(slabs.items(), key=lambda kv: -kv[1])[:top]),
+            "cgroups": per(before["cgroups"], after["cgroups"])}
+
+
 def pss_kib(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
@@ -151,7 +183,7 @@ async def step_up(url: str, node_id: str, data_dir: Path, args: argparse.Namespa
         await warm.exec(["true"])
         await warm.destroy()
         await asyncio.sleep(1.0)
-        before, platform_before = meminfo(), platform_pss_kib(data_dir)
+        before, platform_before, kernel_before = meminfo(), platform_pss_kib(data_dir), kernel_snapshot()
         boxes: list[sandfleet.Sandbox] = []
         steps, limit = [], f"reached --max {args.max}"
         start = time.perf_counter()
@@ -181,7 +213,7 @@ async def step_up(url: str, node_id: str, data_dir: Path, args: argparse.Namespa
                     limit = f"memory: MemAvailable {m['MemAvailable'] // KIB} MiB < reserve {args.reserve_mb} MiB"
                     break
             held_s = time.perf_counter() - start
-            after, platform_after = meminfo(), platform_pss_kib(data_dir)
+            after, platform_after, kernel_after = meminfo(), platform_pss_kib(data_dir), kernel_snapshot()
             sample = sandbox_memory(node_id, [sb.id for sb in boxes[:: max(1, len(boxes) // 20)]])
         finally:
             t0 = time.perf_counter()
@@ -215,6 +247,8 @@ async def step_up(url: str, node_id: str, data_dir: Path, args: argparse.Namespa
                 "kernel_plus_processes": round(kernel + sample["processes_pss_kib"], 1),
                 **sample,
             },
+            # Host-wide too: what others on the machine make and free moves these.
+            "kernel_per_sandbox": kernel_breakdown(kernel_before, kernel_after, n),
             "fits_in_available_memory": int(before["MemAvailable"] / per_sandbox_used) if per_sandbox_used > 0 else None,
             "steps": steps,
             "left_after_destroy": leftovers([node_id], data_dir),
@@ -259,6 +293,10 @@ def main() -> int:
           f"({last['platform_cpu_s'] / max(first['platform_cpu_s'], 0.01):.2f}x); host mounts {first['host_mounts']} -> {last['host_mounts']}, "
           f"roots namespace {first['roots_mounts']} -> {last['roots_mounts']}; "
           f"unshare -m {first['unshare_ms']} -> {last['unshare_ms']} ms")
+    kernel = results["kernel_per_sandbox"]
+    print("kernel KiB per sandbox:", " ".join(f"{k} {v}" for k, v in kernel["meminfo_kib"].items()))
+    print("  slab caches:", " ".join(f"{k} {v}" for k, v in kernel["slab_kib"].items()))
+    print("  cgroups per sandbox:", " ".join(f"{k} {v}" for k, v in kernel["cgroups"].items() if v))
     print(f"fill {results['seconds_to_fill']} s, destroy all {results['seconds_to_destroy_all']} s; "
           f"left after destroy: {results['left_after_destroy'] or 'nothing'}, live records: {results['live_after_destroy']}")
     out = write_json(args.out, "density", {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -81,7 +81,10 @@ def leftovers(nodes: list[str], data_dir: Path, whole_node: bool = False) -> dic
             if whole_node and os.path.isdir(node_dir):
                 cgroups.append(node_dir)
             elif os.path.isdir(node_dir):
-                cgroups += [f"{node_dir}/{d}" for d in os.listdir(node_dir) if os.path.isdir(f"{node_dir}/{d}")]
+                # ".<sandbox>.<time>": a memory cgroup the node set aside until its dirty pages are
+                # written back (linuxnode.memcg_release); the node removes it by itself.
+                cgroups += [f"{node_dir}/{d}" for d in os.listdir(node_dir)
+                            if os.path.isdir(f"{node_dir}/{d}") and not d.startswith(".")]
     names = [f"sf-{n}.{sandbox}" for n in nodes for sandbox in netns.list_sandboxes(n)]  # in its holder or the host's
     left = {"mounts": mounts, "cgroups": cgroups, "netns": names,
             "processes": sandbox_processes(nodes)}

@@ -156,6 +156,9 @@ def test_density_steps_up_to_max_and_destroys_everything(runs):
     per = results["per_sandbox_kib"]
     assert per["processes"] >= 2  # the init and its sleep
     assert per["processes_pss_kib"] > 0 and per["cgroup_charged_kib"] > 0
+    kernel = results["kernel_per_sandbox"]  # host-wide growth, which others move: its shape only
+    assert {"SUnreclaim", "Percpu", "PageTables"} <= set(kernel["meminfo_kib"]) and kernel["slab_kib"]
+    assert {"memory", "cpu", "pids"} <= set(kernel["cgroups"])
     assert results["left_after_destroy"] == {} and results["live_after_destroy"] == 0
     assert node_left(node, results["data_dir"]) == []
 
