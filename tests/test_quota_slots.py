@@ -110,7 +110,7 @@ async def _trail(fleet, platform, sandbox_id: str) -> str:
     consumer = await fleet.bus.js.consumer_info("EVENTS", "placement-quotas")
     kv = await fleet.bus.js.key_value("quotas")
     try:
-        member = (await kv.get(f"m.{sandbox_id}")).value
+        member = [k for k in await kv.keys() if k.startswith("m.") and k.endswith(f".{sandbox_id}")]  # m.<node>.<id>
     except Exception as exc:  # noqa: BLE001 (a failure message: whatever it was)
         member = type(exc).__name__
     warnings = [line for line in (platform.data_dir / "logs" / "placement.log").read_text().splitlines()

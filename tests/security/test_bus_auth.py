@@ -183,7 +183,7 @@ async def test_a_tenant_cannot_launch_or_forge_events_or_records(platform, tenan
         forged = {
             node.subject(sb.node, node.LAUNCH): json.dumps({"sandboxes": [{"id": "forged-launch", "spec": {}}]}),
             violations.subject(sb.node, sb.id, "network.connect"): json.dumps({"type": "violation"}),
-            events.sandbox_subject(sb.id, "stopped", "alice"): json.dumps({"type": "stopped", "sandbox_id": sb.id}),
+            events.sandbox_subject(sb.id, "stopped", "alice", sb.node): json.dumps({"type": "stopped", "sandbox_id": sb.id}),
             violations.tenant_subject("alice", sb.node, sb.id, "network.connect"): json.dumps({"type": "violation"}),
             f"$KV.{sandbox.KV_BUCKET}.{sandbox.record_key(sb.node, sb.id)}": json.dumps({"id": sb.id, "tenant": "bob"}),
             f"$JS.API.STREAM.PURGE.KV_{sandbox.KV_BUCKET}": "{}",
