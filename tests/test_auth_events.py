@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import nats
@@ -106,7 +106,8 @@ async def test_a_node_publishes_only_its_own_sandboxes_lifecycle_events(bus_url,
     url, auth = bus_url
     placement = buses["placement"]
     theirs, mine = _id(), _id()
-    forged = [_event(events.Started, theirs, B), _event(events.Failed, theirs, "", state=State.FAILED)]  # B's, placement's
+    # under B's name, under placement's token
+    forged = [_event(events.Started, theirs, B), _event(events.Failed, theirs, "", state=State.FAILED)]
     attempts = [(e.subject, encode(e)) for e in forged]
     attempts.append((f"events.v2.sandbox.carol.{theirs}.stopped", b"{}"))  # the old version's subject: no node at all
     before = (await placement.js.stream_info(events.STREAM)).state
@@ -138,7 +139,8 @@ def test_no_node_gets_credentials_under_a_reserved_name_or_a_wildcard(tmp_path, 
         node_permissions(name)
 
 
-async def _first(stream: AsyncIterator[events.SandboxEvent], cause) -> events.SandboxEvent:  # type: ignore[no-untyped-def]
+async def _first(stream: AsyncIterator[events.SandboxEvent], cause: Callable[[], Awaitable[None]]
+                 ) -> events.SandboxEvent:
     """The first event `stream` yields while `cause()` publishes, again each time nothing came
     (the stream may not have been listening yet): what it yields first is what counts."""
     task = asyncio.ensure_future(stream.__anext__())
@@ -203,7 +205,8 @@ async def test_a_tenant_still_hears_its_own_sandboxes_only(bus_url, buses):
     async def error_cb(exc: Exception) -> None:
         refusals.append(str(exc))
 
-    conn = await nats.connect(url, allow_reconnect=False, error_cb=error_cb, nkeys_seed_str=read_seed(auth.tenant("dave")))
+    conn = await nats.connect(url, allow_reconnect=False, error_cb=error_cb,
+                              nkeys_seed_str=read_seed(auth.tenant("dave")))
     try:
         for subject in (events.tenant_filter("carol"), events.node_filter(B), events.ALL_SANDBOX):
             await conn.subscribe(subject)

@@ -180,7 +180,10 @@ async def test_the_release_consumer_pulls_on_after_the_plain_timeout_nats_py_rai
     async def bind(*_: object, **__: object) -> Subscription:
         return Subscription()
 
-    bus = SimpleNamespace(js=SimpleNamespace(add_consumer=add_consumer, pull_subscribe_bind=bind))
+    async def stream_info(*_: object, **__: object) -> SimpleNamespace:  # no member key of an older placement
+        return SimpleNamespace(state=SimpleNamespace(subjects=None))
+
+    bus = SimpleNamespace(js=SimpleNamespace(add_consumer=add_consumer, pull_subscribe_bind=bind, stream_info=stream_info))
     consumer = asyncio.create_task(Quotas(bus, kv=None).release_ended())  # type: ignore[arg-type]
     pulling = asyncio.create_task(pulled_again.wait())
     try:
