@@ -56,7 +56,7 @@ async def sandbox_ended(sb: Sandbox) -> errors.SandboxEnded | None:
         state, reason = record.state, record.reason
     except errors.NotFound:  # a stopped sandbox's record is forgotten: its events are kept
         try:
-            ending = [e for e in await sb._fleet.history(sb.id, idle_s=0.2) if e.state in _ENDING]
+            ending = [e for e in await sb._fleet.history(sb.id, idle_s=0.2, node=sb.node) if e.state in _ENDING]
         except (nats.errors.Error, errors.Unsupported):  # no stream to read (a tenant's has none): the NotFound stands
             return None
         if not ending:

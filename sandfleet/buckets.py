@@ -84,7 +84,7 @@ def _bucket(bucket: str, description: str, *, direct: bool = False, ttl: float |
 
 async def _cover(js: Any, stream: str, subjects: list[str]) -> None:
     """Add to a stream the `subjects` it does not capture yet (a stream made before lifecycle
-    events moved to `events.v2.`: without this their publishes would find no stream)."""
+    events moved to `events.v3.`: without this their publishes would find no stream)."""
     info = await js.stream_info(stream)
     missing = [s for s in subjects if s not in (info.config.subjects or [])]
     if missing:

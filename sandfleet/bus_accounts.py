@@ -29,6 +29,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import nkeys
 
 from sandfleet import jetstream
@@ -62,6 +63,25 @@ TENANT_NODE_VERBS = (
 # Placement answers these for a tenant with its own sandboxes only.
 TENANT_SANDBOX_SUBJECTS = (sandbox.CREATE, sandbox.CREATE_MANY, sandbox.GET, sandbox.LIST)
 LAYER_BUCKETS = (layers.KV_BUCKET, layers.DIFF_BUCKET)  # KV buckets of the layer store (the catalogue, diff ids)
+
+
+# Names no node may have: its records' keys would be placement's batch records (`batch.<token>`),
+# its lifecycle events placement's own (`events.PLACEMENT_NODE`, also no valid NodeId).
+RESERVED_NODE_IDS = (sandbox.BATCH_KEY_NODE, events.PLACEMENT_NODE)
+
+
+def check_node_id(node_id: str) -> str:
+    """`node_id` if a node may be called so: a `NodeId` (a letter or digit first, then letters,
+    digits, `_`, `-`: never a subject wildcard or separator, which would widen every permission
+    built from it) and none of the reserved names. CredentialsError otherwise."""
+    try:
+        msgspec.convert(node_id, sandbox.NodeId)
+    except msgspec.ValidationError:
+        raise CredentialsError(f"{node_id!r}: a node id is a letter or digit, then letters, digits, '_' and '-' "
+                               "(at most 64)") from None
+    if node_id in RESERVED_NODE_IDS:
+        raise CredentialsError(f"no node may be called {node_id!r}: the name is the platform's own")
+    return node_id
 
 
 def tenant_subjects() -> list[str]:
@@ -117,9 +137,10 @@ def _common() -> Permissions:
 
 def _state() -> Permissions:
     """What `ensure_state` touches at every service's start: the sandbox records, the events, and
-    the layer catalogue's buckets (made, or switched to refuse rollups, by whichever service starts)."""
+    the layer catalogue's buckets (made, or switched to refuse rollups, by whichever service starts).
+    No lifecycle event: placement publishes them (every one), nodes their own sandboxes'."""
     layer_buckets = [s for b in LAYER_BUCKETS for s in jetstream.stream_api_subjects(jetstream.kv_stream(b), write=True)]
-    return kv(sandbox.KV_BUCKET, write=True).add(event_stream(events.ALL_SANDBOX)).add(
+    return kv(sandbox.KV_BUCKET, write=True).add(event_stream()).add(
         Permissions([jetstream.stream_create_subject(jetstream.kv_stream(node.KV_BUCKET)),  # nodes write their own
                      *layer_buckets]))
 
@@ -154,11 +175,12 @@ def _node_objects(bucket: str) -> Permissions:
 def _node_state(node_id: str) -> Permissions:
     """`_state` for a node: the sandbox records read, but written only under the node's own name
     (`<node>.<id>`: never another node's, nor placement's batch records); the events stream
-    published to but never updated, purged or deleted (it is the audit trail); each bucket created
+    published to (lifecycle events of its own sandboxes only: `events.v3.sandbox.*.<node>.>`) but
+    never updated, purged or deleted (it is the audit trail); each bucket created
     but never updated (a node could otherwise change its limits and so drop every record)."""
     return _node_kv(sandbox.KV_BUCKET, sandbox.record_key(node_id, ">")).add(Permissions([
         jetstream.stream_create_subject(jetstream.kv_stream(node.KV_BUCKET)), *_node_reads(events.STREAM),
-        jetstream.stream_create_subject(events.STREAM), events.ALL_SANDBOX]))
+        jetstream.stream_create_subject(events.STREAM), events.node_filter(node_id)]))
 
 
 def service_permissions(name: str) -> Permissions:
@@ -166,7 +188,10 @@ def service_permissions(name: str) -> Permissions:
     base = _common().add(_state())
     if name == "placement":
         return base.add(Permissions(
-            [node.subject("*", node.LAUNCH), node.subject("*", node.DESTROY), node.subject("*", pools.CLAIM)],
+            # every lifecycle event: of sandboxes on any node (one whose node is lost, a launch
+            # unanswered) and under `events.PLACEMENT_NODE`, the one publisher of that token
+            [node.subject("*", node.LAUNCH), node.subject("*", node.DESTROY), node.subject("*", pools.CLAIM),
+             events.ALL_SANDBOX],
             [sandbox.ALL]
         )).add(kv(node.KV_BUCKET)).add(kv(node.BOOKINGS_BUCKET, write=True)).add(kv(sandbox.QUOTA_BUCKET, write=True)).add(
             kv(pools.KV_BUCKET, write=True))
@@ -186,10 +211,9 @@ def service_permissions(name: str) -> Permissions:
 
 def node_permissions(node_id: str) -> Permissions:
     """Every service of one node (agent, layer-cache, reclaimer, launcher): its own subjects
-    only, its own heartbeat key, events and violations under its own id (a sandbox's lifecycle
-    events carry no node, so any sandbox's), the layer store it builds into and reads from."""
-    if node_id == sandbox.BATCH_KEY_NODE:  # its records' keys would be placement's batch records
-        raise ValueError(f"no node may be called {node_id!r}")
+    only, its own heartbeat key, events and violations under its own id (lifecycle events of its
+    own sandboxes: `events.v3.sandbox.*.<id>.>`), the layer store it builds into and reads from."""
+    check_node_id(node_id)
     own = node.subject(node_id, ">")
     return _common().add(_node_state(node_id)).add(Permissions(
         # INBOX: a port tunnel's frames go to the inbox its client named (a tenant's: under its
@@ -253,8 +277,7 @@ class AuthDir:
         return self._ensure(self.root / "services" / f"{name}.creds", f"service {name}")
 
     def node(self, node_id: str) -> Path:
-        if node_id == sandbox.BATCH_KEY_NODE:
-            raise CredentialsError(f"no node may be called {node_id!r}: its records' keys would be placement's batch records")
+        check_node_id(node_id)
         return self._ensure(self.root / "nodes" / f"{node_id}.creds", f"node {node_id}")
 
     def tenant(self, name: str) -> Path:

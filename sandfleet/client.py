@@ -11,17 +11,20 @@ pause/resume and restore (`_rollout`), violations and policies (`_security`), wa
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats.errors
 import nats.js.api
 from nats.aio.msg import Msg
 from opentelemetry.trace import SpanKind
 
 from sandfleet import errors, telemetry
+from sandfleet._batch_outcomes import BatchOutcomes
 from sandfleet._pools import _FleetPools
 from sandfleet._requests import _spec
 from sandfleet._rollout import RolloutChange, _FleetRollout
@@ -36,6 +39,7 @@ from schemas.sandbox import DesktopSpec, Isolation, SandboxRecord
 
 __all__ = ["QUIET_S", "SERVICES", "BatchProgress", "ExecResult", "Fleet", "RolloutChange", "Sandbox", "connect"]
 
+log = logging.getLogger("sandfleet.sdk")
 QUIET_S = 30.0  # a gang batch with no event for this long has its records read instead
 SERVICES = ("placement", "agent", "layer-cache", "reclaimer", "launcher", "security-monitor")
 
@@ -128,52 +132,38 @@ class Fleet(_FleetRollout, _FleetSecurity, _FleetPools):
         """
         req = sandbox.CreateManyRequest(count=count, spec=_spec(**spec), wait=False)
         timeout = request_timeout_s or 60 + 0.05 * count
-        outcome: dict[str, events.SandboxEvent] = {}
-        where: dict[str, str] = {}  # id → node, once placement has answered
-        tally = {sandbox.State.RUNNING: 0, sandbox.State.FAILED: 0}
+        batch = BatchOutcomes()
         arrived = asyncio.Event()
 
         def settled(event: events.SandboxEvent) -> None:
-            # Every batch in flight hears every outcome: before placement's answer all are kept
-            # (sorted out when it comes), after it only this batch's wake it.
-            if event.sandbox_id in outcome:
-                return
-            if not where:
-                outcome[event.sandbox_id] = event
-            elif event.sandbox_id in where:
-                outcome[event.sandbox_id] = event
-                tally[event.state] += 1
+            if batch.heard(event):
                 arrived.set()
 
         # Subscribed before asking, so no event of the batch can pass unseen.
         await self._follow_batches(settled)
         try:
             reply = await self.bus.request(sandbox.CREATE_MANY, req, sandbox.CreateManyReply, timeout=timeout)
-            where.update((i, p.node) for p in reply.placements for i in p.ids)
-            for i in where:
-                if i in outcome:
-                    tally[outcome[i].state] += 1
-            for i in [i for i in outcome if i not in where]:
-                del outcome[i]  # another batch's
+            batch.placed({i: p.node for p in reply.placements for i in p.ids})
             deadline = asyncio.get_running_loop().time() + timeout
             while True:
-                state = BatchProgress(total=count, placed=len(where), running=tally[sandbox.State.RUNNING],
-                                      failed=tally[sandbox.State.FAILED])
+                state = BatchProgress(total=count, placed=len(batch.where), running=batch.tally[sandbox.State.RUNNING],
+                                      failed=batch.tally[sandbox.State.FAILED])
                 if progress is not None:
                     progress(state)
                 if state.done:
                     break
                 left = deadline - asyncio.get_running_loop().time()
                 if left <= 0:
-                    await self._settle(where, outcome, settled)  # an event may have been missed: ask the records
+                    await self._settle(batch, settled)  # an event may have been missed: ask the records
                     break
                 arrived.clear()
                 try:
                     await asyncio.wait_for(arrived.wait(), min(left, QUIET_S))
                 except asyncio.TimeoutError:  # long silence: an event may have been missed
-                    await self._settle(where, outcome, settled)
+                    await self._settle(batch, settled)
         finally:
             await self._unfollow_batches(settled)
+        where, outcome = batch.where, batch.outcome
         created = [Sandbox(self, i, n) for i, n in where.items() if i in outcome and outcome[i].state is sandbox.State.RUNNING]
         if len(created) < count:
             failed = [f"{i}: {outcome[i].detail if i in outcome else 'no outcome in time'}"
@@ -202,15 +192,14 @@ class Fleet(_FleetRollout, _FleetSecurity, _FleetPools):
                     await sub.unsubscribe()
 
     def _on_batch_event(self, msg: Msg) -> None:
-        event = decode(msg.data, AnySandboxEvent)
-        if event.state in (sandbox.State.RUNNING, sandbox.State.FAILED):
+        event = _vouched(msg)
+        if event is not None and event.state in (sandbox.State.RUNNING, sandbox.State.FAILED):
             for settled in list(self._batch_waiters):
                 settled(event)
 
-    async def _settle(self, where: dict[str, str], outcome: dict[str, events.SandboxEvent],
-                      settled: Callable[[events.SandboxEvent], None]) -> None:
+    async def _settle(self, batch: BatchOutcomes, settled: Callable[[events.SandboxEvent], None]) -> None:
         """Read the records of the sandboxes with no outcome yet (their events were missed)."""
-        pending = [i for i in where if i not in outcome]
+        pending = [i for i in batch.where if i not in batch.outcome]
         for start in range(0, len(pending), 256):
             found = await asyncio.gather(*(self.get(i) for i in pending[start : start + 256]), return_exceptions=True)
             for record in found:
@@ -251,32 +240,46 @@ class Fleet(_FleetRollout, _FleetSecurity, _FleetPools):
         req = sandbox.ListRequest(include_ended=include_ended)
         return (await self.bus.request(sandbox.LIST, req, sandbox.SandboxList, timeout=30)).sandboxes
 
-    async def events(self, sandbox_id: str | None = None, *, replay: bool = False) -> AsyncIterator[AnySandboxEvent]:
+    async def events(self, sandbox_id: str | None = None, *, replay: bool = False,
+                     node: str | None = None) -> AsyncIterator[AnySandboxEvent]:
         """Lifecycle events as they happen (`replay=True`: from the start of the stream first).
-        With a tenant's credentials: its own sandboxes' only, and live only (Unsupported for replay)."""
+        With a tenant's credentials: its own sandboxes' only, and live only (Unsupported for replay).
+
+        Each event's `node` is one the server vouched for (a node may publish under its own
+        name only; an event whose body says otherwise than its subject is dropped). Of one
+        sandbox: only its node's (`node`, else its record's while it has one) and placement's,
+        so another node's word about it never arrives."""
         tenant = await self.tenant()
         if tenant is not None:
             _live_only(replay, "events")
-            async for msg in live(self.bus, [events.sandbox_filter(sandbox_id or "*", tenant)]):
-                yield decode(msg.data, AnySandboxEvent)
+        node = node or await self._node_of(sandbox_id)
+        subject = _lifecycle_filter(sandbox_id, tenant, node)
+        if tenant is not None:
+            async for msg in live(self.bus, [subject]):
+                if (event := _vouched(msg, node)) is not None:
+                    yield event
             return
-        subject = events.sandbox_filter(sandbox_id) if sandbox_id else events.ALL_SANDBOX
         policy = nats.js.api.DeliverPolicy.ALL if replay else nats.js.api.DeliverPolicy.NEW
         sub = await self.bus.js.subscribe(subject, ordered_consumer=True, deliver_policy=policy)
         try:
             async for msg in sub.messages:
-                yield decode(msg.data, AnySandboxEvent)
+                if (event := _vouched(msg, node)) is not None:
+                    yield event
         finally:
             try:
                 await sub.unsubscribe()
             except nats.errors.Error:
                 pass
 
-    async def history(self, sandbox_id: str | None = None, *, idle_s: float = 1.0) -> list[AnySandboxEvent]:
+    async def history(self, sandbox_id: str | None = None, *, idle_s: float = 1.0,
+                      node: str | None = None) -> list[AnySandboxEvent]:
         """Every stored lifecycle event (of one sandbox, or all), oldest first (the platform's users:
-        a tenant's account has no stream)."""
+        a tenant's account has no stream). Vouched for as `events` says: of one sandbox, its node's
+        (`node`, else its record's; an ended sandbox's record is soon forgotten, so pass the node
+        to be sure) and placement's only."""
         _live_only(await self.tenant() is not None, "history")
-        subject = events.sandbox_filter(sandbox_id) if sandbox_id else events.ALL_SANDBOX
+        node = node or await self._node_of(sandbox_id)
+        subject = _lifecycle_filter(sandbox_id, None, node)
         sub = await self.bus.js.subscribe(
             subject, ordered_consumer=True, deliver_policy=nats.js.api.DeliverPolicy.ALL
         )
@@ -287,12 +290,24 @@ class Fleet(_FleetRollout, _FleetSecurity, _FleetPools):
                     msg = await sub.next_msg(timeout=idle_s)
                 except nats.errors.TimeoutError:
                     break
-                found.append(decode(msg.data, AnySandboxEvent))
+                if (event := _vouched(msg, node)) is not None:
+                    found.append(event)
                 if msg.metadata.num_pending == 0:
                     break
         finally:
             await sub.unsubscribe()
         return found
+
+    async def _node_of(self, sandbox_id: str | None) -> str | None:
+        """The node `sandbox_id`'s record names (None: every sandbox, its record is gone, or no
+        placement answers or these credentials may not ask: then every node's word, each still
+        vouched for by its subject)."""
+        if not sandbox_id:
+            return None
+        try:
+            return (await self.get(sandbox_id)).node or None
+        except (errors.NotFound, errors.NoResponders, errors.Timeout, errors.Forbidden):
+            return None
 
     async def nodes(self) -> list[node.NodeInfo]:
         kv = await self.bus.js.key_value(node.KV_BUCKET)
@@ -304,6 +319,25 @@ class Fleet(_FleetRollout, _FleetSecurity, _FleetPools):
             return True
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
             return False
+
+
+def _lifecycle_filter(sandbox_id: str | None, tenant: str | None, node: str | None) -> str:
+    """The lifecycle events of `sandbox_id` (None: every sandbox) of `tenant` (None: any: the
+    platform's view) under `node` (None: any)."""
+    return events.sandbox_filter(sandbox_id or events.ANY, tenant or events.ANY, node or events.ANY)
+
+
+def _vouched(msg: Msg, node: str | None = None) -> AnySandboxEvent | None:
+    """The event `msg` carries if it may be believed (`events.vouched`), else None (logged: a
+    node said something about a sandbox that is not its own, or a body lied about its subject)."""
+    try:
+        event = decode(msg.data, AnySandboxEvent)
+    except msgspec.DecodeError:
+        event = None
+    if event is None or not events.vouched(event, msg.subject, node):
+        log.warning("dropped a lifecycle event on %s that its publisher may not have sent", msg.subject)
+        return None
+    return event
 
 
 def _live_only(replay: bool, what: str) -> None:

@@ -1,7 +1,7 @@
 """Where lifecycle events go: the `EventPublisher` interface, its JetStream implementation, and a null one.
 
 `SandboxStore` hands every event of an accepted transition to its publisher. An event is
-stored on `events.v2.sandbox.<tenant>.<id>.<event>`, de-duplicated by `<id>:<seq>` (a retry, or the
+stored on `events.v3.sandbox.<tenant>.<node>.<id>.<event>`, de-duplicated by `<id>:<seq>` (a retry, or the
 same move judged twice, is stored once). The null publisher is for unit tests of the logic
 above and for anything that must change records without telling anyone.
 """

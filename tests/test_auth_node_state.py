@@ -87,7 +87,7 @@ async def _stream(bus: Bus, stream: str) -> tuple[object, int, int]:
 
 
 def _event(n: int) -> tuple[str, bytes]:
-    return events.sandbox_subject(f"sb-{n:012x}", "started"), encode({"n": n})
+    return events.sandbox_subject(f"sb-{n:012x}", "started", events.NO_TENANT, A), encode({"n": n})  # its own
 
 
 async def test_a_node_cannot_retune_purge_or_delete_the_events_stream(bus_url, buses):
@@ -179,7 +179,7 @@ async def test_a_node_cannot_touch_another_users_consumers(bus_url, buses):
     assert await (await SandboxStore.open(a)).all(node_id=A) == []
     sub = await a.js.subscribe(events.ALL_SANDBOX, ordered_consumer=True)
     try:
-        assert (await sub.next_msg(timeout=10)).subject.startswith("events.v2.sandbox.")
+        assert events.node_of((await sub.next_msg(timeout=10)).subject) == A
     finally:
         await sub.unsubscribe()
 

@@ -326,7 +326,7 @@ async def test_losing_a_nats_server_mid_batch_loses_no_request(nats_cluster):
         started_ids: set[str] = set()
 
         async def started(msg) -> None:  # type: ignore[no-untyped-def]
-            started_ids.add(msg.subject.split(".")[4])  # events.v2.sandbox.<tenant>.<id>.started
+            started_ids.add(events.sandbox_id_of(msg.subject))
             first.set()
 
         sub = await fleet.bus.nc.subscribe(events.sandbox_subject("*", "started"), cb=started)

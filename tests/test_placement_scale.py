@@ -393,8 +393,8 @@ async def test_a_batch_that_was_never_recorded_still_ends_its_sandboxes_event_tr
     # An unanswered batch: its records may not be stored while their `scheduled` events were.
     _, bus, store, fleet = plane
     (record,) = _scheduled(1)
-    await store._pipelined([(events.sandbox_subject(record.id, "scheduled"), encode(store._event(
-        msgspec.structs.replace(record, seq=1), None)), {"Nats-Msg-Id": f"{record.id}:1"})], 10)
+    scheduled = store._event(msgspec.structs.replace(record, seq=1), None)
+    await store._pipelined([(scheduled.subject, encode(scheduled), {"Nats-Msg-Id": f"{record.id}:1"})], 10)
     unanswered = errors.ServiceError(ErrorCode.TIMEOUT, "1 of 1 writes unanswered")
     await _unplace(Deps(bus=bus, store=store, nodes=NodeView()), record.spec, {}, [record], [], unanswered)
     assert await _names(fleet, record.id) == ["scheduled", "failed"]

@@ -110,7 +110,7 @@ async def _trail(fleet, platform, sandbox_id: str) -> str:
     consumer = await fleet.bus.js.consumer_info("EVENTS", "placement-quotas")
     kv = await fleet.bus.js.key_value("quotas")
     try:
-        member = (await kv.get(f"m.{sandbox_id}")).value
+        member = [k for k in await kv.keys() if k.startswith("m.") and k.endswith(f".{sandbox_id}")]  # m.<node>.<id>
     except Exception as exc:  # noqa: BLE001 (a failure message: whatever it was)
         member = type(exc).__name__
     warnings = [line for line in (platform.data_dir / "logs" / "placement.log").read_text().splitlines()
@@ -180,7 +180,10 @@ async def test_the_release_consumer_pulls_on_after_the_plain_timeout_nats_py_rai
     async def bind(*_: object, **__: object) -> Subscription:
         return Subscription()
 
-    bus = SimpleNamespace(js=SimpleNamespace(add_consumer=add_consumer, pull_subscribe_bind=bind))
+    async def stream_info(*_: object, **__: object) -> SimpleNamespace:  # no member key of an older placement
+        return SimpleNamespace(state=SimpleNamespace(subjects=None))
+
+    bus = SimpleNamespace(js=SimpleNamespace(add_consumer=add_consumer, pull_subscribe_bind=bind, stream_info=stream_info))
     consumer = asyncio.create_task(Quotas(bus, kv=None).release_ended())  # type: ignore[arg-type]
     pulling = asyncio.create_task(pulled_again.wait())
     try:

@@ -91,17 +91,19 @@ def test_a_sandbox_never_recorded_ends_with_the_failed_event_its_first_record_wo
 
 def test_an_event_is_stored_on_its_subject_with_the_id_and_body_it_always_had():
     # The wire, spelled out: consumers and the stream's de-duplication depend on each byte. v2
-    # added the tenant, in the subject (`_` for none) and the body.
+    # added the tenant, in the subject (`_` for none) and the body; v3 the node, in the subject.
     move = records.advance(_record(State.PAUSED), State.RUNNING, 5.5)
     assert move is not None
     assert messages([move[1]]) == [(
-        "events.v2.sandbox._.sb-1.resumed",
-        b'{"type":"sandbox.resumed","v":2,"sandbox_id":"sb-1","node":"n1","tenant":"","state":"running","seq":5,'
+        "events.v3.sandbox._.n1.sb-1.resumed",
+        b'{"type":"sandbox.resumed","v":3,"sandbox_id":"sb-1","node":"n1","tenant":"","state":"running","seq":5,'
         b'"at":5.5,"reason":"none","detail":""}',
         {"Nats-Msg-Id": "sb-1:5"},
     )]
     owned = records.advance(msgspec.structs.replace(_record(State.PAUSED), tenant="team-a"), State.RUNNING, 5.5)
-    assert owned is not None and messages([owned[1]])[0][0] == "events.v2.sandbox.team-a.sb-1.resumed"
+    assert owned is not None and messages([owned[1]])[0][0] == "events.v3.sandbox.team-a.n1.sb-1.resumed"
+    placements = records.advance(msgspec.structs.replace(_record(State.PAUSED), node=""), State.RUNNING, 5.5)
+    assert placements is not None and messages([placements[1]])[0][0] == "events.v3.sandbox._._.sb-1.resumed"
 
 
 # -- the reply demultiplexer -----------------------------------------------------------------

@@ -153,7 +153,7 @@ async def _place(deps: Deps, spec: SandboxSpec, count: int, node: str | None = N
                for node_id, k in plan.items() for start in range(0, k, LAUNCH_CHUNK)]
     try:
         if deps.quotas and quota_keys:
-            await deps.quotas.remember([i for b in batches for i in b.ids()], quota_keys)
+            await deps.quotas.remember([(i, b.node) for b in batches for i in b.ids()], quota_keys)
         if announce_later:
             written, store_events = await deps.store.record_batches(batches)
         else:
@@ -180,7 +180,7 @@ async def _unplace(deps: Deps, spec, plan, records, quota_keys, exc) -> None:  #
     if deps.ledger is not None:
         await deps.ledger.release(plan, spec)
     if deps.quotas and quota_keys:
-        await deps.quotas.forget_members([r.id for r in records])
+        await deps.quotas.forget_members([(r.id, r.node) for r in records])
         await deps.quotas.give_back(quota_keys, len(records))
     refused = exc.refused if isinstance(exc, BatchRefused) else {}
     for r in records:

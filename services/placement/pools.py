@@ -162,7 +162,7 @@ class PoolBook:
         if quotas and quota_keys:
             # Only now is its id known (the node's spare's): a sandbox that ends before this write,
             # within moments of its start, keeps its quota slot (the ended-event consumer found no member).
-            await quotas.remember([claimed[0]], quota_keys)
+            await quotas.remember([claimed], quota_keys)
         return CreateReply(id=claimed[0], node=claimed[1]), None
 
     async def claim_many_admitted(self, view: NodeView, quotas: Quotas | None, spec: SandboxSpec, tenant: str,
@@ -190,7 +190,7 @@ class PoolBook:
                 await quotas.give_back(quota_keys, count)
             raise refused
         if quotas and quota_keys and claimed:
-            await quotas.remember([i for i, _ in claimed], quota_keys)
+            await quotas.remember(claimed, quota_keys)
         return claimed, quota_keys
 
     async def claim(self, view: NodeView, spec: SandboxSpec, tenant: str, node: str | None = None

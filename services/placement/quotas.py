@@ -2,10 +2,14 @@
 
 Limits and usage live in KV `quotas` (`q.<scope>.<name>` the limit, `u.<scope>.<name>` the
 usage, updated with a revision check so replicas never admit past a limit together). A
-sandbox under a quota gets a member key `m.<id>` naming what it counts against, written
+sandbox under a quota gets a member key `m.<node>.<id>` naming what it counts against, written
 before its record; placement replicas share one durable consumer of `stopped`/`failed`
 events that deletes the member key (revision-checked, so once) and gives the slot back; that
-consumer outlives any error, since while it is down no slot comes back.
+consumer outlives any error, since while it is down no slot comes back. The key is found from
+the event's subject, whose node the server checked against its publisher: an end another node
+forges about a sandbox that is not its own names a key that does not exist, and gives nothing
+back. `m.<id>`, the key of a sandbox an older placement admitted, is still looked for while any
+is left (checked at each start of the consumer: one read more per end only then).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig
 from nats.js.kv import KeyValue
 
 from sandfleet.bus import Bus, decode, encode
+from sandfleet.jetstream import kv_stream, kv_subject
 from sandfleet.errors import ServiceError
 from schemas import events
 from schemas.errors import ErrorCode
@@ -40,6 +45,10 @@ class QuotaExceeded(Exception):
 def _key(kind: str, scope: str, name: str) -> str:
     # label values may hold characters a KV key may not; hex keeps every name distinct
     return f"{kind}.{scope}.{name.encode().hex() or '-'}"
+
+
+def _member(sandbox_id: str, node: str) -> str:
+    return f"m.{events.node_token(node)}.{sandbox_id}"
 
 
 def admit(quota: Quota, usage: QuotaUsage, n: int, now: float) -> QuotaUsage:
@@ -66,6 +75,7 @@ class Quotas:
         self.bus = bus
         self.kv = kv
         self.limits: dict[str, Quota] = {}  # usage key → limit, kept by the watch
+        self.older_members = False  # whether keys `m.<id>` of an older placement were left
 
     @classmethod
     async def open(cls, bus: Bus) -> Quotas:
@@ -116,14 +126,14 @@ class Quotas:
                 continue
         raise ServiceError(ErrorCode.CONFLICT, "quota usage is being changed by others; retry")
 
-    async def remember(self, ids: list[str], keys: list[str]) -> None:
-        """Say, per sandbox, what it counts against, before its record exists."""
+    async def remember(self, members: list[tuple[str, str]], keys: list[str]) -> None:
+        """Say, per sandbox (its id, its node), what it counts against, before its record exists."""
         if keys:
             value = encode(keys)
-            await asyncio.gather(*(self.kv.put(f"m.{i}", value) for i in ids))
+            await asyncio.gather(*(self.kv.put(_member(i, n), value) for i, n in members))
 
-    async def forget_members(self, ids: list[str]) -> None:
-        await asyncio.gather(*(self.kv.delete(f"m.{i}") for i in ids), return_exceptions=True)
+    async def forget_members(self, members: list[tuple[str, str]]) -> None:
+        await asyncio.gather(*(self.kv.delete(_member(i, n)) for i, n in members), return_exceptions=True)
 
     # -- limits --------------------------------------------------------------------------
 
@@ -171,10 +181,13 @@ class Quotas:
         )
         while True:
             try:
-                try:
+                try:  # made, or an older placement's moved to these subjects
                     await self.bus.js.add_consumer(events.STREAM, config)
                 except nats.js.errors.BadRequestError:
                     pass  # exists already (another replica made it)
+                older = await self.bus.js.stream_info(kv_stream(QUOTA_BUCKET),
+                                                      subjects_filter=kv_subject(QUOTA_BUCKET, "m.*"))
+                self.older_members = bool(older.state.subjects)
                 psub = await self.bus.js.pull_subscribe_bind(CONSUMER, stream=events.STREAM)
                 try:
                     while True:
@@ -197,15 +210,19 @@ class Quotas:
 
     async def _ended(self, msg) -> None:  # type: ignore[no-untyped-def]
         sandbox_id = events.sandbox_id_of(msg.subject)
-        try:
-            entry = await self.kv.get(f"m.{sandbox_id}")
-            if entry.value:
-                await self.kv.delete(f"m.{sandbox_id}", last=entry.revision)  # whoever deletes it gives back
-                await self.give_back(decode(entry.value, list[str]), 1)
-        except nats.js.errors.KeyNotFoundError:
-            pass  # not under a quota, or given back already
-        except nats.js.errors.KeyWrongLastSequenceError:
-            pass
-        except ServiceError as exc:
-            log.warning("could not give back the quota of %s: %s", sandbox_id, exc.message)
+        keys = [_member(sandbox_id, events.node_of(msg.subject))] + ([f"m.{sandbox_id}"] if self.older_members else [])
+        for key in keys:
+            try:
+                entry = await self.kv.get(key)
+                if entry.value:
+                    await self.kv.delete(key, last=entry.revision)  # whoever deletes it gives back
+                    await self.give_back(decode(entry.value, list[str]), 1)
+                break
+            except nats.js.errors.KeyNotFoundError:
+                continue  # not under a quota (on this node), or given back already
+            except nats.js.errors.KeyWrongLastSequenceError:
+                break
+            except ServiceError as exc:
+                log.warning("could not give back the quota of %s: %s", sandbox_id, exc.message)
+                break
         await msg.ack()

@@ -20,7 +20,7 @@ async function call(subject, body, timeout = 30000) {
 const { id, node } = await call("sandbox.v1.create", { isolation: "process", cpu: 0.5, memory_mb: 64, timeout_s: 60, labels: { from: "node" }, host_view: true });
 
 const seen = [];
-const sub = nc.subscribe(`events.v2.sandbox.*.${id}.>`);  // *: its tenant's name, `_` for none
+const sub = nc.subscribe(`events.v3.sandbox.*.${node}.${id}.>`);  // *: its tenant's name, `_` for none; its node's word only
 const stopped = (async () => {
   for await (const m of sub) {
     const ev = jc.decode(m.data);

@@ -13,6 +13,7 @@ server has handled the publish by then) a marker of the operator's own shows the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ import pytest
 
 import sandfleet
 from sandfleet import errors
+from sandfleet.bus import Bus
 from sandfleet.bus_accounts import public_key
 from sandfleet.credentials import connect_options, read_seed
 from schemas import events, node, sandbox, violations
@@ -183,7 +185,8 @@ async def test_a_tenant_cannot_launch_or_forge_events_or_records(platform, tenan
         forged = {
             node.subject(sb.node, node.LAUNCH): json.dumps({"sandboxes": [{"id": "forged-launch", "spec": {}}]}),
             violations.subject(sb.node, sb.id, "network.connect"): json.dumps({"type": "violation"}),
-            events.sandbox_subject(sb.id, "stopped", "alice"): json.dumps({"type": "stopped", "sandbox_id": sb.id}),
+            events.sandbox_subject(sb.id, "stopped", "alice", sb.node): json.dumps({"type": "stopped",
+                                                                                    "sandbox_id": sb.id}),
             violations.tenant_subject("alice", sb.node, sb.id, "network.connect"): json.dumps({"type": "violation"}),
             f"$KV.{sandbox.KV_BUCKET}.{sandbox.record_key(sb.node, sb.id)}": json.dumps({"id": sb.id, "tenant": "bob"}),
             f"$JS.API.STREAM.PURGE.KV_{sandbox.KV_BUCKET}": "{}",
@@ -273,6 +276,57 @@ async def test_a_node_answers_and_asks_only_its_own_subjects(platform, other_nod
         await sb.destroy()
         await impostor.close()
         await admin.close()
+
+
+async def test_a_node_cannot_speak_for_another_nodes_sandbox(platform, tenants, alice, fleet, other_node_creds):
+    """Lifecycle events v3: another node's `failed` of alice's sandbox is refused under the
+    sandbox's node's name and under placement's token; under its own name (which the server
+    cannot refuse) it is stored but believed by no view of that sandbox: alice's live events and
+    the operator's history follow the sandbox's own node, to the end of its trail."""
+    sb = await alice.create(memory_mb=64, host_view=True)
+    impostor_id = f"{platform.node_id}-other"
+    refusals: list[str] = []
+    impostor = await _raw(platform.url, other_node_creds, refusals)
+    as_node = await Bus.connect(platform.url, impostor_id, creds=other_node_creds)
+    admin = await _admin(platform.url)
+    body = json.dumps({"type": "sandbox.failed", "sandbox_id": sb.id, "node": impostor_id, "tenant": "alice",
+                       "state": "failed", "seq": 99, "at": 1.0, "reason": "launch_failed"}).encode()
+
+    async def stored() -> set[str]:  # the node tokens of this sandbox's stored events
+        info = await fleet.bus.js.stream_info(events.STREAM, subjects_filter=events.sandbox_filter(sb.id))
+        return {events.node_of(subject) for subject in info.state.subjects or {}}
+
+    stream = alice.events(sb.id)  # its node's word only (the node found from its record)
+    first = asyncio.ensure_future(stream.__anext__())
+    try:
+        for token in (sb.node, events.PLACEMENT_NODE):
+            subject = events.sandbox_subject(sb.id, "failed", "alice", token)
+
+            async def forbidden(subject=subject) -> None:
+                await impostor.publish(subject, body, reply=impostor.new_inbox())
+                await impostor.flush()
+            await _never_arrives(admin, forbidden, subject)
+        assert sum("permissions violation for publish" in r.lower() for r in refusals) == 2
+        assert await stored() == {sb.node}  # nothing of either reached the stream
+        await as_node.js.publish(events.sandbox_subject(sb.id, "failed", "alice", impostor_id), body)  # acked
+        assert await stored() == {sb.node, impostor_id}
+        assert all(e.node == sb.node and e.seq != 99 for e in await fleet.history(sb.id))
+        assert (await fleet.get(sb.id)).state is sandbox.State.RUNNING
+        await sb.destroy()
+        heard = [await asyncio.wait_for(first, 30)]
+        while heard[-1].state is not sandbox.State.STOPPED:
+            heard.append(await asyncio.wait_for(stream.__anext__(), 30))
+        assert {(e.node, e.seq == 99) for e in heard} == {(sb.node, False)}
+    finally:
+        if first.done():
+            await stream.aclose()
+        else:
+            first.cancel()
+        await impostor.close()
+        await as_node.close()
+        await admin.close()
+        with contextlib.suppress(errors.SandfleetError):  # destroyed above, unless a check failed first
+            await sb.destroy()
 
 
 async def test_a_node_joins_with_its_own_credentials_only(platform, fleet, tmp_path):

@@ -1,6 +1,6 @@
 """A tenant follows its own sandboxes' lifecycle events and violations, and never another's, on
 a real platform with real credentials: the server hands a tenant's account the events of
-`events.v2.sandbox.<tenant>.>` (and the monitor's copies of its violations and actions) and
+`events.v3.sandbox.<tenant>.>` (and the monitor's copies of its violations and actions) and
 refuses a subscription to anyone else's. And a tenant forwards its own sandboxes' ports (the
 frames come to it under `tunnels.v1.<tenant>.`), never another's.
 """
@@ -107,6 +107,7 @@ async def test_a_tenant_cannot_subscribe_to_another_tenants_events(platform, cre
                               nkeys_seed_str=read_seed(creds["dave"]))
     forbidden = [events.tenant_filter("carol"), events.sandbox_filter("*"), events.tenant_filter(events.NO_TENANT),
                  violations.tenant_filter("carol"), security.tenant_actions_filter("carol"), "events.v2.>",
+                 "events.v3.>",
                  ports.tenant_frames_filter("carol"), ports.tenant_frames_filter("*")]
     try:
         for subject in forbidden:
