@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from linuxnode import memcg_release
+from linuxnode.memcg_release import write_value as _write
 
 ROOT = "/sys/fs/cgroup"
 PARENT = "sandfleet"
@@ -95,14 +96,6 @@ class CgroupLayout:
             for d in (self.v2, f"{self.v2}/{PARENT}", f"{self.v2}/{PARENT}/{node_id}"):
                 _write(f"{d}/cgroup.subtree_control", enable)
         self._prepared.add(node_id)
-
-
-def _write(path: str, value: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, value.encode())
-    finally:
-        os.close(fd)
 
 
 def _read(path: str) -> str:

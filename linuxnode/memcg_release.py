@@ -21,7 +21,8 @@ RECLAIM_STEP = 16 << 20  # v2: bytes asked of one memory.reclaim write, so the d
 WRITEBACK_WAIT_S = 40.0
 
 
-def _write(path: str, value: str) -> None:
+def write_value(path: str, value: str) -> None:
+    """One write of a control file (cgroups' too), unbuffered: the kernel answers it with its errno."""
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
         os.write(fd, value.encode())
@@ -44,7 +45,7 @@ def release_charges(memory_dir: str, unified: bool, deadline: float) -> None:
     (asking for more also ends in retries, then EAGAIN), RECLAIM_STEP at a time."""
     if not unified:
         try:
-            _write(f"{memory_dir}/memory.limit_in_bytes", "0")
+            write_value(f"{memory_dir}/memory.limit_in_bytes", "0")
         except OSError:  # EBUSY: what is left is not reclaimable; or the cgroup is gone
             pass
         return
@@ -54,7 +55,7 @@ def release_charges(memory_dir: str, unified: bool, deadline: float) -> None:
             lru = stat.get("file", 0) + stat.get("anon", 0)
             if lru <= 0:
                 return
-            _write(f"{memory_dir}/memory.reclaim", str(min(lru, RECLAIM_STEP)))
+            write_value(f"{memory_dir}/memory.reclaim", str(min(lru, RECLAIM_STEP)))
     except OSError:  # EAGAIN/EBUSY: reclaim took what it could; ENOENT: a kernel before 5.19
         pass
 
