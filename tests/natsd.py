@@ -3,6 +3,7 @@ permissions that need no platform: bare (JetStream, no users), or with a platfor
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import subprocess
@@ -10,7 +11,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import nats
+
 from sandfleet.bus_accounts import AuthDir, write_accounts
+from sandfleet.credentials import read_seed
 from sandfleet.config import free_port
 from sandfleet.supervisor import nats_server_binary, write_nats_config
 
@@ -54,3 +58,25 @@ def authed_nats_server(data: Path, nodes: list[str]) -> Iterator[tuple[str, Auth
     port = free_port()
     with _listening([nats_server_binary(), "-c", str(write_nats_config(data, port, auth=auth))], port) as url:
         yield url, auth
+
+
+async def refused_publishes(url: str, creds: Path, requests: list[tuple[str, bytes]]) -> set[str]:
+    """Publish each (subject, payload) with `creds`, as a role would by hand; the subjects the
+    server refused to carry (lower-cased, as its -ERR says them)."""
+    refusals: list[str] = []
+
+    async def error_cb(exc: Exception) -> None:
+        refusals.append(str(exc))
+
+    conn = await nats.connect(url, allow_reconnect=False, error_cb=error_cb, nkeys_seed_str=read_seed(creds))
+    try:
+        for subject, payload in requests:
+            await conn.publish(subject, payload, reply=conn.new_inbox())
+        await conn.flush()
+        for _ in range(100):  # the server's -ERRs come before its answer to the flush; their callbacks, soon after
+            if len(refusals) >= len(requests):
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await conn.close()
+    return {r.split('"')[1] for r in refusals if "permissions violation for publish" in r.lower()}

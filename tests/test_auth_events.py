@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
 
 import nats
 import nats.js.errors
@@ -32,7 +31,7 @@ from schemas import events, sandbox
 from schemas.sandbox import Quota, State
 from services.placement.quotas import CONSUMER, Quotas
 from tests.conftest import NODE_ID
-from tests.natsd import authed_nats_server
+from tests.natsd import authed_nats_server, refused_publishes
 
 pytestmark = pytest.mark.timeout(120)
 A, B = f"{NODE_ID}-a", f"{NODE_ID}-b"
@@ -75,27 +74,6 @@ def _event(kind: type[events.SandboxEvent], sandbox_id: str, node_id: str, tenan
     return kind(sandbox_id=sandbox_id, node=node_id, tenant=tenant, state=state, seq=seq, at=time.time())
 
 
-async def _refused(url: str, creds: Path, requests: list[tuple[str, bytes]]) -> set[str]:
-    """Publish each as a node would by hand; the subjects the server refused to carry."""
-    refusals: list[str] = []
-
-    async def error_cb(exc: Exception) -> None:
-        refusals.append(str(exc))
-
-    conn = await nats.connect(url, allow_reconnect=False, error_cb=error_cb, nkeys_seed_str=read_seed(creds))
-    try:
-        for subject, payload in requests:
-            await conn.publish(subject, payload, reply=conn.new_inbox())
-        await conn.flush()
-        for _ in range(100):  # the server's -ERRs come before its answer to the flush; their callbacks, soon after
-            if len(refusals) >= len(requests):
-                break
-            await asyncio.sleep(0.05)
-    finally:
-        await conn.close()
-    return {r.split('"')[1] for r in refusals if "permissions violation for publish" in r.lower()}
-
-
 async def _stored(bus: Bus, subject: str) -> int:
     """How many messages of the events stream are on subjects matching `subject`."""
     info = await bus.js.stream_info(events.STREAM, subjects_filter=subject)
@@ -111,7 +89,7 @@ async def test_a_node_publishes_only_its_own_sandboxes_lifecycle_events(bus_url,
     attempts = [(e.subject, encode(e)) for e in forged]
     attempts.append((f"events.v2.sandbox.carol.{theirs}.stopped", b"{}"))  # the old version's subject: no node at all
     before = (await placement.js.stream_info(events.STREAM)).state
-    assert await _refused(url, auth.node(A), attempts) == {s.lower() for s, _ in attempts}
+    assert await refused_publishes(url, auth.node(A), attempts) == {s.lower() for s, _ in attempts}
     after = (await placement.js.stream_info(events.STREAM)).state
     assert (after.messages, after.last_seq) == (before.messages, before.last_seq)  # nothing of them stored
     assert await _stored(placement, events.sandbox_filter(theirs)) == 0

@@ -10,11 +10,9 @@ the security monitor keep on the events. Each is refused and nothing changes; A'
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import nats
 import nats.js.errors
@@ -24,14 +22,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig
 from sandfleet.buckets import ensure_state
 from sandfleet.bus import Bus, encode
 from sandfleet.bus_accounts import AuthDir
-from sandfleet.credentials import read_seed
 from sandfleet.jetstream import kv_stream, kv_subject, object_stream, refusal
 from sandfleet.store import SandboxStore
 from schemas import events, layers, sandbox
 from schemas.layers import Layer
 from services.layer_cache.store import LayerStore, Ref
 from tests.conftest import NODE_ID
-from tests.natsd import authed_nats_server
+from tests.natsd import authed_nats_server, refused_publishes
 
 pytestmark = pytest.mark.timeout(120)
 A = f"{NODE_ID}-a"
@@ -54,27 +51,6 @@ async def buses(bus_url) -> AsyncIterator[dict[str, Bus]]:
     yield found
     for bus in found.values():
         await bus.close()
-
-
-async def _refused(url: str, creds: Path, requests: list[tuple[str, bytes]]) -> set[str]:
-    """Send each request as node A would by hand; the subjects the server refused to carry."""
-    refusals: list[str] = []
-
-    async def error_cb(exc: Exception) -> None:
-        refusals.append(str(exc))
-
-    conn = await nats.connect(url, allow_reconnect=False, error_cb=error_cb, nkeys_seed_str=read_seed(creds))
-    try:
-        for subject, payload in requests:
-            await conn.publish(subject, payload, reply=conn.new_inbox())
-        await conn.flush()
-        for _ in range(100):  # the server's -ERRs come before its answer to the flush; their callbacks, soon after
-            if len(refusals) >= len(requests):
-                break
-            await asyncio.sleep(0.05)
-    finally:
-        await conn.close()
-    return {r.split('"')[1] for r in refusals if "permissions violation for publish" in r.lower()}
 
 
 def _lower(subjects: list[tuple[str, bytes]]) -> set[str]:
@@ -100,7 +76,7 @@ async def test_a_node_cannot_retune_purge_or_delete_the_events_stream(bus_url, b
     attempts = [(f"$JS.API.STREAM.UPDATE.{events.STREAM}", shorter), (f"$JS.API.STREAM.PURGE.{events.STREAM}", b""),
                 (f"$JS.API.STREAM.DELETE.{events.STREAM}", b""),
                 (f"$JS.API.STREAM.MSG.DELETE.{events.STREAM}", json.dumps({"seq": before[2]}).encode())]
-    assert await _refused(url, auth.node(A), attempts) == _lower(attempts)
+    assert await refused_publishes(url, auth.node(A), attempts) == _lower(attempts)
     assert await _stream(placement, events.STREAM) == before  # nothing changed
     # Creating it is the node's still (a node may start before any service): the same config is no change.
     await ensure_state(a)
@@ -134,7 +110,7 @@ async def test_a_node_cannot_wipe_or_retune_the_layer_catalogue(bus_url, buses):
     attempts = [(f"$JS.API.STREAM.{verb}.{stream}", b"{}") for verb in ("UPDATE", "PURGE", "DELETE")
                 for stream in (kv_stream(layers.KV_BUCKET), kv_stream(layers.DIFF_BUCKET))]
     attempts += [(f"$JS.API.STREAM.{verb}.{object_stream(layers.OBJECT_BUCKET)}", b"{}") for verb in ("UPDATE", "DELETE")]
-    assert await _refused(url, auth.node(A), attempts) == _lower(attempts)
+    assert await refused_publishes(url, auth.node(A), attempts) == _lower(attempts)
     assert {b: await _stream(placement, kv_stream(b)) for b in before} == before  # nothing changed
     assert set(await store.all()) == {"kept", "doomed"}
 
@@ -196,7 +172,7 @@ async def test_a_node_cannot_touch_another_users_consumers(bus_url, buses):
                      (f"$JS.API.CONSUMER.CREATE.{stream}.{DURABLE}.events.v1.>", taken),
                      (f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{DURABLE}", taken),
                      (f"$JS.ACK.{stream}.{DURABLE}.1.1.1.0.0", b"")]
-    assert await _refused(url, auth.node(A), attempts) == _lower(attempts)
+    assert await refused_publishes(url, auth.node(A), attempts) == _lower(attempts)
     # The one create a node may send (an ephemeral, named by the server) cannot name another's.
     for body in (taken, taken.replace(b'"durable_name"', b'"name"')):
         reply = await a.nc.request(f"$JS.API.CONSUMER.CREATE.{events.STREAM}", body, timeout=10)
