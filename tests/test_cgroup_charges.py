@@ -16,6 +16,7 @@ import time
 import pytest
 
 from linuxnode import cgroups
+from tests.kernel import require
 
 NODE = f"krt{os.getpid()}mc"
 SANDBOXES, FILE_MB = 16, 4
@@ -27,7 +28,6 @@ DIRTY_SANDBOXES = 32
 # 80-150 KiB, the kernel objects of all 32 handed to the parent. The charge is this node's alone.
 MAX_DYING_DIRTY, MAX_CHARGED_DIRTY = DIRTY_SANDBOXES // 4, DIRTY_SANDBOXES * 24 << 10
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for cgroups")
 
 
 def _memory_cgroups_in_kernel() -> int:
@@ -85,6 +85,15 @@ def _make_a_tree_inside(group: cgroups.SandboxCgroups, path: str) -> None:
     _run_inside(group, ["sh", "-c", script])
 
 
+def _filled(layout: cgroups.CgroupLayout, prefix: str, n: int, fill, where) -> list[cgroups.SandboxCgroups]:
+    """`n` sandboxes' cgroups of the node, each with `fill(group, where / f"{prefix}{i}")` run inside."""
+    groups = [cgroups.SandboxCgroups(layout, NODE, f"{prefix}{i}") for i in range(n)]
+    for i, group in enumerate(groups):
+        group.create(cpu=0.5, memory_mb=64, pids=16)
+        fill(group, str(where / f"{prefix}{i}"))
+    return groups
+
+
 def _settled(layout: cgroups.CgroupLayout, dying_before: int, baseline: int, max_dying: int,
              max_charged: int) -> tuple[int, int]:
     """(dying memory cgroups, bytes charged below the node) once the kernel has freed what it will.
@@ -100,9 +109,10 @@ def _settled(layout: cgroups.CgroupLayout, dying_before: int, baseline: int, max
 
 @pytest.fixture
 def layout():
+    require(os.geteuid() == 0, "cgroups need root")
     layout = cgroups.CgroupLayout.detect()
-    if layout.mode == "unified" and not os.path.exists(f"{layout.v2}/memory.reclaim"):
-        pytest.skip("this kernel has no memory.reclaim")
+    require(layout.mode != "unified" or os.path.exists(f"{layout.v2}/memory.reclaim"),
+            "v2 memory.reclaim (Linux 5.19)")
     yield layout
     for sandbox_id in cgroups.list_sandboxes(layout, NODE):
         cgroups.SandboxCgroups(layout, NODE, sandbox_id).remove()
@@ -114,10 +124,7 @@ def test_removed_sandboxes_leave_no_dying_memory_cgroup_and_no_charge(layout, tm
     # tmpfs pages cannot be reclaimed without swap, and a sandbox's layers are on disk).
     layout.prepare_node(NODE)
     baseline = _charged_below_node(layout)
-    groups = [cgroups.SandboxCgroups(layout, NODE, f"charges{i}") for i in range(SANDBOXES)]
-    for i, group in enumerate(groups):
-        group.create(cpu=0.5, memory_mb=64, pids=16)
-        _write_a_file_inside(group, str(tmp_path / f"file{i}"))
+    groups = _filled(layout, "file", SANDBOXES, _write_a_file_inside, tmp_path)
     # The file system's own dirty blocks (journal, metadata), charged to the writer too, are
     # reclaimable only once written back; layer pages, what a sandbox mostly holds, are clean.
     os.sync()
@@ -144,10 +151,7 @@ def test_a_cgroup_removed_with_dirty_pages_is_freed_once_they_are_written_back(l
         pytest.skip("v2 cgroups cannot be renamed: there they are removed at once")
     layout.prepare_node(NODE)
     baseline = _charged_below_node(layout)
-    groups = [cgroups.SandboxCgroups(layout, NODE, f"dirty{i}") for i in range(DIRTY_SANDBOXES)]
-    for i, group in enumerate(groups):
-        group.create(cpu=0.5, memory_mb=64, pids=16)
-        _make_a_tree_inside(group, str(tmp_path / f"tree{i}"))
+    groups = _filled(layout, "tree", DIRTY_SANDBOXES, _make_a_tree_inside, tmp_path)
 
     dying_before = _dying_memory_cgroups(layout)
     for group in groups:
